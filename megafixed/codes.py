@@ -1,0 +1,306 @@
+"""Fixed token codes: the input interface that replaces a trainable embedding table.
+
+THE CONVENTION (fixed forever: checkpoints and exported models depend on it)
+---------------------------------------------------------------------------
+For a token id ``t`` and a code of ``bits`` bits:
+
+* ``bits(t)[i] = (t >> i) & 1`` -- least significant bit first, ``i = 0 .. bits-1``.
+* The (optionally recoded) code bit is ``c[i] = (A . bits(t))[i] XOR b[i]`` over GF(2),
+  i.e. ``c[i] = parity(row_i(A) AND t) XOR b_i`` where ``row_i(A)`` is row ``i`` of ``A``
+  packed LSB-first into an integer (bit ``j`` of the row integer is ``A[i][j]``).
+  The canonical code is ``A = I``, ``b = 0``.
+* Bit 1 maps to ``+scale`` and bit 0 maps to ``-scale`` (``scale`` defaults to 1.0).
+* Column ``j`` of a width-``d`` output uses code bit ``j mod bits``: the code is tiled to the
+  model width. ``d`` need not be a multiple of ``bits``, but ``d < bits`` is rejected because the
+  code would no longer be injective.
+
+Everything here is plain torch on any device; the Triton kernel in ``megafixed.kernels``
+reproduces :meth:`FixedCode.encode` bit for bit and is the path the model takes on CUDA.
+We write our own GF(2) elimination because it is ~30 lines over integer bitmasks and no
+maintained Python library offers GL(n, 2) inversion without a heavy dependency (galois/numba).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+
+CODE_FORMAT_VERSION = 1
+MAX_BITS = 31  # ids travel as int32 in the kernel; 31 bits keeps every id non-negative
+
+
+class CodeError(ValueError):
+    """Raised for any invalid code parameter or out-of-range input; the message names the fix."""
+
+
+def bits_needed(vocab_size: int) -> int:
+    """Smallest number of code bits that gives every id in ``range(vocab_size)`` its own code."""
+    if int(vocab_size) < 1:
+        raise CodeError(f"vocab_size must be >= 1, got {vocab_size}")
+    return max(1, math.ceil(math.log2(int(vocab_size))))
+
+
+def _check_bits(bits: int) -> int:
+    if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= MAX_BITS:
+        raise CodeError(f"code bits must be an integer in 1..{MAX_BITS}, got {bits!r}")
+    return bits
+
+
+def _rows_from_matrix(A: Any, bits: int) -> list[int]:
+    """Accept a bits x bits 0/1 matrix (nested lists, numpy or torch) and pack each row LSB-first."""
+    try:
+        mat = torch.as_tensor(A).tolist() if not isinstance(A, list) else A
+    except Exception as exc:  # pragma: no cover - exotic input types
+        raise CodeError(f"GF(2) matrix A must be a {bits}x{bits} array of 0/1: {exc}") from exc
+    if len(mat) != bits or any(not isinstance(r, (list, tuple)) or len(r) != bits for r in mat):
+        raise CodeError(f"GF(2) matrix A must have shape ({bits}, {bits}); pass bits={len(mat)} "
+                        f"or a matrix of the right shape")
+    rows = []
+    for i, row in enumerate(mat):
+        packed = 0
+        for j, v in enumerate(row):
+            if v not in (0, 1, True, False):
+                raise CodeError(f"GF(2) matrix A[{i}][{j}] = {v!r}; entries must be 0 or 1")
+            packed |= int(v) << j
+        rows.append(packed)
+    return rows
+
+
+def _shift_from_bits(b: Any, bits: int) -> int:
+    if b is None:
+        return 0
+    if isinstance(b, int) and not isinstance(b, bool):
+        if not 0 <= b < (1 << bits):
+            raise CodeError(f"shift b = {b} does not fit in {bits} bits; use 0 <= b < 2**{bits}")
+        return b
+    vals = torch.as_tensor(b).tolist()
+    if len(vals) != bits or any(v not in (0, 1) for v in vals):
+        raise CodeError(f"shift b must be an int or {bits} bits of 0/1, got {vals!r}")
+    return sum(int(v) << i for i, v in enumerate(vals))
+
+
+def gf2_inverse(rows: Sequence[int], bits: int) -> list[int]:
+    """Invert a GF(2) matrix given as LSB-first packed rows by Gauss-Jordan elimination.
+
+    Raises :class:`CodeError` naming the rank when the matrix is singular.
+    """
+    a = list(rows)
+    inv = [1 << i for i in range(bits)]
+    rank = 0
+    for col in range(bits):
+        pivot = next((r for r in range(rank, bits) if (a[r] >> col) & 1), None)
+        if pivot is None:
+            continue
+        a[rank], a[pivot] = a[pivot], a[rank]
+        inv[rank], inv[pivot] = inv[pivot], inv[rank]
+        for r in range(bits):
+            if r != rank and (a[r] >> col) & 1:
+                a[r] ^= a[rank]
+                inv[r] ^= inv[rank]
+        rank += 1
+    if rank < bits:
+        raise CodeError(f"GF(2) matrix A is singular (rank {rank} < {bits}): two token ids would "
+                        f"share a code. Pass an invertible matrix, or use FixedCode.gf2(seed=...) "
+                        f"to draw one")
+    # After elimination a is a permutation-free identity (pivots were placed in column order).
+    return inv
+
+
+def _parity(x: torch.Tensor) -> torch.Tensor:
+    """Parity of each int64 element (x >= 0), by xor folding -- the same trick the kernel uses."""
+    for shift in (32, 16, 8, 4, 2, 1):
+        x = x ^ (x >> shift)
+    return x & 1
+
+
+@dataclass(frozen=True)
+class FixedCode:
+    """A fixed, parameter-free map from token ids to +-scale codes (see the module docstring)."""
+
+    bits: int
+    rows: tuple[int, ...]  # A, packed LSB-first per row; identity for canonical
+    shift: int = 0  # b, packed LSB-first
+    scale: float = 1.0
+    kind: str = "canonical"
+    seed: int | None = None
+
+    def __post_init__(self):
+        _check_bits(self.bits)
+        if len(self.rows) != self.bits:
+            raise CodeError(f"expected {self.bits} rows of A, got {len(self.rows)}")
+        if not 0 <= self.shift < (1 << self.bits):
+            raise CodeError(f"shift b = {self.shift} does not fit in {self.bits} bits")
+        if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale > 0):
+            raise CodeError(f"scale must be a finite positive number, got {self.scale!r}")
+        if self.kind not in ("canonical", "gf2"):
+            raise CodeError(f"code kind must be 'canonical' or 'gf2', got {self.kind!r}")
+        # Proves invertibility (raises if singular) and caches A^-1 for decode.
+        object.__setattr__(self, "_inv_rows", tuple(gf2_inverse(self.rows, self.bits)))
+
+    # ----------------------------------------------------------------------------- constructors
+    @classmethod
+    def canonical(cls, bits: int = 16, scale: float = 1.0) -> "FixedCode":
+        _check_bits(bits)
+        return cls(bits=bits, rows=tuple(1 << i for i in range(bits)), shift=0, scale=float(scale))
+
+    @classmethod
+    def gf2(cls, bits: int = 16, seed: int | None = 0, affine: bool = True, A: Any = None,
+            b: Any = None, scale: float = 1.0) -> "FixedCode":
+        """GF(2) affine recoding ``c' = A.c XOR b``.
+
+        With ``A`` omitted, a uniformly random invertible matrix is drawn reproducibly from
+        ``seed`` by rejection (about 29% of random 16x16 bit matrices are invertible), and with
+        ``affine`` true a random shift ``b`` follows from the same generator.
+        """
+        _check_bits(bits)
+        if A is None:
+            if seed is None:
+                raise CodeError("FixedCode.gf2 needs either a seed or an explicit matrix A")
+            gen = torch.Generator().manual_seed(int(seed))
+            while True:
+                rows = torch.randint(0, 1 << bits, (bits,), generator=gen, dtype=torch.int64).tolist()
+                try:
+                    gf2_inverse(rows, bits)
+                    break
+                except CodeError:
+                    continue
+            shift = int(torch.randint(0, 1 << bits, (1,), generator=gen).item()) if affine else 0
+        else:
+            rows = _rows_from_matrix(A, bits)
+            shift = _shift_from_bits(b, bits) if affine else 0
+            if not affine and b is not None:
+                raise CodeError("a shift b was given with affine=False; drop b or set affine=True")
+        return cls(bits=bits, rows=tuple(rows), shift=shift, scale=float(scale), kind="gf2",
+                   seed=None if A is not None else int(seed))
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def matrix(self) -> torch.Tensor:
+        """A as a dense ``bits x bits`` uint8 tensor (``A[i, j]`` = bit j of row i)."""
+        r = torch.tensor(self.rows, dtype=torch.int64)
+        return ((r[:, None] >> torch.arange(self.bits)) & 1).to(torch.uint8)
+
+    @property
+    def inverse_matrix(self) -> torch.Tensor:
+        r = torch.tensor(self._inv_rows, dtype=torch.int64)
+        return ((r[:, None] >> torch.arange(self.bits)) & 1).to(torch.uint8)
+
+    @property
+    def shift_bits(self) -> torch.Tensor:
+        return ((torch.tensor(self.shift) >> torch.arange(self.bits)) & 1).to(torch.uint8)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.shift == 0 and all(r == 1 << i for i, r in enumerate(self.rows))
+
+    # ----------------------------------------------------------------------------- checks
+    def check_vocab(self, vocab_size: int) -> None:
+        if int(vocab_size) > (1 << self.bits):
+            raise CodeError(f"vocab_size {vocab_size} needs {bits_needed(vocab_size)} code bits but the "
+                            f"code has {self.bits} (max vocab {1 << self.bits}); raise model.code_bits "
+                            f"or use a smaller tokenizer")
+
+    def check_width(self, width: int) -> None:
+        if int(width) < self.bits:
+            raise CodeError(f"width {width} < code bits {self.bits}: a tiled code narrower than its "
+                            f"bit count is not injective; use width >= {self.bits}")
+
+    def check_ids(self, ids: torch.Tensor) -> None:
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+            raise CodeError(f"token ids must be an integer tensor, got {ids.dtype}")
+        if ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= (1 << self.bits):
+            bad = lo if lo < 0 else hi
+            raise CodeError(f"token id {bad} is outside [0, {(1 << self.bits) - 1}] for a {self.bits}-bit "
+                            f"code; check the tokenizer's vocab against model.code_bits")
+
+    # ----------------------------------------------------------------------------- math
+    def code_bits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The recoded bits ``A.bits(t) XOR b`` as an int64 tensor of shape ``ids.shape + (bits,)``."""
+        ids = ids.to(torch.int64)
+        rows = torch.tensor(self.rows, dtype=torch.int64, device=ids.device)
+        shift = (torch.tensor(self.shift, dtype=torch.int64, device=ids.device)
+                 >> torch.arange(self.bits, device=ids.device)) & 1
+        return _parity(ids[..., None] & rows) ^ shift
+
+    def encode(self, ids: torch.Tensor, width: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None, validate: bool = True) -> torch.Tensor:
+        """Codes of shape ``ids.shape + (width,)`` with values exactly ``+-scale``."""
+        ids = torch.as_tensor(ids)
+        if device is not None:
+            ids = ids.to(device)
+        self.check_width(width)
+        if validate:
+            self.check_ids(ids)
+        bits = self.code_bits(ids)
+        col = torch.arange(width, device=ids.device) % self.bits
+        signs = bits[..., col] * 2 - 1
+        return (signs.to(torch.float32) * self.scale).to(dtype)
+
+    def decode(self, x: torch.Tensor, strict: bool = True) -> torch.Tensor:
+        """Recover int64 ids from a code tensor (last dim = width).
+
+        With ``strict`` the tiles are checked for agreement, so a tensor that is not a valid code
+        is an error rather than a silently wrong id.
+        """
+        if x.shape[-1] < self.bits:
+            raise CodeError(f"code tensor width {x.shape[-1]} < code bits {self.bits}")
+        pos = (x > 0).to(torch.int64)
+        first = pos[..., : self.bits]
+        if strict:
+            col = torch.arange(x.shape[-1], device=x.device) % self.bits
+            if not torch.equal(pos, first[..., col]) or bool((x == 0).any()):
+                raise CodeError("tensor is not a valid tiled code: tiles disagree or contain zeros")
+        shift = (torch.tensor(self.shift, device=x.device) >> torch.arange(self.bits, device=x.device)) & 1
+        c = first ^ shift
+        packed = (c << torch.arange(self.bits, device=x.device)).sum(-1)
+        inv = torch.tensor(self._inv_rows, dtype=torch.int64, device=x.device)
+        out_bits = _parity(packed[..., None] & inv)
+        return (out_bits << torch.arange(self.bits, device=x.device)).sum(-1)
+
+    # ----------------------------------------------------------------------------- persistence
+    def state_dict(self) -> dict:
+        return {"format_version": CODE_FORMAT_VERSION, "kind": self.kind, "bits": self.bits,
+                "rows": list(self.rows), "shift": self.shift, "scale": self.scale, "seed": self.seed}
+
+    @classmethod
+    def from_state_dict(cls, sd: dict) -> "FixedCode":
+        required = {"format_version", "kind", "bits", "rows", "shift", "scale"}
+        if not isinstance(sd, dict):
+            raise CodeError(f"code state dict must be a dict, got {type(sd).__name__}")
+        missing = required - set(sd)
+        if missing:
+            raise CodeError(f"code state dict is missing {sorted(missing)}; it was not written by "
+                            f"FixedCode.state_dict()")
+        unknown = set(sd) - required - {"seed"}
+        if unknown:
+            raise CodeError(f"code state dict has unknown keys {sorted(unknown)}")
+        if sd["format_version"] != CODE_FORMAT_VERSION:
+            raise CodeError(f"code format_version {sd['format_version']} is not supported "
+                            f"(this megafixed reads {CODE_FORMAT_VERSION})")
+        rows = sd["rows"]
+        if not isinstance(rows, (list, tuple)) or not all(isinstance(r, int) for r in rows):
+            raise CodeError("code state dict 'rows' must be a list of ints (A's rows, LSB-first)")
+        return cls(bits=sd["bits"], rows=tuple(rows), shift=int(sd["shift"]), scale=float(sd["scale"]),
+                   kind=sd["kind"], seed=sd.get("seed"))
+
+
+def make_code(kind: str, bits: int = 16, seed: int = 0, affine: bool = True, scale: float = 1.0) -> FixedCode:
+    """Build the code a model config names (``canonical`` or ``gf2``)."""
+    if kind == "canonical":
+        return FixedCode.canonical(bits=bits, scale=scale)
+    if kind == "gf2":
+        return FixedCode.gf2(bits=bits, seed=seed, affine=affine, scale=scale)
+    raise CodeError(f"unknown code kind {kind!r}; use 'canonical' or 'gf2'")
+
+
+def all_ids(bits: int) -> torch.Tensor:
+    return torch.arange(1 << bits, dtype=torch.int64)
+
+
+__all__: Iterable[str] = ["FixedCode", "CodeError", "bits_needed", "gf2_inverse", "make_code",
+                          "CODE_FORMAT_VERSION"]

@@ -1,0 +1,1 @@
+"""One module per ``megafixed`` verb; see ``megafixed/cli.py``."""

@@ -1,0 +1,333 @@
+"""Typed run configuration: dataclasses, YAML files, dotted command-line overrides, strict checks.
+
+A run config is a tree of small dataclasses (one per concern). ``load_config(path, overrides)``
+reads YAML, applies ``section.key=value`` overrides (values parsed as YAML, so ``true``, ``3e-4``
+and ``[a, b]`` work), and validates types. An unknown key anywhere is an error that names it and
+lists the valid keys. A config file may ``include:`` other files (GPT-NeoX style composition:
+model file + cluster file + overrides); later files win.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and what would be valid."""
+
+
+# ----------------------------------------------------------------------------------- sections
+@dataclass
+class ModelConfig:
+    vocab_size: int = 49152
+    d_model: int = 2048
+    n_layers: int = 32
+    n_heads: int = 16
+    n_kv_heads: Optional[int] = None  # None -> multi-head attention (= n_heads); fewer -> GQA
+    ffn_hidden: Optional[int] = None  # None -> 4*d for gelu, ~8/3*d rounded for swiglu
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    bias: bool = False
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    dropout: float = 0.0
+    input: Literal["learned", "canonical", "gf2"] = "canonical"
+    code_bits: int = 16
+    code_seed: int = 0
+    code_affine: bool = True
+    code_scale: float = 1.0
+    tie_embeddings: bool = False
+
+    def validate(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError("model head dim (d_model / n_heads) must be even for RoPE")
+        if self.tie_embeddings and self.input != "learned":
+            raise ConfigError(f"model.tie_embeddings=true needs model.input=learned; fixed codes "
+                              f"({self.input}) have no table to tie to the output head")
+        if self.input != "learned":
+            from .codes import CodeError, make_code
+            try:
+                code = make_code(self.input, self.code_bits, self.code_seed, self.code_affine, self.code_scale)
+                code.check_vocab(self.vocab_size)
+                code.check_width(self.d_model)
+            except CodeError as exc:
+                raise ConfigError(f"model: {exc}") from exc
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        return 256 * ((int(8 * self.d_model / 3) + 255) // 256)
+
+
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None  # .model / tokenizer.json / GPT-2 dir; None -> from the shards
+    prefixes: list = field(default_factory=list)  # Megatron .bin/.idx prefixes
+    weights: Optional[list] = None  # blend weights, one per prefix; None -> proportional to size
+    seq_len: int = 1024
+    split: str = "98,1,1"  # train, valid, test shares of documents
+    cache_dir: Optional[str] = None  # sample-index cache; None -> next to the data
+    # Raw corpus to tokenize on first use (the main job's bundled corpus); writes `prefixes[0]`.
+    source: Optional[str] = None
+    source_json_key: str = "text"
+    tokenizer_train_vocab: int = 4096  # used when `tokenizer` is to be trained from `source`
+    num_workers: int = 0
+
+    def validate(self) -> None:
+        parts = self.split.split(",")
+        try:
+            shares = [float(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"data.split={self.split!r} must be comma-separated numbers like '98,1,1'")
+        if len(shares) != 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
+            raise ConfigError(f"data.split={self.split!r} must be three non-negative shares, e.g. '98,1,1'")
+        if self.weights is not None and len(self.weights) != len(self.prefixes):
+            raise ConfigError(f"data.weights has {len(self.weights)} entries but data.prefixes has "
+                              f"{len(self.prefixes)}; give one weight per prefix")
+        if self.seq_len < 1:
+            raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["cosine", "wsd", "constant", "linear"] = "cosine"
+    warmup_steps: int = 0
+    decay_steps: Optional[int] = None  # None -> train.max_steps
+    wsd_decay_fraction: float = 0.2  # WSD: share of steps spent in the final decay
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    global_batch: int = 8  # sequences per optimizer step, across all data-parallel ranks
+    micro_batch: int = 8  # sequences per forward/backward on one rank
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 10
+    save_interval: int = 500
+    run_dir: str = "runs/default"
+    seed: int = 1234
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False
+    compile: bool = False
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    tensorboard: bool = True
+    keep_checkpoints: int = 2
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    pp_partition: Literal["parameters", "uniform", "type:Block"] = "parameters"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 1
+    offload_optimizer: bool = False
+    reduce_bucket_size: int = 500_000_000
+
+    def validate(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero.stage must be 0, 1, 2 or 3, got {self.stage}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                              f"{self.model.max_seq_len}; raise model.max_seq_len or lower data.seq_len")
+        if self.parallel.pp > 1 and self.zero.stage >= 2:
+            raise ConfigError(f"zero.stage={self.zero.stage} cannot be combined with parallel.pp="
+                              f"{self.parallel.pp} (DeepSpeed's pipeline engine refuses it); use zero.stage=1")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------- typing
+def _check_value(path: str, value: Any, tp: Any) -> Any:
+    """Check (and mildly coerce: int -> float) one value against a dataclass field type."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_value(path, value, a)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{path}={value!r} is not one of {list(choices)}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}={value!r} must be a string")
+        return value
+    if tp is list or origin is list:
+        if isinstance(value, (str, int, float)):
+            value = [value]  # `data.prefixes=foo` on the command line means a one-element list
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}={value!r} must be a list")
+        return value
+    return value
+
+
+def _merge_into(obj: Any, data: dict, prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}'; valid keys under "
+                              f"'{prefix.rstrip('.') or 'config'}' are: {', '.join(names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _merge_into(current, value, path + ".")
+        else:
+            setattr(obj, key, _check_value(path, value, hints[key]))
+
+
+def _read_yaml(path: str, seen: tuple = ()) -> dict:
+    path = os.path.abspath(path)
+    if path in seen:
+        raise ConfigError(f"config include cycle at {path}")
+    if not os.path.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as fh:
+        try:
+            data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level")
+    includes = data.pop("include", []) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        _deep_update(merged, _read_yaml(os.path.join(os.path.dirname(path), inc), seen + (path,)))
+    _deep_update(merged, data)
+    return merged
+
+
+def _deep_update(dst: dict, src: dict) -> dict:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_update(dst[k], v)
+        else:
+            dst[k] = v
+    return dst
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["model.input=gf2", "train.max_steps=50"]`` -> nested dict with YAML-parsed values."""
+    out: dict = {}
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def config_from_dict(data: dict, cls: type = Config) -> Any:
+    cfg = cls()
+    _merge_into(cfg, data)
+    return cfg
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
+                validate: bool = True) -> Config:
+    data = _read_yaml(path) if path else {}
+    _deep_update(data, parse_overrides(overrides or []))
+    cfg = config_from_dict(data)
+    return cfg.validate() if validate else cfg
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Write the resolved config atomically so a crash never leaves half a YAML file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+    os.replace(tmp, path)

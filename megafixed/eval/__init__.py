@@ -1,0 +1,1 @@
+"""megafixed.eval (grows with its issue)."""

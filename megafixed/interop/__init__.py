@@ -1,0 +1,1 @@
+"""megafixed.interop (grows with its issue)."""

@@ -1,0 +1,1 @@
+"""megafixed.launch (grows with its issue)."""

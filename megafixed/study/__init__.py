@@ -1,0 +1,1 @@
+"""megafixed.study (grows with its issue)."""
