@@ -42,6 +42,10 @@ def bits_needed(vocab_size: int) -> int:
     return max(1, math.ceil(math.log2(int(vocab_size))))
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _check_bits(bits: int) -> int:
     if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= MAX_BITS:
         raise CodeError(f"code bits must be an integer in 1..{MAX_BITS}, got {bits!r}")
@@ -71,12 +75,14 @@ def _rows_from_matrix(A: Any, bits: int) -> list[int]:
 def _shift_from_bits(b: Any, bits: int) -> int:
     if b is None:
         return 0
-    if isinstance(b, int) and not isinstance(b, bool):
+    if _is_int(b):
         if not 0 <= b < (1 << bits):
             raise CodeError(f"shift b = {b} does not fit in {bits} bits; use 0 <= b < 2**{bits}")
         return b
     vals = torch.as_tensor(b).tolist()
-    if len(vals) != bits or any(v not in (0, 1) for v in vals):
+    if _is_int(vals):  # a numpy / 0-d tensor integer: same as a packed int
+        return _shift_from_bits(vals, bits)
+    if not isinstance(vals, list) or len(vals) != bits or any(v not in (0, 1) for v in vals):
         raise CodeError(f"shift b must be an int or {bits} bits of 0/1, got {vals!r}")
     return sum(int(v) << i for i, v in enumerate(vals))
 
@@ -130,6 +136,12 @@ class FixedCode:
         _check_bits(self.bits)
         if len(self.rows) != self.bits:
             raise CodeError(f"expected {self.bits} rows of A, got {len(self.rows)}")
+        # A row outside [0, 2**bits) is not a row of a bits x bits matrix (and would not fit the
+        # kernel's int32 rows); elimination alone would not notice stray high or sign bits.
+        bad_rows = [r for r in self.rows if not _is_int(r) or not 0 <= r < (1 << self.bits)]
+        if bad_rows:
+            raise CodeError(f"rows of A must be ints in [0, 2**{self.bits}) (row i packs A[i][j] at "
+                            f"bit j), got {bad_rows[:3]!r}")
         if not 0 <= self.shift < (1 << self.bits):
             raise CodeError(f"shift b = {self.shift} does not fit in {self.bits} bits")
         if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale > 0):
@@ -160,13 +172,14 @@ class FixedCode:
                 raise CodeError("FixedCode.gf2 needs either a seed or an explicit matrix A")
             gen = torch.Generator().manual_seed(int(seed))
             while True:
-                rows = torch.randint(0, 1 << bits, (bits,), generator=gen, dtype=torch.int64).tolist()
+                rows = torch.randint(0, 1 << bits, (bits,), generator=gen, dtype=torch.int64,
+                                     device="cpu").tolist()
                 try:
                     gf2_inverse(rows, bits)
                     break
                 except CodeError:
                     continue
-            shift = int(torch.randint(0, 1 << bits, (1,), generator=gen).item()) if affine else 0
+            shift = int(torch.randint(0, 1 << bits, (1,), generator=gen, device="cpu").item()) if affine else 0
         else:
             rows = _rows_from_matrix(A, bits)
             shift = _shift_from_bits(b, bits) if affine else 0
@@ -238,8 +251,10 @@ class FixedCode:
             self.check_ids(ids)
         bits = self.code_bits(ids)
         col = torch.arange(width, device=ids.device) % self.bits
-        signs = bits[..., col] * 2 - 1
-        return (signs.to(torch.float32) * self.scale).to(dtype)
+        # Round the bits-wide values (sign * scale in fp32, then cast) and tile afterwards: the
+        # same numbers as tiling first, without width-wide int64 temporaries.
+        values = ((bits * 2 - 1).to(torch.float32) * self.scale).to(dtype)
+        return values[..., col]
 
     def decode(self, x: torch.Tensor, strict: bool = True) -> torch.Tensor:
         """Recover int64 ids from a code tensor (last dim = width).
@@ -283,9 +298,16 @@ class FixedCode:
             raise CodeError(f"code format_version {sd['format_version']} is not supported "
                             f"(this megafixed reads {CODE_FORMAT_VERSION})")
         rows = sd["rows"]
-        if not isinstance(rows, (list, tuple)) or not all(isinstance(r, int) for r in rows):
+        if not isinstance(rows, (list, tuple)) or not all(_is_int(r) for r in rows):
             raise CodeError("code state dict 'rows' must be a list of ints (A's rows, LSB-first)")
-        return cls(bits=sd["bits"], rows=tuple(rows), shift=int(sd["shift"]), scale=float(sd["scale"]),
+        # No silent int()/float() coercion: a string or a truncated float here means a corrupt file.
+        if not _is_int(sd["shift"]):
+            raise CodeError(f"code state dict 'shift' must be an int (b, LSB-first), got {sd['shift']!r}")
+        if not (isinstance(sd["scale"], (int, float)) and not isinstance(sd["scale"], bool)):
+            raise CodeError(f"code state dict 'scale' must be a number, got {sd['scale']!r}")
+        if sd.get("seed") is not None and not _is_int(sd["seed"]):
+            raise CodeError(f"code state dict 'seed' must be an int or None, got {sd['seed']!r}")
+        return cls(bits=sd["bits"], rows=tuple(rows), shift=sd["shift"], scale=float(sd["scale"]),
                    kind=sd["kind"], seed=sd.get("seed"))
 
 

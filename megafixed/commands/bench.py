@@ -6,7 +6,9 @@ import importlib
 HELP = "benchmarks: 'preprocess' (tokenization throughput); more as they land"
 
 # sub-benchmark -> module exposing add_arguments(parser) and run(args)
-BENCHES = {"preprocess": "megafixed.data.bench_preprocess"}
+BENCHES = {"preprocess": "megafixed.data.bench_preprocess",
+           "kernels": "megafixed.kernels.bench_token_codes",
+           }
 
 
 def add_arguments(p):
