@@ -1,0 +1,140 @@
+"""``prepare_data(cfg)``: make a run's data ready -- train a tokenizer and tokenize a raw corpus on
+first use (cached), then check that the tokenizer fits the model and its fixed codes.
+
+With ``data.source`` set (the quickstart's bundled corpus) and nothing else, the defaults are::
+
+    data.tokenizer   = <source dir>/cache/<stem>.tok<V>.json     (HF byte-level BPE, V = tokenizer_train_vocab)
+    data.prefixes[0] = <source dir>/cache/<stem>.tok<V>            (Megatron .bin/.idx)
+
+(``data.cache_dir`` replaces ``<source dir>/cache``). A tokenizer path ending in ``.model`` trains a
+sentencepiece BPE instead. Shards are rebuilt when the source or the tokenizer file changes (their
+size + mtime are recorded in the shard's ``.meta.json``).
+
+Multi-process: only ``is_main`` writes. Other ranks poll until the files are complete (a shard
+is complete once its ``.idx`` exists: it is renamed into place last), so no barrier is needed --
+though calling it on rank 0 first and barriering is equally fine.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+from .errors import DataError, check_vocab_fits
+from .gpt_dataset import resolve_prefix
+from .indexed import IndexedShard, meta_path, shard_exists
+from .readers import expand_inputs
+
+log = logging.getLogger(__name__)
+CORPUS_SUFFIXES = (".gz", ".zst", ".zstd", ".jsonl", ".json", ".ndjson", ".parquet", ".txt")
+
+
+def _stem(path: str) -> str:
+    name = os.path.basename(path)
+    while True:
+        for suf in CORPUS_SUFFIXES:
+            if name.endswith(suf) and len(name) > len(suf):
+                name = name[: -len(suf)]
+                break
+        else:
+            return name
+
+
+def _stat(path: str) -> list:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _fingerprint(sources: list[str], tokenizer: str, json_key: str) -> dict:
+    return {"sources": {os.path.abspath(s): _stat(s) for s in sources},
+            "tokenizer": _stat(tokenizer), "json_key": json_key}
+
+
+def _shards_match(prefix: str, fingerprint: dict) -> bool:
+    if not shard_exists(prefix):
+        return False
+    try:
+        import json
+
+        with open(meta_path(prefix)) as fh:
+            return json.load(fh).get("prepare_fingerprint") == fingerprint
+    except (OSError, ValueError):
+        return False
+
+
+def _wait_for(what: str, ready: Callable[[], bool], timeout_s: float, poll_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise DataError(f"waited {timeout_s:.0f}s for the main process to write {what}; check the main "
+                            f"process's log (it may have failed), or run prepare_data there first")
+        time.sleep(poll_s)
+
+
+def _abs(path: Optional[str]) -> Optional[str]:
+    return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
+def prepare_data(cfg, is_main: bool = True, wait_timeout_s: float = 6 * 3600, poll_s: float = 1.0,
+                 workers: Optional[int] = None, progress: bool = True):
+    """Train the tokenizer / tokenize ``data.source`` if needed, validate, return cfg with absolute paths."""
+    cfg = copy.deepcopy(cfg)
+    d = cfg.data
+    d.cache_dir = _abs(d.cache_dir)
+    if d.source:
+        sources = expand_inputs([d.source])
+        cache = d.cache_dir or os.path.join(os.path.dirname(os.path.abspath(sources[0])), "cache")
+        name = f"{_stem(sources[0])}.tok{d.tokenizer_train_vocab}"
+        d.tokenizer = _abs(d.tokenizer) or os.path.join(cache, name + ".json")
+        d.prefixes = [_abs(p) for p in d.prefixes] or [os.path.join(cache, name)]
+        if not os.path.exists(d.tokenizer):
+            if is_main:
+                from .tokenizers import train_tokenizer
+
+                t0 = time.perf_counter()
+                train_tokenizer(sources, d.tokenizer, d.tokenizer_train_vocab, kind="bpe", json_key=d.source_json_key)
+                log.info("trained tokenizer %s (vocab %d) in %.1fs", d.tokenizer, d.tokenizer_train_vocab,
+                         time.perf_counter() - t0)
+            else:
+                _wait_for(d.tokenizer, lambda: os.path.exists(d.tokenizer), wait_timeout_s, poll_s)
+        fp = _fingerprint(sources, d.tokenizer, d.source_json_key)
+        prefix = d.prefixes[0]
+        if not _shards_match(prefix, fp):
+            if is_main:
+                from .preprocess import PreprocessOptions, preprocess
+
+                report = preprocess(PreprocessOptions(
+                    inputs=sources, output_prefix=prefix, tokenizer=d.tokenizer, json_keys=[d.source_json_key],
+                    workers=workers or min(32, os.cpu_count() or 1), append_eod=True, progress=progress,
+                    extra_meta={"prepare_fingerprint": fp}))
+                log.info("%s", report.summary())
+            else:
+                _wait_for(f"{prefix}.bin/.idx", lambda: _shards_match(prefix, fp), wait_timeout_s, poll_s)
+    else:
+        d.tokenizer = _abs(d.tokenizer)
+        d.prefixes = [_abs(p) for p in d.prefixes]
+    if not d.prefixes:
+        raise DataError("no data: set data.prefixes (preprocessed shards) or data.source (a raw corpus)")
+    for p in d.prefixes:
+        resolve_prefix(p)  # a clear error now beats one deep inside the trainer
+    _check_vocab(cfg)
+    return cfg
+
+
+def _check_vocab(cfg) -> None:
+    d, m = cfg.data, cfg.model
+    if d.tokenizer:
+        from .tokenizers import load_tokenizer
+
+        tok = load_tokenizer(d.tokenizer)
+        vocab, where = tok.vocab_size, f"tokenizer {d.tokenizer}"
+    else:  # no tokenizer given: trust what preprocessing recorded next to the first shard
+        first = resolve_prefix(d.prefixes[0])[0]
+        vocab = IndexedShard(first).meta().get("vocab_size")
+        where = f"the tokenizer of shard {first}"
+        if vocab is None:
+            return
+    check_vocab_fits(int(vocab), model_vocab=m.vocab_size,
+                     code_bits=m.code_bits if m.input != "learned" else None, where=where)

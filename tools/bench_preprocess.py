@@ -1,0 +1,11 @@
+#!/usr/bin/env python
+"""Same as ``megafixed bench preprocess``: tokens/s and MB/s per worker count, as JSON (--out)."""
+import argparse
+import sys
+
+from megafixed.data import bench_preprocess
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=bench_preprocess.HELP)
+    bench_preprocess.add_arguments(parser)
+    sys.exit(bench_preprocess.run(parser.parse_args()))
