@@ -17,6 +17,7 @@ VERBS = {
     "params": "count parameters of a config on the meta device",
     "train": "train a model (DeepSpeed engine; single process, torchrun or deepspeed launcher)",
     "plan": "list feasible TP/PP/DP/ZeRO layouts and their memory per GPU",
+    "convert": "re-shard a checkpoint's weights for another TP/PP layout",
     "bench": "benchmarks (preprocessing throughput, kernels)",
     "quickstart": "the README's main job: tokenize the bundled corpus, train, evaluate",
 }

@@ -121,6 +121,7 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    embedding_weight_decay: bool = False  # decay a learned input table too (default: no)
 
 
 @dataclass
@@ -230,6 +231,11 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{path}={value!r} must be an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}={value!r} must be a number")
         return float(value)

@@ -1,0 +1,105 @@
+"""``megafixed plan CONFIG --gpus N [--gpu-mem 80GB] [--json]``: which layouts fit, and why.
+
+Lists every feasible (TP, PP, DP, ZeRO, micro-batch[, SP]) layout for N GPUs with its estimated
+memory per GPU (parameters, gradients, optimizer state, activations; ``megafixed.parallel.memory``
+documents the formulas), marks the ones that fit, and shows what the fixed codes save versus a
+learned table of the same shape.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from ..config import ConfigError, load_config
+
+HELP = "list feasible TP/PP/DP/ZeRO layouts and their estimated memory per GPU"
+
+# Room for the CUDA context, allocator fragmentation and communication buffers.
+HEADROOM = 0.90
+
+
+def parse_bytes(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--gpu-mem {text!r} must look like 80GB, 40GiB or 24G")
+    unit = (m.group(2) or "GB").upper().rstrip("B").rstrip("I")
+    scale = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}[unit]
+    return float(m.group(1)) * scale
+
+
+def add_arguments(p):
+    p.add_argument("config", help="YAML run config")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
+    p.add_argument("--gpu-mem", default="80GB", help="memory per GPU (default 80GB)")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
+    p.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
+
+def _rank_key(est, budget):
+    lay = est.layout
+    # Fitting first; then least model parallelism (cheapest communication), least ZeRO (0 and 1
+    # move the same bytes, so they tie and the smaller memory wins), the biggest micro batch
+    # (best kernel efficiency), and least memory.
+    return (est.total > budget, lay.tp * lay.pp, max(lay.zero, 1), -lay.micro_batch, lay.sequence_parallel,
+            est.total)
+
+
+def run(args) -> int:
+    from ..parallel.memory import GiB, count_params, estimate, feasible_layouts, fixed_code_saving
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        gpu_mem = parse_bytes(args.gpu_mem)
+    except ConfigError as exc:
+        print(f"config error: {exc}")
+        return 2
+    if args.gpus < 1:
+        print("--gpus must be >= 1")
+        return 2
+    budget = gpu_mem * HEADROOM
+    seq = cfg.data.seq_len
+    layouts = feasible_layouts(cfg, args.gpus)
+    estimates = sorted((estimate(cfg.model, seq, lay, args.precision) for lay in layouts),
+                       key=lambda e: _rank_key(e, budget))
+    fitting = [e for e in estimates if e.total <= budget]
+    counts = count_params(cfg.model)
+    ref_layout = (fitting or estimates)[0].layout if estimates else None
+    saving = fixed_code_saving(cfg.model, ref_layout, args.precision) if ref_layout else None
+    if args.json:
+        print(json.dumps({"config": args.config, "gpus": args.gpus, "gpu_mem_bytes": gpu_mem,
+                          "budget_bytes": budget, "precision": args.precision,
+                          "params_total": counts.total, "input": cfg.model.input,
+                          "layouts": [dict(e.as_dict(), fits=e.total <= budget) for e in estimates],
+                          "fixed_code_saving_per_gpu": saving}))
+        return 0 if fitting else 1
+    m = cfg.model
+    print(f"{args.config}: {counts.total / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
+          f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
+          f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
+    print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= {HEADROOM:.0%} of that "
+          f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage:")
+    print(f"  {'TP':>3} {'PP':>3} {'DP':>4} {'ZeRO':>4} {'mb':>3} {'SP':>3} {'partition':>10} | {'params':>8} "
+          f"{'grads':>8} {'optim':>8} {'activ':>8} | {'total':>8}  fits")
+    shown = estimates if args.all else fitting
+    for e in shown[:args.top]:
+        lay = e.layout
+        partition = lay.partition if lay.pp > 1 else "-"
+        print(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.zero:>4} {lay.micro_batch:>3} "
+              f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
+              f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} | {e.total / GiB:8.2f}  "
+              f"{'yes' if e.total <= budget else 'no'}")
+    if len(shown) > args.top:
+        print(f"  ... {len(shown) - args.top} more (--top N)")
+    if not fitting:
+        print("no layout fits: turn on train.activation_checkpointing, lower data.seq_len, or add GPUs")
+    if saving:
+        lay = ref_layout
+        verb = "saves" if m.input != "learned" else "would save"
+        print(f"fixed codes vs a learned {m.vocab_size} x {m.d_model} table {verb}, per GPU of the first "
+              f"stage (TP {lay.tp}, DP {lay.dp}, ZeRO {lay.zero}): {saving['params'] / 1e6:.1f}M params = "
+              f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "
+              f"{saving['optimizer_bytes'] / GiB:.3f} GiB optimizer state = {saving['total_bytes'] / GiB:.3f} GiB")
+    return 0 if fitting else 1

@@ -1,0 +1,132 @@
+"""``megafixed quickstart [overrides]``: the main job, end to end on a CPU.
+
+1. prepare data: train a 4096-token BPE on the bundled corpus and tokenize it (cached after the
+   first run, in examples/data/cache/);
+2. train ``examples/configs/quickstart.yaml`` (canonical fixed code) with DeepSpeed on CPU;
+3. evaluate the final checkpoint: held-out *test*-split loss and perplexity, plus a greedy sample;
+4. print where the metrics, TensorBoard events and checkpoints are (also in ``quickstart.json``).
+
+Running it again resumes (or, when finished, just re-evaluates) the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..config import load_config
+
+HELP = "the main job: tokenize the bundled corpus, train a small fixed-code GPT on CPU, evaluate it"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO_ROOT / "examples" / "configs" / "quickstart.yaml"
+DEFAULT_PROMPTS = ("The capital of France is", "In mathematics, a prime number")
+
+
+def add_arguments(p):
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.max_steps=100")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config (default: %(default)s)")
+    p.add_argument("--sample-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _anchor_paths(cfg) -> None:
+    """Relative data paths in the bundled config are relative to the repository, not the cwd."""
+    d = cfg.data
+    if d.source and not os.path.isabs(d.source) and not os.path.exists(d.source):
+        d.source = str(REPO_ROOT / d.source)
+    if d.tokenizer and not os.path.isabs(d.tokenizer) and not os.path.exists(d.tokenizer):
+        d.tokenizer = str(REPO_ROOT / d.tokenizer)
+
+
+def run(args) -> int:
+    from ..train.env import prepare_runtime_env
+    from ..train.step import NonFiniteLossError
+
+    prepare_runtime_env()
+    t_start = time.perf_counter()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        _anchor_paths(cfg)
+        summary = quickstart(cfg, sample_tokens=args.sample_tokens, t_start=t_start)
+    except (ValueError, NonFiniteLossError) as exc:  # ConfigError, CheckpointError, DataError name the fix
+        print(f"error: {exc}", file=sys.stderr)
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush(); sys.stderr.flush()
+    # Skip DeepSpeed's atexit teardown (a rare SIGABRT after a finished run); all files are closed.
+    os._exit(0 if summary is not None else 1)
+
+
+def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> dict | None:
+    import torch.distributed as dist
+
+    from ..data.gpt_dataset import build_datasets
+    from ..data.prepare import prepare_data
+    from ..data.tokenizers import load_tokenizer
+    from ..parallel import setup_distributed
+    from ..train.evaluate import evaluate_loss, greedy_generate, load_trained_model
+    from ..train.trainer import train
+
+    t_start = t_start or time.perf_counter()
+    topo = setup_distributed(cfg)
+    say = print if topo.is_main else (lambda *_: None)
+
+    say("== 1/3 data: tokenizing the bundled corpus (cached after the first run)")
+    t0 = time.perf_counter()
+    cfg = prepare_data(cfg, is_main=topo.is_main, progress=False)
+    if dist.is_initialized():
+        dist.barrier()
+    datasets = build_datasets(cfg.data, seed=cfg.train.seed)
+    say(f"   tokenizer {cfg.data.tokenizer}\n   shards    {cfg.data.prefixes[0]}.bin/.idx\n   samples   "
+        + ", ".join(f"{k} {len(v) if v is not None else 0}" for k, v in datasets.items())
+        + f" (seq_len {cfg.data.seq_len}); {time.perf_counter() - t0:.1f}s")
+
+    say(f"== 2/3 train: {cfg.model.n_layers} layers x {cfg.model.d_model}, input={cfg.model.input}, "
+        f"{cfg.train.max_steps} steps")
+    t0 = time.perf_counter()
+    result = train(cfg, datasets=datasets)
+    train_s = time.perf_counter() - t0
+    if not topo.is_main:
+        return {}
+
+    say("== 3/3 evaluate the final checkpoint on the held-out test split")
+    model, tag = load_trained_model(cfg, cfg.train.run_dir)
+    test = evaluate_loss(cfg, model, datasets["test"], micro_batch=cfg.train.micro_batch)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    import torch
+
+    samples = []
+    for prompt in DEFAULT_PROMPTS:
+        ids = torch.tensor(tok.encode(prompt), dtype=torch.long)
+        out = greedy_generate(model, ids, sample_tokens, eod_id=tok.eod_id)
+        samples.append({"prompt": prompt, "completion": tok.decode(out.tolist())})
+    vals = [r["val_loss"] for r in _read_metrics(cfg.train.run_dir) if "val_loss" in r]
+    run_dir = Path(cfg.train.run_dir).resolve()
+    summary = {
+        "run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoints" / tag),
+        "metrics": str(run_dir / "metrics.jsonl"), "tensorboard": str(run_dir / "tensorboard"),
+        "config": str(run_dir / "config.yaml"), "steps": result.step,
+        "val_loss_first": vals[0] if vals else None, "val_loss_last": vals[-1] if vals else None,
+        "test_loss": test.loss, "test_perplexity": test.perplexity, "test_tokens": test.tokens,
+        "samples": samples, "train_seconds": train_s, "total_seconds": time.perf_counter() - t_start,
+    }
+    with open(run_dir / "quickstart.json", "w") as fh:
+        json.dump(summary, fh, indent=2)
+
+    say(f"   test loss {test.loss:.4f}  perplexity {test.perplexity:.1f}  ({test.tokens:,} tokens)")
+    if vals:
+        say(f"   validation loss {vals[0]:.4f} (step 0) -> {vals[-1]:.4f} (step {result.step})")
+    for s in samples:
+        say(f"   sample: {s['prompt']!r} -> {s['completion']!r}")
+    say(f"\nmetrics     {summary['metrics']}\ntensorboard {summary['tensorboard']}\n"
+        f"checkpoint  {summary['checkpoint']}\nsummary     {run_dir / 'quickstart.json'}\n"
+        f"done in {summary['total_seconds'] / 60:.1f} min (training {train_s / 60:.1f} min)")
+    return summary
+
+
+def _read_metrics(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

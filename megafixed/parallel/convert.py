@@ -1,0 +1,164 @@
+"""Move model weights between parallel layouts: gather any (TP, PP) DeepSpeed checkpoint into a
+plain GPT state dict, and shard a plain state dict into any layout's DeepSpeed file set.
+
+Why our own converter and not DeepSpeed's universal checkpoint (``ds_to_universal``): that tool
+needs Megatron-DeepSpeed's ``universal_checkpoint_info`` (regexes for how each parameter is split)
+and a universal-aware loader; our split rule is one table (``tensor.sharded_dim``: TP_PLAN column
+weights on dim 0, row weights on dim 1, vocabulary rows of the table and the head on dim 0) and
+the pipeline layer order is fixed (``pipeline.pipe_key_to_gpt``), so gathering is a few lines and
+is checked exactly by the tests.
+
+What moves: the model weights (and the fixed code's buffers, so a code mismatch is still caught on
+load). What does not: optimizer state -- a converted checkpoint is loaded with DeepSpeed's
+``load_module_only=True`` (Adam moments restart). Within one layout, resume through DeepSpeed's
+own save/load is bit-exact.
+
+File layout read and written (DeepSpeed 0.19, one tag directory):
+  no PP:  mp_rank_{tp:02d}_model_states.pt  {'module': state dict, ...}
+  PP:     layer_{idx:02d}-model_{tp:02d}-model_states.pt  (one layer's state dict)
+          + mp_rank_{k:02d}_model_states.pt  (module None; k = pp_rank * tp + tp_rank)
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from .pipeline import gpt_key_to_pipe, pipe_key_to_gpt
+from .tensor import sharded_dim
+
+
+class ConvertError(ValueError):
+    """A checkpoint that cannot be gathered or a target layout that cannot hold the weights."""
+
+
+_LAYER_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
+_MP_RE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+
+
+def resolve_tag_dir(ckpt: str | os.PathLike, tag: str | None = None) -> Path:
+    """``ckpt`` may be a tag directory, or a checkpoint root with a ``latest`` file or ``tag``."""
+    root = Path(ckpt)
+    if tag:
+        return root / tag
+    if any(_MP_RE.match(p.name) for p in root.iterdir()) if root.is_dir() else False:
+        return root
+    latest = root / "latest"
+    if latest.exists():
+        return root / latest.read_text().strip()
+    raise ConvertError(f"{root} holds no mp_rank_*_model_states.pt and no 'latest' file; pass the tag "
+                       f"directory itself or --tag")
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def detect_layout(tag_dir: Path) -> tuple[int, int]:
+    """(tp, pp) of a checkpoint, from its file names."""
+    layers = [_LAYER_RE.match(p.name) for p in tag_dir.iterdir()]
+    layers = [m for m in layers if m]
+    mp = [m for m in (_MP_RE.match(p.name) for p in tag_dir.iterdir()) if m]
+    if not mp:
+        raise ConvertError(f"{tag_dir} is not a DeepSpeed checkpoint (no mp_rank_*_model_states.pt)")
+    if layers:
+        tp = len({int(m.group(2)) for m in layers})
+        return tp, len(mp) // tp
+    return len(mp), 1
+
+
+def _strip(sd: dict) -> dict:
+    # megatron's layers add an empty `_extra_state` entry (None) per Linear; not a weight.
+    return {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
+
+
+def _merge_tp(shards: list[dict]) -> dict:
+    out = {}
+    for key in shards[0]:
+        dim = sharded_dim(key)
+        if dim is None or len(shards) == 1:
+            out[key] = shards[0][key]
+        else:
+            out[key] = torch.cat([s[key] for s in shards], dim=dim)
+    return out
+
+
+def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None) -> dict:
+    """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of any layout."""
+    tag_dir = resolve_tag_dir(ckpt, tag)
+    tp, pp = detect_layout(tag_dir)
+    if pp == 1:
+        shards = []
+        for r in range(tp):
+            module = _load(tag_dir / f"mp_rank_{r:02d}_model_states.pt").get("module")
+            if not module:
+                raise ConvertError(f"{tag_dir}: mp_rank_{r:02d} holds no module weights (a ZeRO-3 checkpoint "
+                                   f"keeps them in its optimizer shards); convert it with DeepSpeed's "
+                                   f"zero_to_fp32.py first")
+            shards.append(_strip(module))
+        return _merge_tp(shards)
+    n_layer_files = max(int(_LAYER_RE.match(p.name).group(1)) for p in tag_dir.iterdir()
+                        if _LAYER_RE.match(p.name)) + 1
+    n_blocks = n_layer_files - 2
+    out = {}
+    for idx in range(n_layer_files):
+        shards = [_strip(_load(tag_dir / f"layer_{idx:02d}-model_{r:02d}-model_states.pt")) for r in range(tp)]
+        shards = [{pipe_key_to_gpt(idx, k, n_blocks): v for k, v in s.items()} for s in shards]
+        out.update(_merge_tp(shards))
+    return out
+
+
+def _shard_tp(sd: dict, tp: int, rank: int) -> dict:
+    out = {}
+    for key, value in sd.items():
+        dim = sharded_dim(key)
+        if dim is None or tp == 1:
+            out[key] = value.clone()
+        else:
+            if value.shape[dim] % tp:
+                raise ConvertError(f"{key} has {value.shape[dim]} rows on dim {dim}, not divisible by tp={tp}")
+            out[key] = value.chunk(tp, dim=dim)[rank].clone()
+    return out
+
+
+def _n_blocks(sd: dict) -> int:
+    return 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+
+
+def shard_state_dict(sd: dict, tp: int, pp: int) -> dict[str, dict]:
+    """File name -> payload of a module-only DeepSpeed checkpoint for layout (tp, pp)."""
+    n_blocks = _n_blocks(sd)
+    if n_blocks < pp:
+        raise ConvertError(f"{n_blocks} blocks cannot fill {pp} pipeline stages")
+    common = {"dp_world_size": 1, "mp_world_size": tp * pp, "global_steps": 0, "global_samples": 0,
+              "skipped_steps": 0, "buffer_names": [], "optimizer": None, "lr_scheduler": None,
+              "converted_by": "megafixed.parallel.convert"}
+    files: dict[str, dict] = {}
+    for r in range(tp):
+        local = _shard_tp(sd, tp, r)
+        if pp == 1:
+            files[f"mp_rank_{r:02d}_model_states.pt"] = {"module": local, **common}
+            continue
+        per_layer: dict[int, dict] = {}
+        for key, value in local.items():
+            idx, pkey = gpt_key_to_pipe(key, n_blocks)
+            per_layer.setdefault(idx, {})[pkey] = value
+        for idx in range(n_blocks + 2):
+            files[f"layer_{idx:02d}-model_{r:02d}-model_states.pt"] = per_layer.get(idx, {})
+    if pp > 1:
+        for k in range(tp * pp):
+            files[f"mp_rank_{k:02d}_model_states.pt"] = {"module": None, **common}
+    return files
+
+
+def write_checkpoint(sd: dict, out: str | os.PathLike, tp: int, pp: int, tag: str = "converted") -> Path:
+    """Write ``sd`` as a module-only DeepSpeed checkpoint for (tp, pp) under ``out/tag`` and point
+    ``out/latest`` at it. Load it with ``engine.load_checkpoint(out, load_module_only=True)``."""
+    tag_dir = Path(out) / tag
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    for name, payload in shard_state_dict(sd, tp, pp).items():
+        torch.save(payload, tag_dir / name)
+    (Path(out) / "latest").write_text(tag)
+    return tag_dir

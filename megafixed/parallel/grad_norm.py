@@ -1,0 +1,33 @@
+"""The global gradient norm with every parameter counted once across tensor and pipeline ranks.
+
+Why not DeepSpeed's ``get_flattened_grad_norm``: it sums every local gradient on every rank, so a
+parameter replicated across the TP group (norm weights, row-parallel biases) is counted ``tp``
+times. DeepSpeed's ZeRO optimizers and its ``clip_grad_norm_`` use the Megatron rule instead
+(count a parameter if it is TP-sharded, ``tensor_model_parallel=True``, or if this is TP rank 0),
+which this function applies too, summing squares over the model-parallel group (TP x PP of one
+replica). Gradients must already be reduced across data-parallel ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+
+
+def global_grad_norm(parameters, mpu=None) -> float:
+    """L2 norm of the whole model's gradient; ``mpu`` is ``topo.mpu`` or DeepSpeed's pipeline grid."""
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
+
+    tp_rank = bwc_tensor_model_parallel_rank(mpu)
+    params = [p for p in parameters if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if tp_rank == 0 or is_tp_sharded(p):
+            squares += p.grad.detach().double().pow(2).sum()
+    if mpu is not None and dist.is_initialized():
+        dist.all_reduce(squares, group=mpu.get_model_parallel_group())
+    return float(squares.sqrt())

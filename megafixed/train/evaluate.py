@@ -1,0 +1,114 @@
+"""Held-out loss / perplexity of a plain model, greedy samples, and loading a trained model.
+
+Reusable outside the trainer: ``megafixed quickstart`` calls these on the final checkpoint, and
+later evaluation work can call them on any GPT built from a config.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import CheckpointError, read_latest
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean next-token cross entropy (nats)
+    perplexity: float
+    tokens: int  # target tokens scored (all ranks)
+    batches: int  # micro batches per rank
+
+
+@torch.no_grad()
+def evaluate_loss(cfg, model: nn.Module, dataset, *, micro_batch: Optional[int] = None,
+                  max_batches: Optional[int] = None, dp_rank: int = 0, dp_size: int = 1, dp_group=None,
+                  device: Optional[torch.device] = None) -> EvalResult:
+    """Mean loss of ``model`` (a GPT, called as ``model(inputs, targets)``) over a dataset split.
+
+    Walks the split from its first sample, each DP rank taking its share, for at most
+    ``max_batches`` micro batches per rank (None: the whole split, whole micro batches only).
+    """
+    from ..data.gpt_dataset import micro_batches
+
+    if dataset is None:
+        raise ValueError("this data split is empty; give it a share in data.split (e.g. '98,1,1')")
+    mb = micro_batch or cfg.train.micro_batch
+    available = len(dataset) // (mb * dp_size)
+    n = available if max_batches is None else min(max_batches, available)
+    if n < 1:
+        raise ValueError(f"the split has {len(dataset)} samples, fewer than one micro batch of {mb} per rank "
+                         f"x {dp_size} ranks; lower train.micro_batch or give the split a larger data.split share")
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    it = micro_batches(dataset, start_sample=0, micro_batch=mb, dp_rank=dp_rank, dp_size=dp_size)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(n):
+        tokens = next(it).to(device)
+        total += model(tokens[:, :-1], tokens[:, 1:]).double()
+    if dp_size > 1:
+        dist.all_reduce(total, group=dp_group)
+    model.train(was_training)
+    loss = float(total) / (n * dp_size)
+    seq = cfg.data.seq_len
+    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=n * mb * dp_size * seq, batches=n)
+
+
+@torch.no_grad()
+def greedy_generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
+                    eod_id: Optional[int] = None) -> torch.Tensor:
+    """Append ``max_new_tokens`` argmax tokens to ``prompt`` (1-D ids); stops early at ``eod_id``."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    ids = prompt.reshape(1, -1).to(device)
+    limit = model.cfg.max_seq_len
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -limit:])
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+        if eod_id is not None and int(nxt) == eod_id:
+            break
+    model.train(was_training)
+    return ids[0, prompt.numel():].cpu()
+
+
+def load_trained_model(cfg, run_dir: str | os.PathLike, tag: Optional[str] = None) -> tuple[nn.Module, str]:
+    """A plain ``GPT`` with the weights of ``<run_dir>/checkpoints/<tag or latest>``.
+
+    Reads DeepSpeed's ``mp_rank_00_model_states.pt``, which holds the full module state for
+    ZeRO stages 0-2 without tensor/pipeline parallelism. The fixed code's A/b buffers are
+    checked against ``cfg`` on load (a mismatch raises naming the code fields).
+    """
+    from ..model import GPT
+
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    tag = tag or read_latest(ckpt_dir)
+    if tag is None:
+        raise CheckpointError(f"no checkpoint under {ckpt_dir}; train first (megafixed train ...)")
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.zero.stage >= 3:
+        raise CheckpointError("load_trained_model reads unsharded checkpoints (tp=pp=1, zero.stage<=2); "
+                              "for sharded ones, consolidate first with DeepSpeed's zero_to_fp32.py")
+    path = ckpt_dir / tag / "mp_rank_00_model_states.pt"
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing; the checkpoint {ckpt_dir / tag} is incomplete")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model = GPT(cfg.model)
+    # bf16 runs store bf16 weights; evaluate in fp32. The code buffers keep their dtype for the check.
+    weights = {k: v.float() if v.is_floating_point() and not k.split(".")[-1].startswith("code_") else v
+               for k, v in state["module"].items()}
+    try:
+        result = model.load_state_dict(weights, strict=False)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path} does not fit this config: {exc}") from None
+    problems = list(result.missing_keys) + list(result.unexpected_keys)
+    if problems:
+        raise CheckpointError(f"{path} does not match model.*: missing/unexpected keys {problems[:8]}")
+    return model, tag

@@ -1,0 +1,123 @@
+"""Run metrics: ``metrics.jsonl`` (one JSON object per logged step), TensorBoard events, the
+progress line, and model FLOPs utilisation on GPUs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# Dense bf16 peak FLOP/s per GPU, from the vendors' data sheets (SXM parts). Only used for MFU;
+# set MEGAFIXED_PEAK_TFLOPS for a GPU that is not listed.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0,
+                    "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L40": 181.0, "A6000": 155.0,
+                    "4090": 165.0, "A10": 125.0, "V100": 125.0}
+
+
+def peak_flops_per_gpu() -> Optional[float]:
+    if os.environ.get("MEGAFIXED_PEAK_TFLOPS"):
+        return float(os.environ["MEGAFIXED_PEAK_TFLOPS"]) * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().upper()
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def flops_per_token(model_cfg, matmul_params: int, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM appendix B: 6N for the weight matmuls plus 12*L*d*T for
+    attention scores. N excludes the input interface (a table lookup or a fixed code does no
+    matmul), which makes the number identical for the three interfaces."""
+    return 6.0 * matmul_params + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
+
+
+def matmul_param_count(model_cfg) -> int:
+    """Parameters of the whole model (all TP/PP shards) that take part in matmuls: everything but
+    the input interface, whose lookup or fixed code does no matmul (a tied head still does its own)."""
+    from ..model.params import count_params
+
+    c = count_params(model_cfg)
+    tied = model_cfg.vocab_size * model_cfg.d_model if model_cfg.tie_embeddings else 0
+    return c.total - c.input + tied
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def progress_line(rec: dict, max_steps: int, eta_s: float) -> str:
+    parts = [f"step {rec['step']}/{max_steps}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}"]
+    if rec.get("grad_norm") is not None:
+        parts.append(f"grad {rec['grad_norm']:.3f}")
+    parts.append(f"{rec['tokens_per_s'] / 1e3:.1f}k tok/s")
+    if rec.get("mfu") is not None:
+        parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+    if rec.get("val_loss") is not None:
+        parts.append(f"val {rec['val_loss']:.4f}")
+    if rec.get("skipped"):
+        parts.append("SKIPPED (non-finite)")
+    parts.append(f"ETA {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+class MetricsLog:
+    """Rank 0's sink for per-step records: JSON lines plus TensorBoard scalars.
+
+    On resume, records past the resumed step (written by the interrupted run after its last
+    checkpoint) are dropped first, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool, tensorboard: bool, resume_step: int = 0):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.writer = None
+        if not enabled:
+            return
+        self._truncate_after(resume_step)
+        self.fh = open(self.path, "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)
+
+    def write(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        self.fh.write(json.dumps(rec) + "\n")
+        self.fh.flush()
+        if self.writer is not None:
+            for key, value in rec.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(f"train/{key}" if not key.startswith("val") else f"valid/{key}",
+                                           value, rec["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.fh.close()
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()

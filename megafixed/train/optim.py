@@ -1,0 +1,57 @@
+"""The client optimizer handed to DeepSpeed: torch's AdamW with Megatron-style parameter groups.
+
+Weight decay applies to matrices only. No decay on norm weights and biases (standard), and -- our
+choice -- none on a learned input embedding either (``optimizer.embedding_weight_decay`` turns it
+on): decaying the table pulls rare tokens' rows towards zero, which would handicap the learned
+control against fixed codes, whose inputs keep unit RMS by construction. The output head is a
+regular matrix and is decayed in all three interfaces, so the backbones are treated identically.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import OptimizerConfig
+
+
+def param_groups(model: nn.Module, opt: OptimizerConfig) -> list[dict]:
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        is_embedding = "embedding" in name.split(".")
+        if p.dim() < 2 or (is_embedding and not opt.embedding_weight_decay):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": opt.weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+class SkippableAdamW(torch.optim.AdamW):
+    """AdamW whose next ``step()`` can be turned into a no-op.
+
+    ``train.on_nonfinite=skip`` must drop a batch *without* an update, yet DeepSpeed takes the
+    optimizer step itself at the accumulation boundary. The trainer decides (identically on every
+    rank, after an all-reduce) and sets ``skip_next_step``; the step then leaves parameters and
+    moments untouched. ZeRO 1/2 additionally skip on non-finite gradients on their own.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip_next_step = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.skip_next_step:
+            self.skip_next_step = False
+            return None
+        return super().step(closure)
+
+
+def build_optimizer(model: nn.Module, opt: OptimizerConfig) -> SkippableAdamW:
+    return SkippableAdamW(param_groups(model, opt), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                          weight_decay=opt.weight_decay)

@@ -1,0 +1,37 @@
+"""Tiny real token shards for the trainer tests (written with the data package's ShardWriter).
+
+Documents follow a learnable rule (each token = previous + a per-document stride, mod 256), so a
+two-layer model's loss falls within a few dozen steps; the bytes are fixed by the seed.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 256
+TINY_MODEL = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.code_bits=8",
+              "model.max_seq_len=32", "data.seq_len=32"]
+
+
+def write_shards(root: str | os.PathLike, docs: int = 400, seed: int = 0) -> str:
+    from megafixed.data.indexed import ShardWriter
+
+    prefix = str(Path(root) / "synthetic")
+    rng = np.random.default_rng(seed)
+    with ShardWriter(prefix, np.uint16) as w:
+        for _ in range(docs):
+            n = int(rng.integers(20, 120))
+            start, stride = int(rng.integers(0, VOCAB)), int(rng.choice([1, 3, 7]))
+            w.add_document((start + stride * np.arange(n)) % VOCAB)
+        w.finalize({"vocab_size": VOCAB})
+    return prefix
+
+
+def tiny_overrides(prefix: str, run_dir: str | os.PathLike, *extra: str) -> list[str]:
+    return TINY_MODEL + [f"data.prefixes=[{prefix}]", "data.split=90,5,5", f"train.run_dir={run_dir}",
+                         "train.global_batch=8", "train.micro_batch=4", "train.log_interval=1",
+                         "train.eval_interval=10", "train.eval_iters=2", "train.save_interval=10",
+                         "train.tensorboard=false", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4",
+                         "schedule.warmup_steps=3", *extra]

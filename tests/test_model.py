@@ -1,0 +1,136 @@
+"""The GPT against an independent plain-torch reference, and the input interfaces' contracts."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megafixed.config import load_config
+from megafixed.model import GPT, FixedCodeInput, LearnedInput
+
+TINY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.code_bits=8",
+        "model.max_seq_len=32", "data.seq_len=32"]
+
+
+def tiny(*overrides):
+    return load_config(None, TINY + list(overrides)).model
+
+
+def reference_forward(model: GPT, ids: torch.Tensor) -> torch.Tensor:
+    """Logits written out from the equations (RMSNorm, RoPE half-split, masked softmax, GELU)."""
+    cfg = model.cfg
+    B, T = ids.shape
+    if cfg.input == "learned":
+        x = model.input.embedding.weight[ids]
+    else:  # +-1 by the documented convention: column j uses code bit j mod bits
+        code = model.input.code  # bit i of the code = parity(row_i(A) & id) xor b_i
+        parity = torch.tensor([[[bin(int(v) & r).count("1") % 2 for r in code.rows] for v in row] for row in ids])
+        bits = parity ^ torch.tensor([(code.shift >> i) & 1 for i in range(code.bits)])
+        cols = torch.arange(cfg.d_model) % code.bits
+        x = (bits[..., cols] * 2 - 1).float() * code.scale
+
+    def rms(v, w):
+        return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = ang.cos().float(), ang.sin().float()
+
+    def rope(v):  # v: B, T, H, hd
+        a, b = v[..., : hd // 2], v[..., hd // 2:]
+        c, s = cos[None, :, None], sin[None, :, None]
+        return torch.cat([a * c - b * s, a * s + b * c], -1)
+
+    mask = torch.full((T, T), float("-inf")).triu(1)
+    for blk in model.blocks:
+        h = rms(x, blk.norm1.weight)
+        q = rope((h @ blk.attn.wq.weight.T).view(B, T, cfg.n_heads, hd))
+        k = rope((h @ blk.attn.wk.weight.T).view(B, T, cfg.n_heads, hd))
+        v = (h @ blk.attn.wv.weight.T).view(B, T, cfg.n_heads, hd)
+        att = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd) + mask
+        y = torch.einsum("bhqk,bkhd->bqhd", att.softmax(-1), v).reshape(B, T, -1)
+        x = x + y @ blk.attn.wo.weight.T
+        h = rms(x, blk.norm2.weight)
+        x = x + F.gelu(h @ blk.mlp.w_in.weight.T) @ blk.mlp.w_out.weight.T
+    return rms(x, model.head.norm.weight) @ model.head.proj.weight.T
+
+
+@pytest.mark.parametrize("kind", ["learned", "canonical", "gf2"])
+def test_forward_matches_plain_reference(kind):
+    torch.manual_seed(0)
+    model = GPT(tiny(f"model.input={kind}", "model.code_seed=7")).eval()
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        ours, ref = model(ids), reference_forward(model, ids)
+        loss = model(ids[:, :-1], ids[:, 1:])
+        # The loss over the shifted pair is the plain next-token NLL of the same model.
+        ref_on_prefix = reference_forward(model, ids[:, :-1])
+        expected = -ref_on_prefix.log_softmax(-1).gather(-1, ids[:, 1:, None]).mean()
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["canonical", "gf2"])
+def test_fixed_inputs_have_no_parameters_and_emit_the_code(kind):
+    model = GPT(tiny(f"model.input={kind}"))
+    assert isinstance(model.input, FixedCodeInput)
+    assert list(model.input.parameters()) == []
+    ids = torch.arange(256)
+    x = model.input(ids)
+    assert x.shape == (256, 64) and set(x.unique().tolist()) == {-1.0, 1.0}
+    assert len({tuple(r) for r in x[:, :8].tolist()}) == 256  # injective on the first tile
+    if kind == "canonical":  # bit j%8 of the id, LSB first
+        expect = ((ids[:, None] >> (torch.arange(64) % 8)) & 1) * 2.0 - 1
+        assert torch.equal(x, expect)
+    # A and b travel in the state dict as buffers
+    sd = model.state_dict()
+    assert {"input.code_rows", "input.code_shift", "input.code_scale"} <= set(sd)
+
+
+def test_learned_input_is_a_trainable_table():
+    model = GPT(tiny("model.input=learned"))
+    assert isinstance(model.input, LearnedInput)
+    assert model.input.embedding.weight.shape == (256, 64) and model.input.embedding.weight.requires_grad
+
+
+def test_mismatched_code_is_refused_on_load():
+    a = GPT(tiny("model.input=gf2", "model.code_seed=1"))
+    b = GPT(tiny("model.input=gf2", "model.code_seed=2"))
+    with pytest.raises(RuntimeError, match=r"fixed code mismatch at input\.code_rows.*model\.code_seed"):
+        b.load_state_dict(a.state_dict())
+    c = GPT(tiny("model.input=gf2", "model.code_seed=1"))
+    c.load_state_dict(a.state_dict())  # same code: fine
+    assert torch.equal(c.input.code_rows, a.input.code_rows)
+
+
+def test_causal_and_checkpointing_preserves_gradients():
+    torch.manual_seed(0)
+    model = GPT(tiny("model.input=canonical"))
+    ids = torch.randint(0, 256, (2, 17))
+    with torch.no_grad():
+        base = model(ids[:, :16])
+        changed = ids[:, :16].clone()
+        changed[:, 10] = (changed[:, 10] + 1) % 256
+        assert torch.equal(model(changed)[:, :10], base[:, :10])
+        assert not torch.allclose(model(changed)[:, 10:], base[:, 10:])
+    grads = []
+    for ckpt in (False, True):
+        model.zero_grad()
+        model.activation_checkpointing = ckpt
+        model(ids[:, :-1], ids[:, 1:]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g0, g1, rtol=0, atol=0)
+
+
+def test_tied_head_shares_the_table_and_init_scales_residual_outputs():
+    model = GPT(load_config(None, TINY + ["model.input=learned", "model.tie_embeddings=true",
+                                          "model.n_layers=8", "model.d_model=256", "model.n_heads=4"]).model)
+    assert model.head.proj.weight is model.input.embedding.weight
+    std_in = model.blocks[0].mlp.w_in.weight.std().item()
+    std_out = model.blocks[0].mlp.w_out.weight.std().item()
+    assert std_in == pytest.approx(0.02, rel=0.05)
+    assert std_out == pytest.approx(0.02 / math.sqrt(16), rel=0.05)

@@ -1,0 +1,134 @@
+"""What users run: ``torchrun ... -m megafixed.cli train CONFIG overrides`` under TP, PP, SP and ZeRO
+layouts logs the same losses and gradient norms (metrics.jsonl) as the single-process run, resumes
+bit-exactly within a layout, and its checkpoint gathers to the single-process weights."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _train_data import tiny_overrides, write_shards
+from megafixed.parallel.convert import gather_state_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 4
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_shards(tmp_path_factory.mktemp("shards"))
+
+
+def _overrides(shards, run_dir, kind, *extra):
+    return tiny_overrides(shards, run_dir, f"model.input={kind}", f"train.max_steps={STEPS}",
+                          "train.save_interval=2", "train.eval_interval=0", "schedule.warmup_steps=1", *extra)
+
+
+def _metrics(run_dir) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory):
+    """Single-process ``megafixed train`` for both input kinds."""
+    runs = {}
+    for kind in ("canonical", "learned"):
+        run_dir = tmp_path_factory.mktemp(f"ref_{kind}")
+        proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", "/dev/null",
+                               *_overrides(shards, run_dir, kind)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        runs[kind] = run_dir
+    return runs
+
+
+def _train(torchrun, nproc, shards, run_dir, kind, *layout):
+    torchrun(nproc, ["-m", "megafixed.cli", "train", "/dev/null", *_overrides(shards, run_dir, kind, *layout)])
+
+
+def _assert_matches(run_dir, ref_dir, what):
+    got, ref = _metrics(run_dir), _metrics(ref_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    for a, b in zip(got, ref):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=RTOL), \
+            f"{what}: step {a['step']} loss {a['loss']} vs {b['loss']}"
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=RTOL), \
+            f"{what}: step {a['step']} grad_norm {a['grad_norm']} vs {b['grad_norm']}"
+
+
+def _assert_resume_is_bit_exact(torchrun, nproc, shards, run_dir, kind, *layout):
+    """Rewind a finished run to its step-2 checkpoint, rerun the same command: steps 3-4 log the
+    very same numbers."""
+    rerun = Path(str(run_dir) + "_resumed")
+    shutil.copytree(run_dir, rerun)
+    shutil.rmtree(rerun / "checkpoints" / f"step_{STEPS:08d}")
+    (rerun / "checkpoints" / "latest").write_text("step_00000002\n")
+    _train(torchrun, nproc, shards, rerun, kind, *layout)
+    straight, resumed = _metrics(run_dir), _metrics(rerun)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(straight[2:], resumed[2:]):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"resume changed step {a['step']}"
+
+
+def _assert_weights_match(run_dir, ref_dir):
+    tag = f"step_{STEPS:08d}"
+    got = gather_state_dict(Path(run_dir) / "checkpoints", tag)
+    ref = gather_state_dict(Path(ref_dir) / "checkpoints", tag)
+    assert sorted(got) == sorted(ref)
+    for key in ref:
+        assert torch.allclose(got[key], ref[key], rtol=0, atol=2e-5), key
+
+
+@pytest.mark.multiprocess
+def test_train_tp2_fixed_codes_matches_and_resumes(shards, reference, torchrun, tmp_path):
+    layout = ("parallel.tp=2", "train.activation_checkpointing=true")
+    _train(torchrun, 2, shards, tmp_path / "run", "canonical", *layout)
+    _assert_matches(tmp_path / "run", reference["canonical"], "train tp2 canonical")
+    _assert_resume_is_bit_exact(torchrun, 2, shards, tmp_path / "run", "canonical", *layout)
+    _assert_weights_match(tmp_path / "run", reference["canonical"])
+
+
+@pytest.mark.multiprocess
+def test_train_pp2_learned_matches_and_resumes(shards, reference, torchrun, tmp_path):
+    layout = ("parallel.pp=2", "train.activation_checkpointing=true")
+    _train(torchrun, 2, shards, tmp_path / "run", "learned", *layout)
+    _assert_matches(tmp_path / "run", reference["learned"], "train pp2 learned")
+    _assert_resume_is_bit_exact(torchrun, 2, shards, tmp_path / "run", "learned", *layout)
+    _assert_weights_match(tmp_path / "run", reference["learned"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind,layout", [
+    # ZeRO-0: the trainer computes the norm itself (megafixed.parallel.grad_norm), with SP's
+    # all-reduced norm gradients counted once
+    ("learned", ("parallel.tp=2", "parallel.sequence_parallel=true", "zero.stage=0")),
+    ("canonical", ("zero.stage=3",)),
+])
+def test_train_other_layouts_match(shards, reference, torchrun, tmp_path, kind, layout):
+    _train(torchrun, 2, shards, tmp_path / "run", kind, *layout)
+    _assert_matches(tmp_path / "run", reference[kind], f"train {layout} {kind}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.four_procs
+def test_train_tp2_pp2_matches_resumes_and_gathers(shards, reference, torchrun, tmp_path):
+    layout = ("parallel.tp=2", "parallel.pp=2")
+    _train(torchrun, 4, shards, tmp_path / "run", "canonical", *layout)
+    _assert_matches(tmp_path / "run", reference["canonical"], "train tp2xpp2 canonical")
+    _assert_resume_is_bit_exact(torchrun, 4, shards, tmp_path / "run", "canonical", *layout)
+    _assert_weights_match(tmp_path / "run", reference["canonical"])  # TP2*PP2 -> TP1*PP1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.four_procs
+def test_train_pp2_dp2_learned_matches(shards, reference, torchrun, tmp_path):
+    _train(torchrun, 4, shards, tmp_path / "run", "learned", "parallel.pp=2", "train.micro_batch=2")
+    _assert_matches(tmp_path / "run", reference["learned"], "train pp2xdp2 learned")

@@ -1,0 +1,86 @@
+"""Exact resume: a run killed with SIGKILL between checkpoints and started again logs the same
+losses, bit for bit, as an uninterrupted run (CPU, fp32)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+from _train_data import tiny_overrides, write_shards
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, SAVE = 60, 20
+
+
+def cli(run_dir: Path, prefix: str) -> list[str]:
+    cfg = run_dir.parent / "empty.yaml"
+    cfg.write_text("{}\n")
+    # dropout > 0 so that the RNG state is part of what must be restored
+    return [sys.executable, "-m", "megafixed.cli", "train", str(cfg),
+            *tiny_overrides(prefix, run_dir, f"train.max_steps={STEPS}", f"train.save_interval={SAVE}",
+                            "model.dropout=0.1", "model.input=gf2", "train.eval_interval=25")]
+
+
+def env() -> dict:
+    # Fresh single-process runs: drop the rendezvous variables an in-process test may have set
+    # (two children on the pytest process's MASTER_PORT would collide).
+    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    return {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def losses(run_dir: Path) -> dict:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r.get("loss"), r.get("val_loss"), r["consumed_samples"]) for r in recs}
+
+
+def logged_steps(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+    except FileNotFoundError:
+        return 0
+
+
+def test_kill9_between_saves_then_resume_is_bit_identical(tmp_path):
+    prefix = write_shards(tmp_path / "data")
+    ref_dir, killed_dir = tmp_path / "ref" / "run", tmp_path / "killed" / "run"
+    for d in (ref_dir, killed_dir):
+        d.parent.mkdir(parents=True)
+    # Uninterrupted reference, started concurrently with the run we are going to kill.
+    ref_log = open(tmp_path / "ref.log", "w")  # a file, not a pipe: a full pipe would stall the run
+    ref = subprocess.Popen(cli(ref_dir, prefix), cwd=ROOT, env=env(), stdout=ref_log, stderr=subprocess.STDOUT)
+    victim = subprocess.Popen(cli(killed_dir, prefix), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    latest = killed_dir / "checkpoints" / "latest"
+    killed_at = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and victim.poll() is None:
+        step = logged_steps(killed_dir)
+        # a checkpoint exists and the run is a few steps past it, before the next save
+        if latest.exists() and step % SAVE >= 3:
+            victim.send_signal(signal.SIGKILL)
+            killed_at = step
+            break
+        time.sleep(0.01)
+    victim.wait()
+    assert killed_at is not None, "the run finished or stalled before it could be killed between saves"
+    assert victim.returncode == -signal.SIGKILL
+    saved = int(latest.read_text().strip().split("_")[1])
+    assert saved < killed_at < STEPS, (saved, killed_at)
+
+    resumed = subprocess.run(cli(killed_dir, prefix), cwd=ROOT, env=env(), capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and f"step {saved}" in resumed.stdout
+    assert ref.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    ref_log.close()
+
+    got, want = losses(killed_dir), losses(ref_dir)
+    assert sorted(got) == sorted(want) and len([s for s in want if want[s][0] is not None]) == STEPS
+    assert got == want  # exact float equality: same bits, every step, train and validation
