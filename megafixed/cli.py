@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 VERBS = {
@@ -27,8 +28,25 @@ def _module(verb: str):
     return importlib.import_module(f"megafixed.commands.{verb}")
 
 
+def _take_launcher_local_rank(argv: list[str]) -> list[str]:
+    """The ``deepspeed`` launcher inserts ``--local_rank=N`` *before* the verb; torch.distributed
+    reads LOCAL_RANK from the environment, so move it there and drop the flag."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith(("--local_rank=", "--local-rank=")):
+            os.environ.setdefault("LOCAL_RANK", a.split("=", 1)[1])
+        elif a in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            i += 1
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _take_launcher_local_rank(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="megafixed", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     available = {}
