@@ -64,7 +64,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verb:
         parser.print_help()
         return 2
-    return int(available[args.verb].run(args) or 0)
+    try:
+        return int(available[args.verb].run(args) or 0)
+    except BrokenPipeError:
+        # `megafixed data inspect ... | head`: the reader left; that is not an error of ours.
+        sys.stderr.close()
+        return 0
+    except (ValueError, OSError) as exc:
+        # The project's errors (ConfigError, DataError, CodeError, ...) are ValueErrors whose message
+        # names the problem and the fix; a traceback would bury it. MEGAFIXED_TRACEBACK=1 shows it.
+        if os.environ.get("MEGAFIXED_TRACEBACK"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -22,6 +22,14 @@ class ConfigError(ValueError):
     """A bad config key or value; the message names the key and what would be valid."""
 
 
+def _require_at_least(section: str, obj: Any, minimum: int, names: tuple) -> None:
+    """Sizes and intervals below ``minimum`` would fail later as a ZeroDivisionError or an empty loop."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{section}.{name}={value} must be >= {minimum}")
+
+
 # ----------------------------------------------------------------------------------- sections
 @dataclass
 class ModelConfig:
@@ -47,6 +55,8 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def validate(self) -> None:
+        _require_at_least("model", self, 1, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                             "max_seq_len"))
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
         kv = self.n_kv_heads or self.n_heads
@@ -148,7 +158,11 @@ class TrainConfig:
     compile: bool = False
     on_nonfinite: Literal["stop", "skip"] = "stop"
     tensorboard: bool = True
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # <= 0 keeps every checkpoint
+
+    def validate(self) -> None:
+        _require_at_least("train", self, 1, ("global_batch", "micro_batch", "log_interval", "save_interval"))
+        _require_at_least("train", self, 0, ("max_steps", "eval_interval", "eval_iters"))  # eval_interval=0: no eval
 
 
 @dataclass
@@ -158,6 +172,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pp_partition: Literal["parameters", "uniform", "type:Block"] = "parameters"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+
+    def validate(self) -> None:
+        _require_at_least("parallel", self, 1, ("tp", "pp"))
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The deepspeed launcher puts ``--local_rank=N`` before the verb; the CLI must accept it."""
 import os
+from pathlib import Path
 
 from megafixed import cli
 
@@ -24,3 +25,29 @@ def test_codes_verb_runs_through_main(capsys):
     # id 5 = 0b0101, LSB first -> + - + -, tiled to width 8
     assert out[1].split() == ["5", "+-+-+-+-"]
     assert out[0].split() == ["0", "--------"]
+
+
+def test_verb_errors_are_one_line_on_stderr_without_a_traceback(capsys, tmp_path):
+    # A ValueError raised inside any verb (here CodeError from `codes`, ShardError from `data`)
+    # is reported by cli.main as `error: ...`, exit 2, instead of a traceback.
+    assert cli.main(["codes", "--bits", "2", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: token id 5 is outside [0, 3] for a 2-bit code") and "Traceback" not in err
+    assert err.count("\n") == 1
+    from megafixed.data.indexed import ShardWriter, bin_path
+    prefix = str(tmp_path / "s")
+    with ShardWriter(prefix, "uint16") as w:
+        w.add_document([1, 2, 3, 4])
+        w.finalize({})
+    with open(bin_path(prefix), "r+b") as fh:
+        fh.truncate(4)
+    assert cli.main(["data", "inspect", prefix]) == 2
+    assert "s.bin is truncated" in capsys.readouterr().err
+
+
+def test_params_and_plan_report_bad_input_on_stderr(capsys):
+    quickstart = str(Path(__file__).resolve().parent.parent / "examples" / "configs" / "quickstart.yaml")
+    assert cli.main(["params", quickstart, "model.bogus=1"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown config key 'model.bogus'")
+    assert cli.main(["plan", quickstart, "--gpus", "0"]) == 2
+    assert "--gpus 0: the number of GPUs to plan for must be >= 1" in capsys.readouterr().err

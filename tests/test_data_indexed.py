@@ -146,3 +146,16 @@ def test_merge_matches_concatenation_and_widens(tmp_path, megatron_indexed):
     theirs = megatron_indexed.IndexedDataset(str(tmp_path / "m"))
     for i, d in enumerate(a + b):
         np.testing.assert_array_equal(theirs[i], d)
+
+
+def test_merge_refuses_shards_from_different_tokenizers(tmp_path):
+    import json
+
+    from megafixed.data.indexed import meta_path
+    for name, tok in (("a", {"type": "hf", "path": "/x/one.json"}), ("b", {"type": "hf", "path": "/x/two.json"})):
+        _write(str(tmp_path / name), _docs(1, n=3))
+        with open(meta_path(str(tmp_path / name)), "w") as fh:
+            json.dump({"tokenizer": tok}, fh)
+    with pytest.raises(ShardError, match="different tokenizers"):
+        merge_shards([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "m"))
+    assert not shard_exists(str(tmp_path / "m")) and not os.listdir(tmp_path).count("m.bin")

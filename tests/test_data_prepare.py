@@ -109,3 +109,40 @@ def test_missing_inputs(tmp_path):
         prepare_data(cfg)
     with pytest.raises(DataError, match="no data"):
         prepare_data(load_config(None, SMALL_MODEL))
+
+
+def test_source_never_overwrites_shards_it_did_not_write(corpus, tmp_path):
+    # `data.prefixes=mine` over a config with data.source used to re-tokenize the source INTO the
+    # user's own shards, destroying them.
+    from megafixed.data.indexed import ShardWriter
+    mine = str(tmp_path / "mine")
+    with ShardWriter(mine, np.uint16) as w:
+        w.add_document([1, 2, 3])
+        w.finalize({"vocab_size": 512})
+    before = open(bin_path(mine), "rb").read()
+    with pytest.raises(DataError, match=r"holds shards that were not tokenized from data\.source.*data\.source=null"):
+        prepare_data(_cfg(corpus, f"data.prefixes=[{mine}]"), progress=False)
+    assert open(bin_path(mine), "rb").read() == before
+
+
+def test_shards_without_a_recorded_vocab_are_scanned_for_out_of_range_ids(tmp_path):
+    # Foreign shards (no vocab_size in .meta.json) with an id past model.vocab_size used to fail
+    # mid-run with an IndexError traceback from the embedding (a device assert on GPU).
+    from megafixed.data.indexed import ShardWriter
+    prefix = str(tmp_path / "foreign")
+    with ShardWriter(prefix, np.uint16) as w:
+        w.add_document([5, 999, 7])
+        w.finalize({})
+    cfg = load_config(None, SMALL_MODEL + [f"data.prefixes=[{prefix}]", "model.input=learned", "model.vocab_size=256"])
+    with pytest.raises(VocabError, match=r"largest token id 999\) has 1000 tokens but model\.vocab_size=256"):
+        prepare_data(cfg)
+    prepare_data(load_config(None, SMALL_MODEL + [f"data.prefixes=[{prefix}]", "model.input=learned",
+                                                 "model.vocab_size=1000"]))  # fits: no error
+
+
+def test_a_tokenizer_too_big_for_the_model_is_refused_before_training(corpus, tmp_path):
+    # It used to train the tokenizer and tokenize the whole corpus first, then refuse.
+    cfg = _cfg(corpus, "data.tokenizer_train_vocab=70000", f"data.cache_dir={tmp_path / 'cache70'}")
+    with pytest.raises(VocabError, match=r"data\.tokenizer_train_vocab .* has 70000 tokens but model\.vocab_size=512"):
+        prepare_data(cfg, progress=False)
+    assert not (tmp_path / "cache70").exists()

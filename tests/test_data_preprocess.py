@@ -113,6 +113,17 @@ def test_bad_records_are_counted_and_never_shift_documents(data):
     assert not [p for p in os.listdir(root) if p.startswith("strict")]
 
 
+def test_a_wrong_json_key_that_skips_every_record_is_an_error_and_writes_nothing(data):
+    # Every record lacking the key used to give rc 0 and an empty shard that only failed at training.
+    root, jsonl, tok_path = data
+    with pytest.raises(DataError, match=r"no document written: every record was skipped.*'missing_key': 600.*"
+                                        r"key 'body' missing.*check --json-keys body"):
+        _run([jsonl], root / "wrongkey", tok_path, json_keys=["body"], workers=2)
+    assert not [p for p in os.listdir(root) if p.startswith("wrongkey")]
+    (root / "empty.jsonl").write_text("")  # no records at all is not an error: a valid, empty shard
+    assert _run([str(root / "empty.jsonl")], root / "emptyout", tok_path).documents == 0
+
+
 def test_shards_by_size_concatenate_to_the_unsharded_output(data):
     root, jsonl, tok = data
     full = _docs(_run([jsonl], root / "one", tok).outputs["text"][0])

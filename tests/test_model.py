@@ -134,3 +134,17 @@ def test_tied_head_shares_the_table_and_init_scales_residual_outputs():
     std_out = model.blocks[0].mlp.w_out.weight.std().item()
     assert std_in == pytest.approx(0.02, rel=0.05)
     assert std_out == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+
+
+def test_fixed_input_refuses_ids_beyond_the_model_vocab_with_the_fix():
+    from megafixed.codes import CodeError, FixedCode
+    from megafixed.model.inputs import FixedCodeInput
+
+    inp = FixedCodeInput(FixedCode.canonical(16), d_model=32, vocab_size=1000)
+    ok = torch.tensor([[0, 999]])
+    assert torch.equal(inp(ok), FixedCode.canonical(16).encode(ok, 32))
+    # 1000 fits the 16-bit code but not the model's head: the data and the config disagree.
+    with pytest.raises(CodeError, match=r"token id 1000 .*model.vocab_size=1000"):
+        inp(torch.tensor([[5, 1000]]))
+    with pytest.raises(CodeError, match="token id -1"):
+        inp(torch.tensor([[-1, 3]]))

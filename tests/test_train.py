@@ -101,6 +101,34 @@ def test_codes_round_trip_through_checkpoints_and_a_changed_seed_is_refused(shar
         load_trained_model(cfg, tmp_path)
 
 
+def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line_naming_the_run_config(tmp_path):
+    # torch's load_state_dict error lists every mismatched tensor on its own line; the CLI error
+    # used to be dozens of lines long. Now: one line, the first few mismatches, the fix.
+    from megafixed.train import checkpoint
+
+    (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)
+    checkpoint.write_latest(tmp_path / "checkpoints", "step_00000003")
+    lines = [f"\tsize mismatch for blocks.{i}.attn.wq.weight: copying a param with shape [32, 32]" for i in range(20)]
+
+    class Engine:
+        def load_checkpoint(self, *args, **kwargs):
+            raise RuntimeError("Error(s) in loading state_dict for GPT:\n" + "\n".join(lines))
+
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load(Engine(), tmp_path / "checkpoints", rank=0)
+    msg = str(err.value)
+    assert "\n" not in msg and "(+18 more)" in msg and "blocks.1.attn" in msg and "blocks.2.attn" not in msg
+    assert f"model.* back to the run's own {tmp_path / 'config.yaml'}" in msg
+
+    class Truncated:  # a missing/cut-short file is corruption, not "the checkpoint does not fit this model"
+        def load_checkpoint(self, *args, **kwargs):
+            raise FileNotFoundError(2, "No such file or directory", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+    with pytest.raises(CheckpointError, match=r"step_00000003: it is incomplete or corrupt .*optim_states\.pt.*"
+                                              r"point .*latest at an earlier tag"):
+        checkpoint.load(Truncated(), tmp_path / "checkpoints", rank=0)
+
+
 def test_latest_pointer_and_pruning(shards, tmp_path):
     run(shards, tmp_path, "train.max_steps=5", "train.save_interval=1", "train.keep_checkpoints=2",
         "train.eval_interval=0", "train.tensorboard=true")

@@ -1,12 +1,10 @@
 #!/usr/bin/env python
 """Megatron-style entry point: same as ``megafixed preprocess`` (flags: --input, --json-keys,
 --tokenizer, --output-prefix, --workers, --append-eod, --shard-size-mb, --strict, --code-bits)."""
-import argparse
 import sys
 
-from megafixed.commands import preprocess
+from megafixed import cli
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=preprocess.HELP)
-    preprocess.add_arguments(parser)
-    sys.exit(preprocess.run(parser.parse_args()))
+    # Through cli.main, so bad input is reported as one `error: ...` line like the verb itself.
+    sys.exit(cli.main(["preprocess", *sys.argv[1:]]))

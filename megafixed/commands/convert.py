@@ -8,6 +8,8 @@ written as a module-only DeepSpeed checkpoint for (T, P) under OUT (or, with ``-
 """
 from __future__ import annotations
 
+import sys
+
 HELP = "gather a checkpoint of any TP/PP layout and re-shard its weights for another layout"
 
 
@@ -35,7 +37,7 @@ def run(args) -> int:
             return 0
         out = write_checkpoint(sd, args.out, tp=args.tp, pp=args.pp)
     except (ConvertError, OSError) as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{tag_dir} (TP {src[0]}, PP {src[1]}) -> {out} (TP {args.tp}, PP {args.pp}); load it with "
           f"engine.load_checkpoint('{args.out}', load_module_only=True)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from ..config import ConfigError, load_config
+from ..config import load_config
 
 HELP = "count parameters of a config on the meta device (total, trainable, input, head, per block)"
 
@@ -17,11 +17,7 @@ def add_arguments(p):
 def run(args) -> int:
     from ..model.params import count_params
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}")
-        return 2
+    cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
     c = count_params(cfg.model)
     if args.json:
         print(json.dumps({"config": args.config, "input_kind": cfg.model.input, **c.to_dict()}))

@@ -50,15 +50,10 @@ def _rank_key(est, budget):
 def run(args) -> int:
     from ..parallel.memory import GiB, count_params, estimate, feasible_layouts, fixed_code_saving
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        gpu_mem = parse_bytes(args.gpu_mem)
-    except ConfigError as exc:
-        print(f"config error: {exc}")
-        return 2
+    cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
+    gpu_mem = parse_bytes(args.gpu_mem)
     if args.gpus < 1:
-        print("--gpus must be >= 1")
-        return 2
+        raise ConfigError(f"--gpus {args.gpus}: the number of GPUs to plan for must be >= 1")
     budget = gpu_mem * HEADROOM
     seq = cfg.data.seq_len
     layouts = feasible_layouts(cfg, args.gpus)

@@ -284,6 +284,14 @@ def merge_shards(prefixes: list[str], output_prefix: str, chunk_tokens: int = 1 
     if not prefixes:
         raise ShardError("merge needs at least one input prefix")
     shards = [IndexedShard(p) for p in prefixes]
+    metas = [s.meta() for s in shards]
+    # Token ids from different tokenizers mean different things; merging them silently would train
+    # on garbage. Shards without our sidecar (e.g. Megatron's own) carry no tokenizer to compare.
+    named = [(p, m["tokenizer"]) for p, m in zip(prefixes, metas) if m.get("tokenizer")]
+    for p, tok in named[1:]:
+        if tok != named[0][1]:
+            raise ShardError(f"cannot merge {named[0][0]!r} and {p!r}: they were tokenized with different "
+                             f"tokenizers ({named[0][1]} vs {tok}); re-tokenize them with one tokenizer first")
     dtype = shards[0].dtype
     for s in shards[1:]:
         dtype = np.promote_types(dtype, s.dtype)
@@ -306,7 +314,6 @@ def merge_shards(prefixes: list[str], output_prefix: str, chunk_tokens: int = 1 
                 docs.append(np.asarray(s.doc_indices[1:]) + offset)
                 offset += s.num_sequences
         _write_index(out_idx, dtype, np.concatenate(lengths), np.concatenate(docs))
-        metas = [s.meta() for s in shards]
         same_tokenizer = all(m.get("tokenizer") == metas[0].get("tokenizer") for m in metas)
         meta = {"merged_from": [os.path.abspath(p) for p in prefixes],
                 "tokenizer": metas[0].get("tokenizer") if same_tokenizer else None}

@@ -64,6 +64,17 @@ def _shards_match(prefix: str, fingerprint: dict) -> bool:
         return False
 
 
+def _made_by_prepare(prefix: str) -> bool:
+    """True if the shard's meta records a prepare fingerprint (so it is a cache we may rebuild)."""
+    try:
+        import json
+
+        with open(meta_path(prefix)) as fh:
+            return "prepare_fingerprint" in json.load(fh)
+    except (OSError, ValueError):
+        return False
+
+
 def _wait_for(what: str, ready: Callable[[], bool], timeout_s: float, poll_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
@@ -90,6 +101,10 @@ def prepare_data(cfg, is_main: bool = True, wait_timeout_s: float = 6 * 3600, po
         d.tokenizer = _abs(d.tokenizer) or os.path.join(cache, name + ".json")
         d.prefixes = [_abs(p) for p in d.prefixes] or [os.path.join(cache, name)]
         if not os.path.exists(d.tokenizer):
+            # Refuse a vocabulary the model cannot hold before spending the training (and tokenizing) time.
+            check_vocab_fits(d.tokenizer_train_vocab, model_vocab=cfg.model.vocab_size,
+                             code_bits=cfg.model.code_bits if cfg.model.input != "learned" else None,
+                             where="data.tokenizer_train_vocab (the tokenizer to train)")
             if is_main:
                 from .tokenizers import train_tokenizer
 
@@ -102,6 +117,12 @@ def prepare_data(cfg, is_main: bool = True, wait_timeout_s: float = 6 * 3600, po
         fp = _fingerprint(sources, d.tokenizer, d.source_json_key)
         prefix = d.prefixes[0]
         if not _shards_match(prefix, fp):
+            if shard_exists(prefix) and not _made_by_prepare(prefix):
+                # Shards at an explicit data.prefixes[0] that this function did not write are the user's
+                # (e.g. `data.prefixes=...` over the quickstart config): re-tokenizing would overwrite them.
+                raise DataError(f"data.prefixes[0]={prefix} holds shards that were not tokenized from "
+                                f"data.source={d.source}; refusing to overwrite them. To train on those shards "
+                                f"set data.source=null; to tokenize data.source, point data.prefixes elsewhere")
             if is_main:
                 from .preprocess import PreprocessOptions, preprocess
 
@@ -135,6 +156,24 @@ def _check_vocab(cfg) -> None:
         vocab = IndexedShard(first).meta().get("vocab_size")
         where = f"the tokenizer of shard {first}"
         if vocab is None:
-            return
+            # Shards without a recorded vocabulary (written elsewhere): an id past the model's vocab
+            # would only surface mid-run (an IndexError in the embedding or the loss, a device assert
+            # on GPU), so scan them once here. One sequential read of the .bin files.
+            vocab, where = _largest_id_plus_one(d.prefixes)
+            if vocab is None:
+                return
     check_vocab_fits(int(vocab), model_vocab=m.vocab_size,
                      code_bits=m.code_bits if m.input != "learned" else None, where=where)
+
+
+def _largest_id_plus_one(prefixes: list) -> tuple:
+    """(largest token id + 1, which shard holds it) over all shards of ``prefixes``; (None, "") if empty."""
+    best, where = None, ""
+    for p in prefixes:
+        for shard_prefix in resolve_prefix(p):
+            tokens = IndexedShard(shard_prefix).tokens
+            top = int(tokens.max()) + 1 if tokens.size else None
+            if top is not None and (best is None or top > best):
+                best = top
+                where = f"shard {shard_prefix} (no vocab_size in its .meta.json; largest token id {best - 1})"
+    return best, where

@@ -261,6 +261,13 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
                     consume(pending.popleft().get())
         report.seconds = time.perf_counter() - t0
         report.bad = {k: int(bad.get(k, 0)) for k in BAD_KINDS}
+        if report.documents == 0 and any(report.bad.values()):
+            # Every record was skipped: almost always the wrong --json-keys or input format. An empty
+            # shard would only fail later, far from the cause; the except below removes the temp files.
+            skipped = {k: v for k, v in report.bad.items() if v}
+            example = f" (e.g. {report.bad_examples[0]})" if report.bad_examples else ""
+            raise DataError(f"no document written: every record was skipped as bad {skipped}{example}; "
+                            f"check --json-keys {' '.join(keys)} against the records' fields, or the input format")
         meta = {"tokenizer": tok.describe(), "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
                 "append_eod": opts.append_eod, "dtype": str(dtype), "inputs": [os.path.abspath(p) for p in paths],
                 "documents": report.documents, "bad_records": report.bad, **opts.extra_meta}

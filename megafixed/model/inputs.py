@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..codes import FixedCode, make_code
+from ..codes import CodeError, FixedCode, make_code
 
 
 class LearnedInput(nn.Module):
@@ -33,6 +33,9 @@ class FixedCodeInput(nn.Module):
             code.check_vocab(vocab_size)
         self.code = code
         self.d_model = d_model
+        # Ids are checked against the model's vocabulary, not only the code's 2^bits: an id the
+        # code can represent but the head cannot predict means the data and config disagree.
+        self.id_limit = int(vocab_size) if vocab_size is not None else 1 << code.bits
         self.register_buffer("code_rows", torch.tensor(code.rows, dtype=torch.int64))
         self.register_buffer("code_shift", torch.tensor(code.shift, dtype=torch.int64))
         self.register_buffer("code_scale", torch.tensor(code.scale, dtype=torch.float64))
@@ -41,7 +44,13 @@ class FixedCodeInput(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # Imported lazily: the dispatch pulls in Triton only when a CUDA tensor needs it.
         from ..kernels import token_codes
-        return token_codes(ids, self.code, self.d_model, dtype=self.out_dtype)
+        if ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(ids))  # one host sync, as the dispatch's own check
+            if lo < 0 or hi >= self.id_limit:
+                raise CodeError(f"token id {lo if lo < 0 else hi} is outside [0, {self.id_limit - 1}] "
+                                f"(model.vocab_size={self.id_limit}); the data was tokenized with a "
+                                f"different vocabulary than this config: check data.tokenizer and model.vocab_size")
+        return token_codes(ids, self.code, self.d_model, dtype=self.out_dtype, validate=False)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

@@ -36,6 +36,7 @@ class ConvertError(ValueError):
 
 _LAYER_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 _MP_RE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+_ZERO3_RE = re.compile(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")  # weights live in optim files
 
 
 def resolve_tag_dir(ckpt: str | os.PathLike, tag: str | None = None) -> Path:
@@ -43,7 +44,7 @@ def resolve_tag_dir(ckpt: str | os.PathLike, tag: str | None = None) -> Path:
     root = Path(ckpt)
     if tag:
         return root / tag
-    if any(_MP_RE.match(p.name) for p in root.iterdir()) if root.is_dir() else False:
+    if any(_MP_RE.match(p.name) or _ZERO3_RE.match(p.name) for p in root.iterdir()) if root.is_dir() else False:
         return root
     latest = root / "latest"
     if latest.exists():
@@ -53,7 +54,11 @@ def resolve_tag_dir(ckpt: str | os.PathLike, tag: str | None = None) -> Path:
 
 
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except RuntimeError as exc:  # torch's zip reader on a truncated or overwritten file
+        raise ConvertError(f"{path} cannot be read ({str(exc).splitlines()[0]}); the checkpoint is corrupt or "
+                           f"was cut short: convert an earlier tag with --tag") from exc
 
 
 def detect_layout(tag_dir: Path) -> tuple[int, int]:
@@ -62,6 +67,10 @@ def detect_layout(tag_dir: Path) -> tuple[int, int]:
     layers = [m for m in layers if m]
     mp = [m for m in (_MP_RE.match(p.name) for p in tag_dir.iterdir()) if m]
     if not mp:
+        if any(_ZERO3_RE.match(p.name) for p in tag_dir.iterdir()):
+            raise ConvertError(f"{tag_dir} is a ZeRO stage 3 checkpoint (its weights are partitioned into the "
+                               f"optimizer files); gather them first with DeepSpeed's zero_to_fp32.py (saved in the "
+                               f"checkpoints directory)")
         raise ConvertError(f"{tag_dir} is not a DeepSpeed checkpoint (no mp_rank_*_model_states.pt)")
     if layers:
         tp = len({int(m.group(2)) for m in layers})

@@ -104,6 +104,13 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, kee
     return tag
 
 
+def _summarize(msg: str, keep: int = 3) -> str:
+    """torch's load_state_dict error lists every tensor on its own line; keep one line and the first few."""
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    more = f" (+{len(lines) - keep} more)" if len(lines) > keep else ""
+    return " ".join(lines[:keep]) + more
+
+
 def load(engine, ckpt_dir: str | os.PathLike, rank: int) -> Optional[dict]:
     """Restore model, optimizer and RNG from ``latest``; returns the client state (None: nothing to load)."""
     tag = read_latest(ckpt_dir)
@@ -112,13 +119,18 @@ def load(engine, ckpt_dir: str | os.PathLike, rank: int) -> Optional[dict]:
     try:
         path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:
         msg = str(exc)
+        if isinstance(exc, OSError) or "PytorchStreamReader" in msg:  # a missing or truncated file, not a model change
+            raise CheckpointError(f"cannot resume from {Path(ckpt_dir) / tag}: it is incomplete or corrupt "
+                                  f"({_summarize(msg, keep=1)}); point {Path(ckpt_dir) / LATEST} at an earlier "
+                                  f"tag, or delete it to start from scratch") from exc
         if "fixed code mismatch" in msg:
             lines = [ln.strip() for ln in msg.splitlines() if "fixed code mismatch" in ln]
-            raise CheckpointError(f"cannot resume from {Path(ckpt_dir) / tag}: " + " ".join(lines)) from None
+            raise CheckpointError(f"cannot resume from {Path(ckpt_dir) / tag}: " + "; ".join(lines)) from None
         raise CheckpointError(f"cannot resume from {Path(ckpt_dir) / tag}: the checkpoint does not fit this "
-                              f"model (did model.* change since it was written?). DeepSpeed said: {msg}") from exc
+                              f"model; set model.* back to the run's own {Path(ckpt_dir).parent / 'config.yaml'} "
+                              f"or use a new train.run_dir. DeepSpeed said: {_summarize(msg)}") from exc
     if path is None:
         raise CheckpointError(f"DeepSpeed found no loadable checkpoint in {Path(ckpt_dir) / tag}")
     states = client.get("rng") or []
