@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -320,9 +320,5 @@ def make_code(kind: str, bits: int = 16, seed: int = 0, affine: bool = True, sca
     raise CodeError(f"unknown code kind {kind!r}; use 'canonical' or 'gf2'")
 
 
-def all_ids(bits: int) -> torch.Tensor:
-    return torch.arange(1 << bits, dtype=torch.int64)
-
-
-__all__: Iterable[str] = ["FixedCode", "CodeError", "bits_needed", "gf2_inverse", "make_code",
+__all__ = ["FixedCode", "CodeError", "bits_needed", "gf2_inverse", "make_code",
                           "CODE_FORMAT_VERSION"]
