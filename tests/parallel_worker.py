@@ -1,7 +1,7 @@
 """A minimal DeepSpeed driver for parallel-layout tests (launched by torchrun, or run alone).
 
-It uses the same seam as the trainer (``setup_distributed``, ``build_model``, ``topo.mpu``) and the
-same step dispatch (``engine.train_batch`` for a PipelineModule, else forward/backward/step), on
+It uses the same seam as the trainer (``setup_distributed``, ``train.engine.build_engine`` and
+``train.step.train_step``: pipeline or plain dispatch, the once-per-step SP gradient sum), on
 synthetic token batches that depend only on (seed, step), so every layout sees the same global
 batch. Rank 0 writes ``{"loss": [...], "grad_norm": [...]}`` as JSON.
 
@@ -39,17 +39,11 @@ def ds_config(cfg, dp: int) -> dict:
 
 
 def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: int) -> dict:
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
+    from megafixed.train.engine import build_engine
+    from megafixed.train.step import train_step
 
-    from megafixed.parallel import build_model
-
-    model = build_model(cfg, topo)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
-                            eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, mpu=topo.mpu,
-                                      config=ds_config(cfg, topo.dp))
+    bundle = build_engine(cfg, topo, ds_config(cfg, topo.dp), "fp32")
+    engine, opt = bundle.engine, bundle.optimizer
     if load:  # weights only: how a checkpoint converted to another layout is loaded
         engine.load_checkpoint(load, load_module_only=True, load_optimizer_states=False,
                                load_lr_scheduler_states=False)
@@ -58,29 +52,17 @@ def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: in
     losses, norms = [], []
     for step in range(start, start + steps):
         x, y = global_batch(cfg.train.seed, step, cfg.train.global_batch, cfg.data.seq_len, cfg.model.vocab_size)
-        mine = slice(topo.dp_rank * per_rank, (topo.dp_rank + 1) * per_rank)
-        x, y = x[mine], y[mine]
-        batches = [(x[i:i + micro], y[i:i + micro]) for i in range(0, per_rank, micro)]
-        if isinstance(engine.module, PipelineModule):
-            loss = engine.train_batch(iter(batches))  # averaged over micro batches and DP already
-        else:
-            loss = torch.zeros(())
-            for xi, yi in batches:
-                micro_loss = engine(xi, yi)
-                engine.backward(micro_loss)
-                engine.step()
-                loss += micro_loss.detach() / len(batches)
-            if topo.dp > 1:  # report the global-batch mean, as one process sees it
-                group = topo.mpu.get_data_parallel_group() if topo.mpu else None
-                torch.distributed.all_reduce(loss, group=group)
-                loss = loss / topo.dp
-        losses.append(float(loss))
-        norm = engine.get_global_grad_norm()
-        norms.append(float("nan") if norm is None else float(norm))
+        tokens = torch.cat([x, y[:, -1:]], dim=1)[topo.dp_rank * per_rank:(topo.dp_rank + 1) * per_rank]
+        batches = iter([tokens[i:i + micro] for i in range(0, per_rank, micro)])
+        # the trainer's own step: pipeline or plain dispatch, the SP gradient sync, the DP-mean loss
+        result = train_step(engine, opt, batches, per_rank // micro, dp=topo.dp, dp_group=topo.dp_group,
+                            grad_sync=bundle.grad_sync)
+        losses.append(result.loss)
+        norms.append(float("nan") if result.grad_norm is None else result.grad_norm)
     if save:
         engine.save_checkpoint(save, tag="ckpt")
     return {"loss": losses, "grad_norm": norms, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp,
-            **measured_state(engine)}
+            "grad_syncs": bundle.grad_sync.all_reduces if bundle.grad_sync else None, **measured_state(engine)}
 
 
 def measured_state(engine) -> dict:

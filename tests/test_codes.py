@@ -9,8 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from megafixed.codes import (CODE_FORMAT_VERSION, MAX_BITS, CodeError, FixedCode, bits_needed,
-                             gf2_inverse, make_code)
+from megafixed.codes import (
+    CODE_FORMAT_VERSION,
+    MAX_BITS,
+    CodeError,
+    FixedCode,
+    bits_needed,
+    gf2_draw,
+    gf2_inverse,
+    make_code,
+    splitmix64,
+)
 
 ALL16 = torch.arange(1 << 16, dtype=torch.int64)
 
@@ -103,6 +112,122 @@ def test_gf2_reproducible_from_seed_and_different_across_seeds():
     assert not a.is_identity and FixedCode.canonical(16).is_identity
     assert FixedCode.gf2(16, seed=3, affine=False).shift == 0
     assert make_code("gf2", 16, seed=3) == a and make_code("canonical", 12) == FixedCode.canonical(12)
+
+
+# ---------------------------------------------------------------------------- seeded draws, pinned
+# Computed once with gf2_draw and written out; a change here changes every seeded gf2 model.
+SEED0_ROWS = [4693, 32646, 20324, 34220, 40663, 61709, 12138, 25420,
+              29289, 20347, 13056, 54544, 25366, 14450, 17743, 549]
+SEED0_SHIFT = 47792
+SEED1_ROWS = [23745, 60519, 21854, 51467, 46521, 640, 15525, 34165,
+              15784, 26518, 20321, 35838, 24000, 41610, 22440, 19003]
+SEED1_SHIFT = 2915
+
+
+def _ref_splitmix64(seed):
+    """SplitMix64 written out again, independently of codes.splitmix64."""
+    m = 2 ** 64
+    while True:
+        seed = (seed + 0x9E3779B97F4A7C15) % m
+        z = seed
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % m
+        yield z ^ (z >> 31)
+
+
+def _ref_rank(rows, bits):
+    """GF(2) rank by forward elimination on 0/1 lists (a different route than codes.gf2_rank)."""
+    mat = [[(r >> j) & 1 for j in range(bits)] for r in rows]
+    rank = 0
+    for col in range(bits):
+        piv = next((i for i in range(rank, bits) if mat[i][col]), None)
+        if piv is None:
+            continue
+        mat[rank], mat[piv] = mat[piv], mat[rank]
+        for i in range(rank + 1, bits):
+            if mat[i][col]:
+                mat[i] = [x ^ y for x, y in zip(mat[i], mat[rank])]
+        rank += 1
+    return rank
+
+
+def _ref_draw(bits, seed, affine=True):
+    """The documented procedure, re-implemented: whole candidate matrices until one is invertible."""
+    out = _ref_splitmix64(seed)
+    while True:
+        rows = [next(out) % (1 << bits) for _ in range(bits)]
+        if _ref_rank(rows, bits) == bits:
+            return rows, (next(out) % (1 << bits) if affine else 0)
+
+
+def test_splitmix64_matches_published_reference():
+    gen = splitmix64(0)
+    assert [next(gen), next(gen)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+    ref, ours = _ref_splitmix64(12345), splitmix64(12345)
+    assert [next(ours) for _ in range(50)] == [next(ref) for _ in range(50)]
+
+
+@pytest.mark.parametrize("seed,rows,shift", [(0, SEED0_ROWS, SEED0_SHIFT), (1, SEED1_ROWS, SEED1_SHIFT)])
+def test_gf2_seed_gives_pinned_code(seed, rows, shift):
+    assert _ref_draw(16, seed) == (rows, shift)  # the literals follow from the documented procedure
+    code = FixedCode.gf2(16, seed=seed)
+    assert list(code.rows) == rows and code.shift == shift and code.seed == seed
+    linear = FixedCode.gf2(16, seed=seed, affine=False)
+    assert list(linear.rows) == rows and linear.shift == 0
+    assert make_code("gf2", 16, seed=seed) == code
+
+
+@pytest.mark.parametrize("bits,seed", [(1, 0), (3, 5), (8, 2), (24, 4), (31, 2 ** 64 - 1)])
+def test_gf2_draw_matches_reference_at_other_widths(bits, seed):
+    assert gf2_draw(bits, seed) == _ref_draw(bits, seed)
+    assert gf2_draw(bits, seed, affine=False) == _ref_draw(bits, seed, affine=False)
+
+
+def test_gf2_draw_rejects_singular_candidates_and_is_uniform_on_gl2():
+    # Seed 0's first 16x16 candidate (rows = low 16 bits of the first 16 outputs) is singular, so
+    # the pinned A comes from a later candidate: rejection really happens.
+    gen = _ref_splitmix64(0)
+    first = [next(gen) & 0xFFFF for _ in range(16)]
+    assert _ref_rank(first, 16) < 16 and first != SEED0_ROWS
+    # GL(2, 2) has 6 elements; 6000 seeds give each ~1000 times (sd ~29), singular ones never.
+    counts = {}
+    for seed in range(6000):
+        rows, _ = gf2_draw(2, seed, affine=False)
+        counts[tuple(rows)] = counts.get(tuple(rows), 0) + 1
+    gl2 = {(1, 2), (2, 1), (1, 3), (3, 1), (2, 3), (3, 2)}
+    assert set(counts) == gl2
+    assert all(850 < c < 1150 for c in counts.values()), counts
+
+
+def test_gf2_draw_does_not_use_torch_rng(monkeypatch):
+    want = FixedCode.gf2(16, seed=1)
+    torch.manual_seed(999)
+
+    def boom(*a, **k):
+        raise AssertionError("gf2 must not draw from torch's RNG")
+    monkeypatch.setattr(torch, "randint", boom)
+    monkeypatch.setattr(torch, "Generator", boom)
+    assert FixedCode.gf2(16, seed=1) == want
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 64, 1.5, True, "0"])
+def test_bad_seed_is_refused(seed):
+    with pytest.raises(CodeError, match=r"code seed must be an integer in \[0, 2\*\*64\)"):
+        FixedCode.gf2(8, seed=seed)
+
+
+def test_make_code_with_explicit_rows_and_shift():
+    code = make_code("gf2", 16, seed=123, rows=SEED0_ROWS, shift=SEED0_SHIFT)  # the seed is ignored
+    seeded = FixedCode.gf2(16, seed=0)
+    assert code.rows == seeded.rows and code.shift == seeded.shift and code.seed is None
+    assert torch.equal(code.encode(ALL16, 16), seeded.encode(ALL16, 16))
+    assert make_code("gf2", 16, rows=SEED0_ROWS).shift == 0
+    with pytest.raises(CodeError, match="only apply to the gf2 code"):
+        make_code("canonical", 16, rows=SEED0_ROWS)
+    with pytest.raises(CodeError, match="shift was given without rows"):
+        make_code("gf2", 16, shift=3)
+    with pytest.raises(CodeError, match=r"singular \(rank 15 < 16\)"):
+        make_code("gf2", 16, rows=SEED0_ROWS[:15] + [SEED0_ROWS[0]])
 
 
 @pytest.mark.parametrize("as_type", [list, np.array, torch.tensor])

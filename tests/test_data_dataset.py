@@ -36,7 +36,8 @@ def test_round_trip_text_to_samples_to_text(tmp_path):
     from megafixed.data.preprocess import PreprocessOptions, preprocess
     from megafixed.data.tokenizers import load_tokenizer, train_tokenizer
 
-    texts = [f"Document number {i} talks about {'cats' if i % 2 else 'dogs'} and the number {i * 7}." for i in range(60)]
+    texts = [f"Document number {i} talks about {'cats' if i % 2 else 'dogs'} and the number {i * 7}."
+             for i in range(60)]
     (tmp_path / "c.txt").write_text("\n\n".join(texts) + "\n")
     tok_path = train_tokenizer([str(tmp_path / "c.txt")], str(tmp_path / "t.json"), 320)
     preprocess(PreprocessOptions([str(tmp_path / "c.txt")], str(tmp_path / "c"), tok_path, progress=False))

@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 
 from megafixed.data.errors import ShardError
-from megafixed.data.indexed import (IndexedShard, ShardWriter, bin_path, dtype_for_vocab, idx_path, merge_shards,
-                                    shard_exists)
+from megafixed.data.indexed import (
+    IndexedShard,
+    ShardWriter,
+    bin_path,
+    dtype_for_vocab,
+    idx_path,
+    merge_shards,
+    shard_exists,
+)
 
 
 @pytest.fixture(scope="module")

@@ -41,9 +41,13 @@ def test_first_use_then_cached(corpus, tmp_path, monkeypatch, tokenizer):
     cfg = prepare_data(_cfg("corpus.jsonl.gz", *extra), progress=False)
     d = cfg.data
     assert os.path.isabs(d.tokenizer) and os.path.isabs(d.prefixes[0])
-    if tokenizer is None:
-        assert d.tokenizer == str(tmp_path / "cache" / "corpus.tok512.json")
-        assert d.prefixes == [str(tmp_path / "cache" / "corpus.tok512")]
+    if tokenizer is None:  # the user cache (MEGAFIXED_CACHE_DIR), keyed by the source's path; never next to it
+        from megafixed.data.prepare import _default_cache
+
+        cache = _default_cache([str(tmp_path / "corpus.jsonl.gz")])
+        assert cache.startswith(os.environ["MEGAFIXED_CACHE_DIR"]) and not (tmp_path / "cache").exists()
+        assert d.tokenizer == os.path.join(cache, "corpus.tok512.json")
+        assert d.prefixes == [os.path.join(cache, "corpus.tok512")]
     tok = load_tokenizer(d.tokenizer)
     assert tok.vocab_size == 512
     with gzip.open(corpus, "rt") as fh:
@@ -95,7 +99,8 @@ def test_vocab_checks(corpus):
         prepare_data(_cfg(corpus, "model.vocab_size=500"), progress=False)
     # fixed codes: 8 bits hold 256 ids (config validation is skipped to reach prepare_data's own check)
     bad = _cfg(corpus, "model.code_bits=8", validate=False)
-    with pytest.raises(VocabError, match=r"512 tokens but 8-bit fixed codes hold only 256.*model.code_bits.*at least 9"):
+    with pytest.raises(VocabError,
+                       match=r"512 tokens but 8-bit fixed codes hold only 256.*model.code_bits.*at least 9"):
         prepare_data(bad, progress=False)
     learned = _cfg(corpus, "model.code_bits=8", "model.input=learned", validate=False)
     prepare_data(learned, progress=False)  # a learned table has no code-bit limit

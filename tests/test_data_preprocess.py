@@ -95,7 +95,8 @@ def test_plain_text_paragraphs(data):
 def test_bad_records_are_counted_and_never_shift_documents(data):
     root, _, tok_path = data
     good = ["alpha beta", "gamma", "delta epsilon"]
-    lines = [json.dumps({"text": good[0]}).encode(), b'{"text": "bad \xff\xfe bytes"}', json.dumps({"body": "x"}).encode(),
+    lines = [json.dumps({"text": good[0]}).encode(), b'{"text": "bad \xff\xfe bytes"}',
+             json.dumps({"body": "x"}).encode(),
              json.dumps({"text": ""}).encode(), b"{not json", json.dumps({"text": good[1]}).encode(),
              json.dumps({"text": 5}).encode(), b"", json.dumps({"text": good[2]}).encode()]
     (root / "bad.jsonl").write_bytes(b"\n".join(lines) + b"\n")
@@ -120,8 +121,11 @@ def test_a_wrong_json_key_that_skips_every_record_is_an_error_and_writes_nothing
                                         r"key 'body' missing.*check --json-keys body"):
         _run([jsonl], root / "wrongkey", tok_path, json_keys=["body"], workers=2)
     assert not [p for p in os.listdir(root) if p.startswith("wrongkey")]
-    (root / "empty.jsonl").write_text("")  # no records at all is not an error: a valid, empty shard
-    assert _run([str(root / "empty.jsonl")], root / "emptyout", tok_path).documents == 0
+    # An empty corpus used to write an empty shard (rc 0) that only failed at training time.
+    (root / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match=r"no document written: the inputs .*empty\.jsonl.* hold no text"):
+        _run([str(root / "empty.jsonl")], root / "emptyout", tok_path)
+    assert not [p for p in os.listdir(root) if p.startswith("emptyout")]
 
 
 def test_shards_by_size_concatenate_to_the_unsharded_output(data):

@@ -136,15 +136,76 @@ def test_tied_head_shares_the_table_and_init_scales_residual_outputs():
     assert std_out == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 
 
-def test_fixed_input_refuses_ids_beyond_the_model_vocab_with_the_fix():
-    from megafixed.codes import CodeError, FixedCode
-    from megafixed.model.inputs import FixedCodeInput
+def test_ids_beyond_the_model_vocab_are_refused_on_the_host_with_the_fix():
+    from megafixed.train.step import TokenRangeError, split_tokens
 
-    inp = FixedCodeInput(FixedCode.canonical(16), d_model=32, vocab_size=1000)
-    ok = torch.tensor([[0, 999]])
-    assert torch.equal(inp(ok), FixedCode.canonical(16).encode(ok, 32))
-    # 1000 fits the 16-bit code but not the model's head: the data and the config disagree.
-    with pytest.raises(CodeError, match=r"token id 1000 .*model.vocab_size=1000"):
-        inp(torch.tensor([[5, 1000]]))
-    with pytest.raises(CodeError, match="token id -1"):
-        inp(torch.tensor([[-1, 3]]))
+    ok = torch.tensor([[0, 999, 5]])
+    inputs, labels = split_tokens(ok, "cpu", vocab_size=1000)
+    assert inputs.tolist() == [[0, 999]] and labels.tolist() == [[999, 5]]
+    # 1000 fits a 16-bit code but not the model's head: the data and the config disagree.
+    with pytest.raises(TokenRangeError, match=r"token id 1000 .*model.vocab_size=1000.*data.tokenizer"):
+        split_tokens(torch.tensor([[5, 1000]]), "cpu", vocab_size=1000)
+    with pytest.raises(TokenRangeError, match="token id -1"):
+        split_tokens(torch.tensor([[-1, 3]]), "cpu", vocab_size=1000)
+
+
+class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts device-to-host reads (``.item()``, ``int(t)``, ``bool(t)`` all go through
+    ``aten._local_scalar_dense``): on a GPU each one is a synchronisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["canonical", "gf2", "learned"])
+def test_forward_and_backward_read_nothing_back_to_the_host(kind):
+    model = GPT(tiny(f"model.input={kind}"))
+    ids = torch.randint(0, 256, (2, 16))
+    with _ScalarReads() as reads:
+        model(ids[:, :-1], ids[:, 1:]).backward()
+    assert reads.count == 0
+
+
+def test_same_seed_gives_the_same_backbone_for_every_interface():
+    """The paired comparison of the paper: only the input differs at the same seed."""
+    models = {kind: GPT(tiny(f"model.input={kind}"), seed=11) for kind in ("learned", "canonical", "gf2")}
+    backbone = {n: p for n, p in models["canonical"].named_parameters()}
+    assert backbone and not any(n.startswith("input.") for n in backbone)
+    for kind in ("learned", "gf2"):
+        theirs = dict(models[kind].named_parameters())
+        assert set(theirs) - set(backbone) == ({"input.embedding.weight"} if kind == "learned" else set())
+        for name, p in backbone.items():
+            assert torch.equal(theirs[name], p), f"{kind}: {name} differs from the canonical model's"
+    other_seed = GPT(tiny("model.input=canonical"), seed=12)
+    assert not torch.equal(other_seed.blocks[0].attn.wq.weight, backbone["blocks.0.attn.wq.weight"])
+
+
+def test_meta_construction_then_init_equals_the_eager_model():
+    from megafixed.model import init_parameters
+
+    cfg = tiny("model.input=learned", "model.mlp=swiglu", "model.bias=true", "model.norm=layernorm")
+    eager = GPT(cfg, seed=3)
+    with torch.device("meta"):
+        lazy = GPT(cfg, seed=3)
+    assert all(p.is_meta for p in lazy.parameters())
+    lazy.to_empty(device="cpu")
+    init_parameters(lazy, cfg, seed=3)
+    for (n, a), (_, b) in zip(eager.named_parameters(), lazy.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_rope_tables_stay_fp32_after_a_half_precision_cast():
+    model = GPT(tiny("model.input=gf2", "model.code_scale=0.3"))
+    cos_before, _ = model.rotary(16, torch.device("cpu"))
+    model.bfloat16()  # what DeepSpeed's bf16 mode does to every module (every pipeline stage too)
+    cos_after, sin_after = model.rotary(16, torch.device("cpu"))
+    assert cos_after.dtype == sin_after.dtype == torch.float32 and torch.equal(cos_after, cos_before)
+    assert not [n for n, _ in model.named_buffers() if "rope" in n]  # nothing for a cast to reach
+
+

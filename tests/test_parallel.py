@@ -114,6 +114,8 @@ def test_sequence_parallel_matches_one_process(reference, torchrun, tmp_path):
     got = _launch(torchrun, 2, tmp_path, ["parallel.tp=2", "parallel.sequence_parallel=true"])
     for name in INPUTS:
         _assert_same_run(got[name], reference["results"][name], f"tp2+sp/{name}")
+        # ZeRO-1: the SP gradients are summed over TP by one coalesced all-reduce per step
+        assert got[name]["grad_syncs"] == 3, f"tp2+sp/{name}: {got[name]['grad_syncs']} TP all-reduces in 3 steps"
 
 
 @pytest.mark.multiprocess
@@ -194,6 +196,7 @@ def _cfg(*overrides: str):
     (["parallel.sequence_parallel=true"], 1, "needs parallel.tp > 1"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=31"], 2, "seq_len=31"),
     (["parallel.pp=2", "model.input=learned", "model.tie_embeddings=true"], 2, "tie_embeddings"),
+    (["parallel.tp=2", "model.dropout=0.1"], 2, "dropout=0.1 with parallel.tp=2 would drop different elements"),
     (["train.global_batch=6"], 4, "global_batch=6"),
 ])
 def test_impossible_layouts_are_refused_before_any_group(overrides, world, needle):

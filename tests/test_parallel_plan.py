@@ -9,7 +9,7 @@ import torch
 from megafixed.cli import main as cli_main
 from megafixed.config import load_config
 from megafixed.model import GPT
-from megafixed.parallel.memory import (Layout, count_params, estimate, layer_activation_bytes, stage_params)
+from megafixed.parallel.memory import Layout, count_params, estimate, layer_activation_bytes, stage_params
 from megafixed.parallel.tensor import sharded_dim
 
 BASE = ["model.vocab_size=512", "model.d_model=128", "model.n_heads=4", "model.max_seq_len=256",

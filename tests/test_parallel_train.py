@@ -78,6 +78,18 @@ def _assert_resume_is_bit_exact(torchrun, nproc, shards, run_dir, kind, *layout)
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"resume changed step {a['step']}"
 
 
+def _assert_loads_as_the_reference(run_dir, ref_dir):
+    """The one loading path (evaluation, export) gathers this layout's checkpoint, config included."""
+    from megafixed.train.evaluate import load_trained_model
+
+    got, tag = load_trained_model(None, run_dir)
+    ref, ref_tag = load_trained_model(None, ref_dir)
+    assert tag == ref_tag == f"step_{STEPS:08d}"
+    ref_params = dict(ref.named_parameters())
+    for name, p in got.named_parameters():
+        assert torch.allclose(p, ref_params[name], rtol=0, atol=2e-5), name
+
+
 def _assert_weights_match(run_dir, ref_dir):
     tag = f"step_{STEPS:08d}"
     got = gather_state_dict(Path(run_dir) / "checkpoints", tag)
@@ -94,6 +106,7 @@ def test_train_tp2_fixed_codes_matches_and_resumes(shards, reference, torchrun, 
     _assert_matches(tmp_path / "run", reference["canonical"], "train tp2 canonical")
     _assert_resume_is_bit_exact(torchrun, 2, shards, tmp_path / "run", "canonical", *layout)
     _assert_weights_match(tmp_path / "run", reference["canonical"])
+    _assert_loads_as_the_reference(tmp_path / "run", reference["canonical"])
 
 
 @pytest.mark.multiprocess
@@ -103,6 +116,7 @@ def test_train_pp2_learned_matches_and_resumes(shards, reference, torchrun, tmp_
     _assert_matches(tmp_path / "run", reference["learned"], "train pp2 learned")
     _assert_resume_is_bit_exact(torchrun, 2, shards, tmp_path / "run", "learned", *layout)
     _assert_weights_match(tmp_path / "run", reference["learned"])
+    _assert_loads_as_the_reference(tmp_path / "run", reference["learned"])
 
 
 @pytest.mark.multiprocess
@@ -115,6 +129,7 @@ def test_train_pp2_learned_matches_and_resumes(shards, reference, torchrun, tmp_
 def test_train_other_layouts_match(shards, reference, torchrun, tmp_path, kind, layout):
     _train(torchrun, 2, shards, tmp_path / "run", kind, *layout)
     _assert_matches(tmp_path / "run", reference[kind], f"train {layout} {kind}")
+    _assert_loads_as_the_reference(tmp_path / "run", reference[kind])  # ZeRO-3 through zero_to_fp32
 
 
 @pytest.mark.multiprocess

@@ -20,10 +20,14 @@ def shards(tmp_path_factory):
     return write_shards(tmp_path_factory.mktemp("shards"))
 
 
-def run(prefix, run_dir, *extra):
+def run(prefix, run_dir, *extra, stop=None, poison_lr=False):
+    from megafixed.parallel import setup_distributed
     from megafixed.train.trainer import train
 
-    return train(load_config(None, tiny_overrides(prefix, run_dir, *extra)), log=lambda *_: None)
+    cfg = load_config(None, tiny_overrides(prefix, run_dir, *extra))
+    if poison_lr:  # past the config's range check on purpose: the guard under test is the trainer's
+        cfg.optimizer.lr = 1e30
+    return train(cfg, setup_distributed(cfg), stop=stop, log=lambda *_: None)
 
 
 def metrics(run_dir) -> list[dict]:
@@ -93,7 +97,9 @@ def test_codes_round_trip_through_checkpoints_and_a_changed_seed_is_refused(shar
     model, _ = load_trained_model(cfg, tmp_path)
     assert torch.equal(model.head.proj.weight, state["head.proj.weight"])
 
-    with pytest.raises(CheckpointError, match=r"fixed code mismatch at input\.code_rows.*model\.code_seed"):
+    # refused by the resume check before anything is loaded or rewritten, naming the keys
+    with pytest.raises(CheckpointError, match=r"model\.code_rows changed from .* \(and model\.code_seed, "
+                                              r"model\.code_shift\).*config\.yaml"):
         run(shards, tmp_path, "model.input=gf2", "model.code_seed=12", "train.max_steps=20")
     assert load_config(str(tmp_path / "config.yaml")).model.code_seed == 11  # the run's config is kept
     cfg.model.code_seed = 12
@@ -142,8 +148,9 @@ def test_latest_pointer_and_pruning(shards, tmp_path):
 
 
 def _poison_lr(*extra):
-    # lr=1e30 turns the first update into inf/NaN weights, so the second step's loss is non-finite.
-    return ("optimizer.lr=1e30", "optimizer.grad_clip=0.0", "schedule.kind=constant", "schedule.warmup_steps=0",
+    # with run(..., poison_lr=True): lr=1e30 turns the first update into inf/NaN weights, so the
+    # second step's loss is non-finite.
+    return ("optimizer.grad_clip=0.0", "schedule.kind=constant", "schedule.warmup_steps=0",
             "train.eval_interval=0", "zero.stage=0", *extra)
 
 
@@ -151,7 +158,7 @@ def test_nonfinite_loss_stops_with_a_clear_message(shards, tmp_path):
     from megafixed.train.step import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError, match=r"step 2: the training loss is nan.*on_nonfinite=skip"):
-        run(shards, tmp_path, *_poison_lr("train.max_steps=4"))
+        run(shards, tmp_path, *_poison_lr("train.max_steps=4"), poison_lr=True)
 
 
 def _engine(cfg, module):
@@ -162,7 +169,7 @@ def _engine(cfg, module):
     from megafixed.train.optim import build_optimizer
 
     topo = setup_distributed(cfg)
-    layout = batch_layout(cfg, topo.dp)
+    layout = batch_layout(cfg.train, topo.dp)
     opt = build_optimizer(module, cfg.optimizer)
     engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=deepspeed_config(cfg, layout, "fp32"))
     return engine, opt, layout
@@ -191,7 +198,7 @@ def test_nonfinite_skip_drops_the_update(shards, tmp_path, stage):
 
 def test_nonfinite_skip_keeps_the_run_going(shards, tmp_path):
     # Step 1 is finite and blows the weights up (lr=1e30); steps 2-4 are non-finite and skipped.
-    result = run(shards, tmp_path, *_poison_lr("train.max_steps=4", "train.on_nonfinite=skip"))
+    result = run(shards, tmp_path, *_poison_lr("train.max_steps=4", "train.on_nonfinite=skip"), poison_lr=True)
     assert result.step == 4 and [bool(r.get("skipped")) for r in result.history] == [False, True, True, True]
 
 
@@ -209,7 +216,7 @@ def test_pipeline_engine_branch_matches_plain_engine(shards, tmp_path):
 
     cfg = load_config(None, tiny_overrides(shards, tmp_path, "model.input=canonical"))
     topo = setup_distributed(cfg)
-    layout = batch_layout(cfg, topo.dp)
+    layout = batch_layout(cfg.train, topo.dp)
     data = build_datasets(cfg.data, seed=cfg.train.seed)
 
     class Inputs(nn.Module):
@@ -223,11 +230,10 @@ def test_pipeline_engine_branch_matches_plain_engine(shards, tmp_path):
     class BlockLayer(nn.Module):
         def __init__(self, gpt, i):
             super().__init__()
-            self.block, self.gpt_cos, self.gpt_sin = gpt.blocks[i], gpt.rope_cos, gpt.rope_sin
+            self.block, self.rotary = gpt.blocks[i], gpt.rotary
 
         def forward(self, x):
-            T = x.shape[1]
-            return self.block(x, self.gpt_cos[:T], self.gpt_sin[:T])
+            return self.block(x, *self.rotary(x.shape[1], x.device))
 
     def engine_for(pipeline: bool):
         torch.manual_seed(0)
@@ -235,7 +241,7 @@ def test_pipeline_engine_branch_matches_plain_engine(shards, tmp_path):
         module = gpt
         if pipeline:
             module = PipelineModule([Inputs(gpt)] + [BlockLayer(gpt, i) for i in range(len(gpt.blocks))]
-                                    + [gpt.head], num_stages=1, loss_fn=GPT.loss, partition_method="uniform")
+                                    + [gpt.head], num_stages=1, loss_fn=gpt.loss_fn, partition_method="uniform")
         engine, opt, _ = _engine(cfg, module)
         for g in opt.param_groups:
             g["lr"] = 1e-3
@@ -253,19 +259,18 @@ def test_pipeline_engine_branch_matches_plain_engine(shards, tmp_path):
     assert losses[False][2] < losses[False][0]
 
 
-def test_half_precision_keeps_rope_and_code_buffers_exact():
+def test_half_precision_keeps_the_code_buffers_exact():
     from megafixed.model import GPT
-    from megafixed.train.trainer import keep_fp32_buffers
+    from megafixed.train.engine import restore_exact_buffers
 
     model = GPT(load_config(None, ["model.input=gf2", "model.code_scale=0.3", "model.n_layers=1",
                                    "model.d_model=64", "model.n_heads=4", "model.vocab_size=256",
                                    "model.code_bits=8", "model.max_seq_len=64", "data.seq_len=64"]).model)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
-    ref_cos = model.rope_cos.clone()
     model.bfloat16()  # what DeepSpeed's bf16 mode does to the module
-    assert model.rope_cos.dtype == torch.bfloat16
-    keep_fp32_buffers(model)
-    assert model.rope_cos.dtype == torch.float32 and torch.equal(model.rope_cos, ref_cos)
+    assert model.input.code_scale.dtype == torch.bfloat16  # 0.3 is not exact in bf16
+    restore_exact_buffers(model)
+    assert model.input.code_scale.dtype == torch.float64 and float(model.input.code_scale) == 0.3
     assert model.blocks[0].attn.wq.weight.dtype == torch.bfloat16  # parameters keep the engine's dtype
     fresh = GPT(model.cfg)
     fresh.load_state_dict({k: v.float() if k != "input.code_scale" else v for k, v in model.state_dict().items()})

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
 from _train_data import tiny_overrides, write_shards
 
@@ -47,6 +48,7 @@ def logged_steps(run_dir: Path) -> int:
         return 0
 
 
+@pytest.mark.multiprocess
 def test_kill9_between_saves_then_resume_is_bit_identical(tmp_path):
     prefix = write_shards(tmp_path / "data")
     ref_dir, killed_dir = tmp_path / "ref" / "run", tmp_path / "killed" / "run"

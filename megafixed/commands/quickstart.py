@@ -1,8 +1,8 @@
 """``megafixed quickstart [overrides]``: the main job, end to end on a CPU.
 
 1. prepare data: train a 4096-token BPE on the bundled corpus and tokenize it (cached after the
-   first run, in examples/data/cache/);
-2. train ``examples/configs/quickstart.yaml`` (canonical fixed code) with DeepSpeed on CPU;
+   first run, in the user cache: ``megafixed.paths.cache_dir()``);
+2. train the packaged ``megafixed/bundled/quickstart.yaml`` (canonical fixed code) with DeepSpeed on CPU;
 3. evaluate the final checkpoint: held-out *test*-split loss and perplexity, plus a greedy sample;
 4. print where the metrics, TensorBoard events and checkpoints are (also in ``quickstart.json``).
 
@@ -17,11 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+from ..atomic import atomic_write_text
 from ..config import load_config
+from ..paths import bundled, resolve
 
 HELP = "the main job: tokenize the bundled corpus, train a small fixed-code GPT on CPU, evaluate it"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO_ROOT / "examples" / "configs" / "quickstart.yaml"
+# Packaged with the library (not found via a repository checkout) so that a regular `pip install .`
+# runs the main job from any directory.
+DEFAULT_CONFIG = bundled("quickstart.yaml")
 DEFAULT_PROMPTS = ("The capital of France is", "In mathematics, a prime number")
 
 
@@ -33,31 +36,31 @@ def add_arguments(p):
 
 
 def _anchor_paths(cfg) -> None:
-    """Relative data paths in the bundled config are relative to the repository, not the cwd."""
+    """``bundled:<name>`` data paths -> the packaged files (prepare_data resolves them too; doing it
+    here keeps the printed config honest). Other relative paths stay relative to the cwd."""
     d = cfg.data
-    if d.source and not os.path.isabs(d.source) and not os.path.exists(d.source):
-        d.source = str(REPO_ROOT / d.source)
-    if d.tokenizer and not os.path.isabs(d.tokenizer) and not os.path.exists(d.tokenizer):
-        d.tokenizer = str(REPO_ROOT / d.tokenizer)
+    d.source = resolve(d.source)
+    d.tokenizer = resolve(d.tokenizer)
 
 
 def run(args) -> int:
+    from .. import exit_codes
+    from ..errors import report
     from ..train.env import prepare_runtime_env
-    from ..train.step import NonFiniteLossError
 
     prepare_runtime_env()
     t_start = time.perf_counter()
     try:
         cfg = load_config(args.config, args.overrides)
         _anchor_paths(cfg)
-        summary = quickstart(cfg, sample_tokens=args.sample_tokens, t_start=t_start)
-    except (ValueError, NonFiniteLossError) as exc:  # ConfigError, CheckpointError, DataError name the fix
-        print(f"error: {exc}", file=sys.stderr)
-        sys.stdout.flush(); sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush(); sys.stderr.flush()
+        quickstart(cfg, sample_tokens=args.sample_tokens, t_start=t_start)
+        code = exit_codes.OK
+    except Exception as exc:  # noqa: BLE001 -- the error boundary decides what is a bug
+        code = report(exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
     # Skip DeepSpeed's atexit teardown (a rare SIGABRT after a finished run); all files are closed.
-    os._exit(0 if summary is not None else 1)
+    os._exit(code)
 
 
 def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> dict | None:
@@ -87,7 +90,7 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> di
     say(f"== 2/3 train: {cfg.model.n_layers} layers x {cfg.model.d_model}, input={cfg.model.input}, "
         f"{cfg.train.max_steps} steps")
     t0 = time.perf_counter()
-    result = train(cfg, datasets=datasets)
+    result = train(cfg, topo, datasets=datasets)
     train_s = time.perf_counter() - t0
     if not topo.is_main:
         return {}
@@ -107,22 +110,23 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> di
     run_dir = Path(cfg.train.run_dir).resolve()
     summary = {
         "run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoints" / tag),
-        "metrics": str(run_dir / "metrics.jsonl"), "tensorboard": str(run_dir / "tensorboard"),
+        "metrics": str(run_dir / "metrics.jsonl"),
+        "tensorboard": str(run_dir / "tensorboard") if cfg.train.tensorboard else None,
         "config": str(run_dir / "config.yaml"), "steps": result.step,
         "val_loss_first": vals[0] if vals else None, "val_loss_last": vals[-1] if vals else None,
         "test_loss": test.loss, "test_perplexity": test.perplexity, "test_tokens": test.tokens,
         "samples": samples, "train_seconds": train_s, "total_seconds": time.perf_counter() - t_start,
     }
-    with open(run_dir / "quickstart.json", "w") as fh:
-        json.dump(summary, fh, indent=2)
+    atomic_write_text(run_dir / "quickstart.json", json.dumps(summary, indent=2))
 
     say(f"   test loss {test.loss:.4f}  perplexity {test.perplexity:.1f}  ({test.tokens:,} tokens)")
     if vals:
         say(f"   validation loss {vals[0]:.4f} (step 0) -> {vals[-1]:.4f} (step {result.step})")
     for s in samples:
         say(f"   sample: {s['prompt']!r} -> {s['completion']!r}")
-    say(f"\nmetrics     {summary['metrics']}\ntensorboard {summary['tensorboard']}\n"
-        f"checkpoint  {summary['checkpoint']}\nsummary     {run_dir / 'quickstart.json'}\n"
+    say(f"\nmetrics     {summary['metrics']}\n"
+        + (f"tensorboard {summary['tensorboard']}\n" if summary["tensorboard"] else "")
+        + f"checkpoint  {summary['checkpoint']}\nsummary     {run_dir / 'quickstart.json'}\n"
         f"done in {summary['total_seconds'] / 60:.1f} min (training {train_s / 60:.1f} min)")
     return summary
 

@@ -2,47 +2,112 @@
 
 Works as a plain process (one rank), under ``torchrun --nproc-per-node N`` or the ``deepspeed``
 launcher. Running the same command again resumes from ``<run_dir>/checkpoints/latest``.
+``--dry-run`` validates everything (layout included, for ``--world-size`` ranks) and prints the
+resolved config and the DeepSpeed JSON without starting anything -- on a CPU login node it plans
+the GPU run (bf16, NCCL).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from typing import NoReturn
 
+from .. import exit_codes
 from ..config import load_config
 
-HELP = "train a model (DeepSpeed engine; single process, torchrun or deepspeed launcher); reruns resume"
+HELP = "train a model (single process, torchrun or the deepspeed launcher); rerunning resumes"
 
 
 def add_arguments(p):
     p.add_argument("config", help="YAML run config (examples/configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.max_steps=100")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate config, data paths and layout; print the resolved config and DeepSpeed JSON")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="with --dry-run: the number of ranks to plan for (default: this launch's)")
+    p.add_argument("--target", choices=["gpu", "cpu"], default="gpu",
+                   help="with --dry-run: the machine the run is for (default: gpu; auto precision -> bf16)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help=argparse.SUPPRESS)  # passed by the deepspeed launcher; we read LOCAL_RANK
 
 
 def run(args) -> int:
+    from ..errors import report
     from ..train.env import prepare_runtime_env
-    from ..train.step import NonFiniteLossError
 
+    if args.dry_run:
+        try:
+            return dry_run(args)
+        except Exception as exc:  # noqa: BLE001 -- the error boundary decides what is a bug
+            return report(exc)
     prepare_runtime_env()  # before anything imports deepspeed
+    code = exit_codes.OK
     try:
-        cfg = load_config(args.config, args.overrides)
-        from ..data.prepare import prepare_data
-        from ..parallel import setup_distributed
-        topo = setup_distributed(cfg)
-        cfg = prepare_data(cfg, is_main=topo.is_main)
-        _barrier()  # other ranks read the shards rank 0 may just have written
-        from ..train.trainer import train
-        result = train(cfg)
-    except (ValueError, NonFiniteLossError) as exc:  # ConfigError, CheckpointError, DataError, ... name the fix
-        print(f"error: {exc}", file=sys.stderr)
-        _flush_and_exit(1)
-    if result.step and (not os.environ.get("RANK") or os.environ.get("RANK") == "0"):
-        print(f"done: {result.step} steps; metrics {os.path.join(result.run_dir, 'metrics.jsonl')}, "
-              f"checkpoint {os.path.join(result.run_dir, 'checkpoints', result.checkpoint or '')}")
-    _flush_and_exit(0)
-    return 0
+        code = _train(args)
+    except Exception as exc:  # noqa: BLE001
+        code = report(exc)
+    _flush_and_exit(code)
+
+
+def _train(args) -> int:
+    from ..data.prepare import prepare_data
+    from ..parallel import setup_distributed
+    from ..train.stop import StopRequest
+    from ..train.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    topo = setup_distributed(cfg)  # the one Topology of this process
+    cfg = prepare_data(cfg, is_main=topo.is_main)
+    _barrier()  # other ranks read the shards rank 0 may just have written
+    stop = StopRequest()
+    stop.install_signal_handlers()  # SIGUSR1: finish the step, save, exit STOPPED
+    result = train(cfg, topo, stop=stop)
+    if topo.is_main:
+        ckpt = os.path.join(result.run_dir, "checkpoints", result.checkpoint or "")
+        print(f"{'stopped' if result.stopped else 'done'}: {result.step} steps; metrics "
+              f"{os.path.join(result.run_dir, 'metrics.jsonl')}, checkpoint {ckpt}")
+    return exit_codes.STOPPED if result.stopped else exit_codes.OK
+
+
+def dry_run(args) -> int:
+    import yaml
+
+    from ..config import resolve_code
+    from ..parallel.layout import validate_layout
+    from ..parallel.topology import launch_world
+    from ..train.ds_config import deepspeed_config, resolve_precision
+
+    cfg = load_config(args.config, args.overrides)
+    world = args.world_size or launch_world()[0]
+    gpu = args.target == "gpu"
+    precision = resolve_precision(cfg, gpu=gpu)
+    layout = validate_layout(cfg, world, precision)
+    _check_data_paths(cfg)
+    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if gpu else "gloo")
+    ds = deepspeed_config(cfg, layout, precision, gpu=gpu)
+    print("# resolved config")
+    print(yaml.safe_dump(resolve_code(cfg).to_dict(), sort_keys=False).rstrip())
+    print("# deepspeed config (written to <run_dir>/ds_config.json by a real run)")
+    print(json.dumps(ds, indent=2))
+    print(f"# plan: {world} ranks = tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {layout.dp}; global batch "
+          f"{layout.global_batch} = micro {layout.micro_batch} x accum {layout.accum} x dp {layout.dp}; "
+          f"{precision} on {args.target}, backend {backend}; zero {cfg.zero.stage}. Nothing was started.")
+    return exit_codes.OK
+
+
+def _check_data_paths(cfg) -> None:
+    """Shards must exist unless the run will tokenize ``data.source`` itself."""
+    from ..data.gpt_dataset import resolve_prefix
+
+    if cfg.data.source:
+        return
+    if not cfg.data.prefixes:
+        from ..data.errors import DataError
+        raise DataError("no data: set data.prefixes (preprocessed shards) or data.source (a raw corpus)")
+    for prefix in cfg.data.prefixes:
+        resolve_prefix(prefix)
 
 
 def _barrier() -> None:
@@ -51,7 +116,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _flush_and_exit(code: int) -> None:
+def _flush_and_exit(code: int) -> NoReturn:
     """Leave without running DeepSpeed's atexit teardown, which has been seen to SIGABRT after a
     finished run; everything we own (metrics, checkpoints, `latest`) is already flushed and closed."""
     sys.stdout.flush()

@@ -8,8 +8,8 @@ Public entry points (import from the submodules; this package import stays light
 * :mod:`.gpt_dataset` -- ``build_datasets``, ``GPTDataset``, ``micro_batches``
 * :mod:`.prepare` -- ``prepare_data`` (the main job's first-use tokenization, cached)
 """
-import os
+from ..paths import bundled
 
-# The bundled English corpus (Wikipedia Vital Articles summaries, CC BY-SA 4.0; see its README).
-BUNDLED_CORPUS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "examples", "data", "wiki_vital_en.jsonl.gz")
+# The bundled English corpus (Wikipedia Vital Articles summaries, CC BY-SA 4.0; see its README),
+# shipped inside the package so it exists for a regular install too.
+BUNDLED_CORPUS = str(bundled("wiki_vital_en.jsonl.gz"))

@@ -3,8 +3,8 @@
     megafixed bench preprocess --out bench_preprocess.json
     python tools/bench_preprocess.py --workers 1 2 4 --index-tokens 1e9
 
-Input defaults to the bundled corpus and a 4096-vocab BPE tokenizer trained on it (cached in
-``examples/data/cache``). ``--index-tokens N`` also times ``build_datasets`` + the first batches on a
+Input defaults to the bundled corpus and a 4096-vocab BPE tokenizer trained on it (cached in the
+user cache, ``megafixed.paths.cache_dir``). ``--index-tokens N`` also times ``build_datasets`` + the first batches on a
 synthetic N-token shard (a sparse .bin, so it costs no disk), which is what a 1e9-token run pays at
 startup. Results go to stdout and, with ``--out``, to a JSON file.
 """
@@ -35,11 +35,13 @@ def add_arguments(p):
 
 
 def _default_tokenizer(inputs: list[str], json_key: str) -> str:
-    from .prepare import _stem
+    from .prepare import _default_cache, _stem
     from .tokenizers import train_tokenizer
 
-    path = os.path.join(os.path.dirname(os.path.abspath(inputs[0])), "cache", f"{_stem(inputs[0])}.tok4096.json")
+    # the user cache, as the main job uses: never next to the input (which may be the install tree)
+    path = os.path.join(_default_cache(inputs), f"{_stem(inputs[0])}.tok4096.json")
     if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         train_tokenizer(inputs, path, 4096, json_key=json_key)
     return path
 

@@ -213,6 +213,7 @@ class GPTDataset:
         except (OSError, ValueError):
             pass
         comp, local = _blend_index(self.counts)
+        made = not os.path.isdir(folder)
         try:
             os.makedirs(folder, exist_ok=True)
             tag = f".tmp.{socket.gethostname()}.{os.getpid()}"  # every rank may write; names never clash
@@ -225,6 +226,10 @@ class GPTDataset:
             os.replace(base + ".json" + tag, base + ".json")
         except OSError as exc:  # a read-only data dir must not stop training
             log.warning("cannot cache the blend index in %s (%s); set data.cache_dir", folder, exc)
+            if made:  # leave no empty cache folder behind
+                import shutil
+
+                shutil.rmtree(folder, ignore_errors=True)
         return comp, local
 
     # -------------------------------------------------------------------------- sampling

@@ -16,6 +16,7 @@ ours streams numpy arrays, and a writer only ever renames complete files into pl
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from ..atomic import atomic_write_text
 from .errors import ShardError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -46,6 +48,14 @@ def idx_path(prefix: str) -> str:
 def meta_path(prefix: str) -> str:
     """Our sidecar (tokenizer, counts, bad-input report); Megatron ignores it."""
     return prefix + ".meta.json"
+
+
+def prefix_files(prefix: str) -> list[str]:
+    """Every existing file a prefix owns: PREFIX.bin/.idx/.meta.json and a sharded set's
+    PREFIX_00000.* ... (what writing PREFIX would replace)."""
+    own = [p for p in (bin_path(prefix), idx_path(prefix), meta_path(prefix)) if os.path.lexists(p)]
+    shards = glob.glob(glob.escape(prefix) + "_[0-9][0-9][0-9][0-9][0-9].*")
+    return own + sorted(p for p in shards if p.endswith((".bin", ".idx", ".meta.json")))
 
 
 def shard_exists(prefix: str) -> bool:
@@ -86,10 +96,7 @@ def _commit(prefix: str, tmp_bin: str, tmp_idx: str, meta: Optional[dict]) -> No
             os.remove(stale)
     os.replace(tmp_bin, bin_path(prefix))
     if meta is not None:
-        tmp_meta = f"{meta_path(prefix)}.tmp.{os.getpid()}"
-        with open(tmp_meta, "w") as fh:
-            json.dump(meta, fh, indent=1)
-        os.replace(tmp_meta, meta_path(prefix))
+        atomic_write_text(meta_path(prefix), json.dumps(meta, indent=1))
     os.replace(tmp_idx, idx_path(prefix))
 
 
@@ -287,9 +294,10 @@ def merge_shards(prefixes: list[str], output_prefix: str, chunk_tokens: int = 1 
     metas = [s.meta() for s in shards]
     # Token ids from different tokenizers mean different things; merging them silently would train
     # on garbage. Shards without our sidecar (e.g. Megatron's own) carry no tokenizer to compare.
-    named = [(p, m["tokenizer"]) for p, m in zip(prefixes, metas) if m.get("tokenizer")]
-    for p, tok in named[1:]:
-        if tok != named[0][1]:
+    named = [(p, m["tokenizer"], m.get("tokenizer_sha256")) for p, m in zip(prefixes, metas) if m.get("tokenizer")]
+    for p, tok, sha in named[1:]:
+        # same path but other file contents (a tokenizer retrained in place) is a different tokenizer too
+        if tok != named[0][1] or (sha and named[0][2] and sha != named[0][2]):
             raise ShardError(f"cannot merge {named[0][0]!r} and {p!r}: they were tokenized with different "
                              f"tokenizers ({named[0][1]} vs {tok}); re-tokenize them with one tokenizer first")
     dtype = shards[0].dtype
@@ -314,9 +322,13 @@ def merge_shards(prefixes: list[str], output_prefix: str, chunk_tokens: int = 1 
                 docs.append(np.asarray(s.doc_indices[1:]) + offset)
                 offset += s.num_sequences
         _write_index(out_idx, dtype, np.concatenate(lengths), np.concatenate(docs))
-        same_tokenizer = all(m.get("tokenizer") == metas[0].get("tokenizer") for m in metas)
-        meta = {"merged_from": [os.path.abspath(p) for p in prefixes],
-                "tokenizer": metas[0].get("tokenizer") if same_tokenizer else None}
+        meta = {"merged_from": [os.path.abspath(p) for p in prefixes], "dtype": str(dtype),
+                "documents": int(offset)}
+        # What the trainer and `data inspect` read from the sidecar (vocab for dtype and code-bit
+        # checks, EOD, the tokenizer to decode with) carries over when every input agrees on it.
+        for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "eod_id", "append_eod"):
+            values = [m.get(key) for m in metas]
+            meta[key] = values[0] if all(v == values[0] for v in values) else None
         _commit(output_prefix, out_bin, out_idx, meta)
     except BaseException:
         for p in (out_bin, out_idx):

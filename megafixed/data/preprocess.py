@@ -22,10 +22,11 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..atomic import atomic_write_text
 from .errors import DataError, check_vocab_fits
 from .indexed import ShardWriter, bin_path, dtype_for_vocab, idx_path, meta_path
 from .readers import BAD_KINDS, Batch, decode_batch, expand_inputs, iter_batches
-from .tokenizers import load_tokenizer
+from .tokenizers import load_tokenizer, tokenizer_sha256
 
 
 @dataclass
@@ -188,10 +189,7 @@ class _ShardedOutput:
 def _write_meta(prefix: str, meta: dict) -> None:
     import json
 
-    tmp = f"{meta_path(prefix)}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(meta, fh, indent=1)
-    os.replace(tmp, meta_path(prefix))
+    atomic_write_text(meta_path(prefix), json.dumps(meta, indent=1))
 
 
 # ----------------------------------------------------------------------------------- driver
@@ -200,8 +198,9 @@ def _progress(enabled: bool):
         return None
     from tqdm import tqdm
 
+    # disable=None: no bar when stderr is not a terminal (logs, pipes), where it would only add lines
     return tqdm(unit="doc", unit_scale=True, dynamic_ncols=True, file=sys.stderr, desc="tokenizing",
-                mininterval=0.5)
+                mininterval=0.5, disable=None)
 
 
 def preprocess(opts: PreprocessOptions) -> PreprocessReport:
@@ -261,6 +260,10 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
                     consume(pending.popleft().get())
         report.seconds = time.perf_counter() - t0
         report.bad = {k: int(bad.get(k, 0)) for k in BAD_KINDS}
+        if report.documents == 0 and not any(report.bad.values()):
+            # An empty shard would only fail later (no sample to train on), far from the cause.
+            raise DataError(f"no document written: the inputs {paths} hold no text (empty files, or only blank "
+                            f"lines); check --input")
         if report.documents == 0 and any(report.bad.values()):
             # Every record was skipped: almost always the wrong --json-keys or input format. An empty
             # shard would only fail later, far from the cause; the except below removes the temp files.
@@ -268,7 +271,8 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
             example = f" (e.g. {report.bad_examples[0]})" if report.bad_examples else ""
             raise DataError(f"no document written: every record was skipped as bad {skipped}{example}; "
                             f"check --json-keys {' '.join(keys)} against the records' fields, or the input format")
-        meta = {"tokenizer": tok.describe(), "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
+        meta = {"tokenizer": tok.describe(), "tokenizer_sha256": tokenizer_sha256(tok),
+                "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
                 "append_eod": opts.append_eod, "dtype": str(dtype), "inputs": [os.path.abspath(p) for p in paths],
                 "documents": report.documents, "bad_records": report.bad, **opts.extra_meta}
         for k, out in outputs.items():

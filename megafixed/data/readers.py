@@ -114,15 +114,48 @@ def _line_batches(path, kind, records, batch_records, batch_bytes) -> Iterator[B
         yield batch
 
 
+def _corrupt(path: str, exc: BaseException) -> DataError:
+    """gzip/zstd errors name neither the file nor the fix (in a glob of 1000 files that matters)."""
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, EOFError):
+        what = "is truncated (the compressed stream ends early)"
+    else:
+        what = f"is not a valid {os.path.splitext(path)[1] or 'compressed'} file ({msg})"
+    return DataError(f"input {path} {what}; re-download or re-compress it, or leave it out of --input")
+
+
+def _decompression_errors() -> tuple:
+    import zlib
+
+    errs: tuple = (gzip.BadGzipFile, EOFError, zlib.error)
+    try:
+        import zstandard
+
+        errs += (zstandard.ZstdError,)
+    except ImportError:
+        pass
+    return errs
+
+
+def _guarded(path: str, records: Iterator[bytes]) -> Iterator[bytes]:
+    try:
+        yield from records
+    except _decompression_errors() as exc:
+        raise _corrupt(path, exc) from exc
+    except IsADirectoryError as exc:
+        raise DataError(f"input {path} is a directory; pass files or a glob like '{path}/*.jsonl'") from exc
+
+
 def _jsonl_records(path: str) -> Iterator[bytes]:
     with open_binary(path) as fh:
-        yield from fh  # one record per line, blank lines included so line numbers stay true
+        yield from _guarded(path, fh)  # one record per line, blank lines included so line numbers stay true
 
 
 def _text_records(path: str, split: str) -> Iterator[bytes]:
     with open_binary(path) as fh:
+        fh = _guarded(path, fh)
         if split == "file":
-            yield fh.read()
+            yield b"".join(fh)
         elif split == "line":
             yield from fh
         else:  # paragraphs: runs of non-blank lines separated by blank lines
@@ -140,7 +173,11 @@ def _text_records(path: str, split: str) -> Iterator[bytes]:
 def _parquet_batches(path: str, json_keys: list[str], batch_records: int) -> Iterator[Batch]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow.ArrowInvalid & co. say "Parquet magic bytes not found", no file
+        raise DataError(f"input {path} is not a readable parquet file ({str(exc).splitlines()[0]}); re-export "
+                        f"it, or rename it if it is another format") from exc
     names = pf.schema_arrow.names
     missing = [k for k in json_keys if k not in names]
     if missing:

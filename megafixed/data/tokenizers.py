@@ -7,9 +7,11 @@ in checkpoints; ``load_tokenizer(describe())`` gives the same tokenizer back.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Iterable, Optional, Sequence, Union
 
+from ..atomic import atomic_path
 from .errors import DataError
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|eot_id|>", "<|im_end|>")
@@ -53,7 +55,11 @@ class SentencePieceTokenizer(Tokenizer):
         super().__init__(path)
         import sentencepiece as spm
 
-        self._sp = spm.SentencePieceProcessor(model_file=self.path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=self.path)
+        except (RuntimeError, OSError) as exc:  # sentencepiece's message names neither file nor fix
+            raise DataError(f"{path} is not a readable sentencepiece model ({str(exc).splitlines()[0]}); pass the "
+                            f".model file written by `megafixed tokenizer train`, or train a new one") from exc
         self.vocab_size = self._sp.get_piece_size()
         eod = self._sp.eos_id()
         if eod < 0:
@@ -132,7 +138,8 @@ class GPT2Tokenizer(HFTokenizer):
     kind = "gpt2"
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer as _HF, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _HF
+        from tokenizers import decoders, models, pre_tokenizers
 
         files = _gpt2_files(path)
         if files is None:
@@ -181,6 +188,22 @@ def load_tokenizer(path_or_description: TokenizerSpec) -> Tokenizer:
                     f"tokenizer.json, or a directory with GPT-2's vocab.json + merges.txt")
 
 
+def tokenizer_sha256(tok: Tokenizer) -> Optional[str]:
+    """Hash of the tokenizer's file(s): shards record it, so a tokenizer replaced in place (same
+    path, other vocabulary) is told apart from the one the shards were written with."""
+    path = tok.path
+    files = [os.path.join(path, f) for f in _gpt2_files(path)] if os.path.isdir(path) and _gpt2_files(path) else [path]
+    h = hashlib.sha256()
+    try:
+        for f in files:
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
 def _require(path: str) -> None:
     if not os.path.exists(path):
         raise DataError(f"tokenizer {path} not found; train one with `megafixed tokenizer train "
@@ -200,7 +223,7 @@ def _iter_training_texts(inputs: list[str], json_key: str, max_chars: int):
 
 
 def train_tokenizer(inputs: list[str], output: str, vocab_size: int, kind: str = "bpe",
-                    json_key: str = "text", max_chars: int = 200_000_000) -> str:
+                    json_key: str = "text", max_chars: int = 200_000_000, exact_vocab: bool = False) -> str:
     """Train a tokenizer on documents from ``inputs`` (any format :mod:`readers` reads).
 
     ``output`` ending in ``.model`` -> sentencepiece (``kind`` = bpe or unigram; byte fallback,
@@ -208,6 +231,7 @@ def train_tokenizer(inputs: list[str], output: str, vocab_size: int, kind: str =
     ``tokenizer.json`` (bpe: GPT-2 style byte-level BPE; unigram: metaspace unigram).
     The end-of-document token is ``<|endoftext|>`` (HF) or sentencepiece's ``</s>``.
     Training reads at most ``max_chars`` characters (a prefix of the corpus). Written atomically.
+    ``exact_vocab``: refuse (and write nothing) when the corpus yields fewer tokens than asked.
     """
     if kind not in ("bpe", "unigram"):
         raise DataError(f"tokenizer kind {kind!r} unknown; use 'bpe' or 'unigram'")
@@ -215,18 +239,23 @@ def train_tokenizer(inputs: list[str], output: str, vocab_size: int, kind: str =
         raise DataError(f"vocab_size={vocab_size} is too small; byte-level tokenizers need >= 300 "
                         f"(256 bytes plus merges and special tokens)")
     output = os.path.abspath(output)
-    os.makedirs(os.path.dirname(output), exist_ok=True)
     if output.endswith(".model"):
         _train_sentencepiece(inputs, output, vocab_size, kind, json_key, max_chars)
     else:
         if os.path.isdir(output):
             output = os.path.join(output, "tokenizer.json")
-        _train_hf(inputs, output, vocab_size, kind, json_key, max_chars)
+        _train_hf(inputs, output, vocab_size, kind, json_key, max_chars, exact_vocab)
     return output
 
 
-def _train_hf(inputs, output, vocab_size, kind, json_key, max_chars) -> None:
-    from tokenizers import Tokenizer as _HF, decoders, models, pre_tokenizers, trainers
+def _no_text(inputs, json_key) -> DataError:
+    return DataError(f"no text to train a tokenizer on in {inputs} (key {json_key!r}); check --input and "
+                     f"--json-key against the records' fields")
+
+
+def _train_hf(inputs, output, vocab_size, kind, json_key, max_chars, exact_vocab=False) -> None:
+    from tokenizers import Tokenizer as _HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if kind == "bpe":
         tok = _HF(models.BPE())
@@ -240,10 +269,23 @@ def _train_hf(inputs, output, vocab_size, kind, json_key, max_chars) -> None:
         tok.decoder = decoders.Metaspace()
         trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN, "<unk>"],
                                           unk_token="<unk>", show_progress=False)
-    tok.train_from_iterator(_iter_training_texts(inputs, json_key, max_chars), trainer=trainer)
-    tmp = f"{output}.tmp.{os.getpid()}"
-    tok.save(tmp)
-    os.replace(tmp, output)
+    seen = [0]
+
+    def texts():
+        for t in _iter_training_texts(inputs, json_key, max_chars):
+            seen[0] += 1
+            yield t
+
+    tok.train_from_iterator(texts(), trainer=trainer)
+    if not seen[0]:
+        raise _no_text(inputs, json_key)
+    got = tok.get_vocab_size(with_added_tokens=True)
+    if exact_vocab and got < vocab_size:
+        raise DataError(f"the corpus {inputs} yields only {got} tokens, fewer than --vocab-size {vocab_size}; "
+                        f"lower --vocab-size to {got} or train on more text")
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    with atomic_path(output) as tmp:
+        tok.save(tmp)
 
 
 def _train_sentencepiece(inputs, output, vocab_size, kind, json_key, max_chars) -> None:
@@ -255,14 +297,42 @@ def _train_sentencepiece(inputs, output, vocab_size, kind, json_key, max_chars) 
                 if line.strip():
                     yield line
 
+    seen, failed = [0], []
+
+    def counted():
+        try:
+            for line in lines():
+                seen[0] += 1
+                yield line
+        except Exception as exc:  # keep our own error (a corrupt input) from being re-wrapped by C++
+            failed.append(exc)
+            raise
+
+    os.makedirs(os.path.dirname(output), exist_ok=True)
     tmp_prefix = f"{output[:-len('.model')]}.tmp.{os.getpid()}"
+    try:
+        _spm_train(spm, counted(), tmp_prefix, vocab_size, kind)
+    except RuntimeError as exc:  # sentencepiece's C++ checks: vocab too high for the text, empty input
+        for ext in (".model", ".vocab"):
+            if os.path.exists(tmp_prefix + ext):
+                os.remove(tmp_prefix + ext)
+        if failed:
+            raise failed[0] from None  # our own error (a corrupt input), not the C++ wrapper
+        if not seen[0]:
+            raise _no_text(inputs, json_key) from exc
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"sentencepiece could not train on {inputs} ({msg}); if the vocabulary is too high for "
+                        f"this corpus, lower --vocab-size or train on more text") from exc
+    os.replace(tmp_prefix + ".model", output)
+    if os.path.exists(tmp_prefix + ".vocab"):
+        os.replace(tmp_prefix + ".vocab", output[:-len(".model")] + ".vocab")
+
+
+def _spm_train(spm, sentences, tmp_prefix, vocab_size, kind) -> None:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=lines(), model_prefix=tmp_prefix, vocab_size=vocab_size, model_type=kind,
+        sentence_iterator=sentences, model_prefix=tmp_prefix, vocab_size=vocab_size, model_type=kind,
         byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
         add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_digits=True,
         input_sentence_size=1_000_000, shuffle_input_sentence=True, max_sentence_length=1 << 16,
         unk_id=0, bos_id=-1, eos_id=1, pad_id=-1, num_threads=os.cpu_count() or 1,
         minloglevel=2)
-    os.replace(tmp_prefix + ".model", output)
-    if os.path.exists(tmp_prefix + ".vocab"):
-        os.replace(tmp_prefix + ".vocab", output[:-len(".model")] + ".vocab")

@@ -3,14 +3,22 @@
 Pre-norm blocks, RoPE, causal attention through ``scaled_dot_product_attention``, optional
 grouped-query heads, GELU or SwiGLU MLP, RMSNorm or LayerNorm, an untied output head.
 
-Nothing here knows about parallelism. Tensor parallelism swaps the ``nn.Linear`` modules named
-in ``TP_PLAN`` for megatron-core layers from outside (``megafixed.parallel.tensor``); that works
-because every view below infers the local head count from the tensor (``view(B, T, -1, hd)``).
-Pipeline parallelism cuts ``GPT.stages()`` into DeepSpeed ``LayerSpec`` s.
+Nothing here knows about parallelism. It offers three seams that the parallel layer uses from
+outside (``megafixed.parallel``), instead of patching methods onto the model:
+
+* every view infers the local head count and the sequence length from the projections
+  (``view(B, T, -1, hd)`` with ``T`` taken from ``q``), so swapping ``nn.Linear`` for tensor- or
+  sequence-parallel layers is all TP needs;
+* ``GPT.loss_fn`` is the loss on ``(logits, targets)``; TP sets a vocabulary-parallel one;
+* ``init_parameters`` draws every parameter from a generator seeded by ``(seed, name)``, so a
+  shard or a pipeline stage built on the meta device gets exactly the values the single-process
+  model has, without anyone holding the full model.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +26,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from .inputs import FixedCodeInput, LearnedInput, build_input
-
-# Which Linear is split how under tensor parallelism (Megatron's scheme):
-# column-parallel layers shard their output features, row-parallel ones their input features.
-TP_PLAN = {"attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.wo": "row",
-           "mlp.w_in": "column", "mlp.w_gate": "column", "mlp.w_out": "row"}
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -32,13 +35,38 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device="cpu"), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
 
+_ROPE_TABLES: dict = {}  # (head_dim, max_seq_len, theta, device) -> (cos, sin), shared by every layer
+
+
+class Rotary(nn.Module):
+    """RoPE cos/sin tables, always fp32.
+
+    Kept as a process-wide cache rather than buffers: a module-wide cast (``.bfloat16()``, which
+    DeepSpeed's engine applies to every module of every pipeline stage) or meta-device construction
+    can then never touch them. bf16 tables carry ~0.4% angle error, which grows into position
+    confusion at long contexts; Megatron keeps them fp32 for the same reason.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        self.key = (head_dim, max_seq_len, float(theta))
+
+    def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (*self.key, str(device))
+        if key not in _ROPE_TABLES:
+            cos, sin = rope_cache(*self.key)
+            _ROPE_TABLES[key] = (cos.to(device), sin.to(device))
+        cos, sin = _ROPE_TABLES[key]
+        return cos[:seq_len], sin[:seq_len]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) -- the GPT-NeoX/Llama "interleaved-free" half split."""
+    """Rotate pairs (x[i], x[i + hd/2]) -- the GPT-NeoX/Llama half split -- in fp32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
@@ -56,10 +84,13 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # B and T from q, not x: under sequence parallelism x holds T/tp positions and the
+        # projections return all T.
+        B, T = q.shape[:2]
+        q = apply_rope(q.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
+        k = apply_rope(k.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
+        v = v.view(B, T, -1, self.head_dim)
         if self.group > 1:
             k = k.repeat_interleave(self.group, dim=2)
             v = v.repeat_interleave(self.group, dim=2)
@@ -109,45 +140,87 @@ class Head(nn.Module):
         return self.proj(self.norm(x))
 
 
-def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
-    """Megatron/GPT-NeoX init: N(0, 0.02) everywhere, residual output projections scaled by
-    1/sqrt(2*layers) so the residual stream's variance does not grow with depth.
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
-    Fixed codes: nothing to initialize at the input (no parameters). The codes enter at +-1 per
-    element (RMS 1) rather than a learned table's ~0.02; we keep the backbone init unchanged so the
-    three interfaces differ *only* in the input, as the paper requires. The first pre-norm sees a
-    unit-RMS stream either way, and the residual branches start small relative to it.
+
+# ----------------------------------------------------------------------------------- init
+def param_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter ``name`` (its plain-GPT state-dict key).
+
+    One stream per parameter, keyed by name rather than by creation order, so that (a) the
+    backbone of the learned, canonical and gf2 models is identical at the same seed -- the
+    learned table's draw does not shift anyone else's -- and (b) a rank can initialise its shard
+    or stage alone and still match the single-process model.
     """
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The single-process initial value of parameter ``name`` (full shape, fp32, CPU).
+
+    Megatron/GPT-NeoX init: N(0, init_std) for matrices, residual output projections scaled by
+    1/sqrt(2*layers) so the residual stream's variance does not grow with depth; norm weights 1,
+    biases 0. Fixed codes have nothing to initialise: the backbone init stays the same for all
+    three interfaces, so the input is the only difference (the paper's design).
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if len(shape) < 2:
+        return torch.ones(shape)  # norm weights
     std = cfg.init_std
-    out_std = std / math.sqrt(2 * cfg.n_layers)
-    for name, p in module.named_parameters():
-        if p.dim() < 2:
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            continue  # norm weights keep their ones
-        is_residual_out = name.endswith("attn.wo.weight") or name.endswith("mlp.w_out.weight")
-        nn.init.normal_(p, mean=0.0, std=out_std if is_residual_out else std)
+    if name.endswith(("attn.wo.weight", "mlp.w_out.weight")):
+        std = std / math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen)
 
 
+@torch.no_grad()
+def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int,
+                    local_slice: Optional[Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                    name_of: Callable[[str], str] = lambda n: n,
+                    full_shape: Optional[Callable[[str, torch.Tensor], torch.Size]] = None) -> None:
+    """Fill every parameter of ``module`` with its single-process initial value.
+
+    ``name_of`` maps a local parameter name to its plain-GPT key (pipeline stages rename layers);
+    ``full_shape`` gives the unsharded shape and ``local_slice(name, full, param)`` this rank's
+    part of it (tensor parallelism). Only one full parameter exists at a time, as in Megatron's
+    CPU initialisation.
+    """
+    seen: set[int] = set()
+    for local_name, p in module.named_parameters():
+        if id(p) in seen:  # tied weights: initialised once, through their first name
+            continue
+        seen.add(id(p))
+        name = name_of(local_name)
+        shape = full_shape(name, p) if full_shape else p.shape
+        full = init_value(cfg, name, shape, seed)
+        value = local_slice(name, full, p) if local_slice else full
+        p.copy_(value.to(p.dtype))
+
+
+# ----------------------------------------------------------------------------------- model
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
         self.cfg = cfg
         self.input = build_input(cfg)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.proj.weight = self.input.embedding.weight
-        cos, sin = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
         self.activation_checkpointing = False
-        init_weights(self, cfg)
+        if not any(p.is_meta for p in self.parameters()):
+            init_parameters(self, cfg, seed)  # on the meta device the parallel layer does it per shard
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits ``[B, T, V]``, or the mean next-token loss when ``targets`` is given."""
-        T = ids.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = self.rotary(ids.shape[1], ids.device)
         x = self.input(ids)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
@@ -157,11 +230,7 @@ class GPT(nn.Module):
         logits = self.head(x)
         if targets is None:
             return logits
-        return self.loss(logits, targets)
-
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+        return self.loss_fn(logits, targets)
 
     @property
     def has_fixed_input(self) -> bool:

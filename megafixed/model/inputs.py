@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..codes import CodeError, FixedCode, make_code
+from ..codes import FixedCode, make_code
 
 
 class LearnedInput(nn.Module):
@@ -33,23 +33,29 @@ class FixedCodeInput(nn.Module):
             code.check_vocab(vocab_size)
         self.code = code
         self.d_model = d_model
-        # Ids are checked against the model's vocabulary, not only the code's 2^bits: an id the
-        # code can represent but the head cannot predict means the data and config disagree.
-        self.id_limit = int(vocab_size) if vocab_size is not None else 1 << code.bits
-        self.register_buffer("code_rows", torch.tensor(code.rows, dtype=torch.int64))
-        self.register_buffer("code_shift", torch.tensor(code.shift, dtype=torch.int64))
-        self.register_buffer("code_scale", torch.tensor(code.scale, dtype=torch.float64))
+        self.register_buffer("code_rows", torch.empty(len(code.rows), dtype=torch.int64))
+        self.register_buffer("code_shift", torch.empty((), dtype=torch.int64))
+        self.register_buffer("code_scale", torch.empty((), dtype=torch.float64))
+        self.reset_buffers()
         self.out_dtype = torch.float32
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """(Re)write A, b and the scale from ``self.code``: after meta-device construction and
+        ``to_empty`` the buffers hold garbage, and after a bf16 cast the scale must be exact again."""
+        if self.code_rows.is_meta:
+            return
+        dev = self.code_rows.device
+        self.code_rows = torch.tensor(self.code.rows, dtype=torch.int64, device=dev)
+        self.code_shift = torch.tensor(self.code.shift, dtype=torch.int64, device=dev)
+        self.code_scale = torch.tensor(self.code.scale, dtype=torch.float64, device=dev)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # No range check here: it would cost a device-to-host sync on every micro batch. Ids are
+        # checked where data enters (shards at preparation, every batch on the host before the
+        # copy to the device: ``megafixed.train.step.check_token_ids``).
         # Imported lazily: the dispatch pulls in Triton only when a CUDA tensor needs it.
         from ..kernels import token_codes
-        if ids.numel():
-            lo, hi = (int(v) for v in torch.aminmax(ids))  # one host sync, as the dispatch's own check
-            if lo < 0 or hi >= self.id_limit:
-                raise CodeError(f"token id {lo if lo < 0 else hi} is outside [0, {self.id_limit - 1}] "
-                                f"(model.vocab_size={self.id_limit}); the data was tokenized with a "
-                                f"different vocabulary than this config: check data.tokenizer and model.vocab_size")
         return token_codes(ids, self.code, self.d_model, dtype=self.out_dtype, validate=False)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -61,7 +67,8 @@ class FixedCodeInput(nn.Module):
                 error_msgs.append(
                     f"fixed code mismatch at {key}: the checkpoint was trained with a different code "
                     f"(A/b/scale) than this config builds; set model.input/model.code_seed/"
-                    f"model.code_bits/model.code_scale to the values the run used")
+                    f"model.code_rows/model.code_shift/model.code_bits/model.code_scale to the values "
+                    f"the run used (its config.yaml records code_rows and code_shift)")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
@@ -70,5 +77,7 @@ def build_input(cfg) -> nn.Module:
     """The input module a ``ModelConfig`` names."""
     if cfg.input == "learned":
         return LearnedInput(cfg.vocab_size, cfg.d_model)
-    code = make_code(cfg.input, cfg.code_bits, cfg.code_seed, cfg.code_affine, cfg.code_scale)
+    # Explicit rows/shift (as a saved config.yaml has them) win over the seed.
+    code = make_code(cfg.input, cfg.code_bits, cfg.code_seed, cfg.code_affine, cfg.code_scale,
+                     rows=cfg.code_rows, shift=cfg.code_shift)
     return FixedCodeInput(code, cfg.d_model, cfg.vocab_size)

@@ -1,41 +1,82 @@
 """Parallelism, applied to the plain model from outside (torchtitan's shape).
 
-THE SEAM the trainer uses (keep these two signatures stable):
+The seam the trainer, evaluation and tests use::
 
-    topo  = setup_distributed(cfg)      -> Topology
-    model = build_model(cfg, topo)      -> nn.Module (a GPT, a TP-applied GPT) or a
-                                           deepspeed.pipe.PipelineModule when parallel.pp > 1
+    topo   = setup_distributed(cfg)                      # once per process -> Topology
+    module = build_model(cfg.model, topo, seed=...)      # GPT, TP-applied GPT, or a pipeline stage
 
-The trainer passes ``topo.mpu`` to ``deepspeed.initialize(mpu=...)``: a megatron-core backed unit
-under tensor parallelism, None otherwise (with pipelines DeepSpeed insists on None and uses the
-PipelineModule's own grid, built in the same rank order). It steps with ``engine.train_batch``
-when the model is a PipelineModule. ``topology.py`` checks the layout and builds the groups, ``tensor.py`` applies
-megatron-core tensor (and sequence) parallel layers, ``pipeline.py`` cuts the model into DeepSpeed
-pipeline stages, ``sequence.py`` holds the sequence-parallel collectives, ``grad_norm.py`` the
-gradient norm that counts each parameter once, ``convert.py`` moves checkpoints between layouts
-and ``memory.py`` estimates memory per GPU (``megafixed plan``).
+Each kind of parallelism lives in its own module and takes the model config plus the topology:
+``layout.py`` (the one validator), ``topology.py`` (process groups), ``tensor.py`` (megatron-core
+TP/SP layers), ``pipeline.py`` (DeepSpeed pipeline stages), ``grads.py`` (the once-per-step
+sequence-parallel gradient sum), ``sequence.py`` (SP collectives), ``grad_norm.py``, ``convert.py``
+(checkpoint layouts) and ``memory.py`` (``megafixed plan``).
 """
 from __future__ import annotations
 
-from .topology import LayoutError, Topology, check_layout, setup_distributed  # noqa: F401
+from .layout import BatchLayout, LayoutError, batch_layout, check_layout, validate_layout  # noqa: F401
+from .topology import Topology, setup_distributed  # noqa: F401
 
 
-def build_model(cfg, topo: "Topology"):
-    """The model for this rank's place in the layout, with the same initial weights as one process.
+def build_model(model_cfg, topo: "Topology", *, seed: int, pp_partition: str = "parameters",
+                activation_checkpointing: bool = False, compute_dtype=None):
+    """This rank's part of the model, with exactly the single-process initial values.
 
-    Every rank builds the full GPT from the same seed, then keeps its shard (TP) and/or its
-    stage (PP); weights therefore equal the single-process model's exactly.
+    The GPT is built on the meta device (no memory), TP swaps its layers (still meta), the
+    pipeline keeps this stage's layers, and only then does each rank give *its* parameters storage
+    and fill them from the per-parameter generators (``model.gpt.init_parameters``), sliced for
+    its TP shard. No rank ever holds the full model.
     """
     import torch
 
     from ..model import GPT
 
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
-    if cfg.parallel.tp > 1:
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+        full_shapes = {n: p.shape for n, p in GPT(model_cfg).named_parameters()}
+    if topo.tp > 1:
         from .tensor import apply_tp
-        apply_tp(model, cfg, topo.tp_rank)
-    if cfg.parallel.pp > 1:
-        from .pipeline import build_pipeline
-        return build_pipeline(model, cfg, topo)
+        apply_tp(model, topo)
+    if model.has_fixed_input and compute_dtype is not None:
+        model.input.out_dtype = compute_dtype  # the code is exactly +-scale in any float dtype
+
+    def materialize(module, name_of=lambda n: n):
+        _materialize(module, model_cfg, topo, seed, full_shapes, name_of)
+
+    if topo.pp > 1:
+        from .pipeline import build_pipeline, pipe_key_to_gpt
+
+        def stage_names(local: str) -> str:
+            idx, rest = local.split(".", 1)
+            return pipe_key_to_gpt(int(idx), rest, model_cfg.n_layers)
+
+        return build_pipeline(model, topo, pp_partition, activation_checkpointing,
+                              materialize=lambda stage: materialize(stage, stage_names))
+    materialize(model)
+    model.activation_checkpointing = activation_checkpointing
     return model
+
+
+def _materialize(module, model_cfg, topo, seed, full_shapes, name_of) -> None:
+    from ..model import init_parameters
+    from .tensor import sharded_dim
+
+    # to_empty makes new Parameter objects; keep the attributes the parallel layers set on the
+    # meta ones (tensor_model_parallel, partition_dim, sequence_parallel), which the gradient
+    # norm, ZeRO and the SP gradient sum read.
+    attrs = {name: dict(p.__dict__) for name, p in module.named_parameters()}
+    module.to_empty(device=topo.device)
+    for name, p in module.named_parameters():
+        p.__dict__.update(attrs.get(name, {}))
+
+    def local_slice(name, full, param):
+        dim = sharded_dim(name) if topo.tp > 1 else None
+        value = full if dim is None else full.chunk(topo.tp, dim=dim)[topo.tp_rank]
+        if value.shape != param.shape:  # a TP plan and sharded_dim that disagree: a bug, not input
+            raise RuntimeError(f"{name}: shard {tuple(value.shape)} does not fit parameter {tuple(param.shape)}")
+        return value
+
+    init_parameters(module, model_cfg, seed, local_slice=local_slice, name_of=name_of,
+                    full_shape=lambda name, p: full_shapes[name])
+    for sub in module.modules():
+        if hasattr(sub, "reset_buffers"):
+            sub.reset_buffers()

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_write_text
 from .pipeline import gpt_key_to_pipe, pipe_key_to_gpt
 from .tensor import sharded_dim
 
@@ -42,21 +44,41 @@ _ZERO3_RE = re.compile(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")  # wei
 def resolve_tag_dir(ckpt: str | os.PathLike, tag: str | None = None) -> Path:
     """``ckpt`` may be a tag directory, or a checkpoint root with a ``latest`` file or ``tag``."""
     root = Path(ckpt)
+    if not root.exists():
+        raise ConvertError(f"checkpoint {root} not found; pass a run's checkpoints directory or one of its tag "
+                           f"directories (e.g. runs/NAME/checkpoints)")
+    if not root.is_dir():
+        raise ConvertError(f"checkpoint {root} is a file; pass the checkpoint directory (or its tag directory)")
     if tag:
+        if not (root / tag).is_dir():
+            raise ConvertError(f"--tag {tag}: no directory {root / tag}; tags there: {_tags(root) or 'none'}")
         return root / tag
-    if any(_MP_RE.match(p.name) or _ZERO3_RE.match(p.name) for p in root.iterdir()) if root.is_dir() else False:
+    if any(_MP_RE.match(p.name) or _ZERO3_RE.match(p.name) for p in root.iterdir()):
         return root
     latest = root / "latest"
     if latest.exists():
-        return root / latest.read_text().strip()
+        name = latest.read_text(errors="replace").strip()
+        if not name:
+            raise ConvertError(f"{latest} is empty (a save was interrupted); pick a tag with --tag "
+                               f"(tags there: {_tags(root) or 'none'})")
+        if not (root / name).is_dir():
+            raise ConvertError(f"{latest} points to '{name}', which does not exist under {root}; pick a tag with "
+                               f"--tag (tags there: {_tags(root) or 'none'})")
+        return root / name
     raise ConvertError(f"{root} holds no mp_rank_*_model_states.pt and no 'latest' file; pass the tag "
                        f"directory itself or --tag")
 
 
+def _tags(root: Path) -> str:
+    return ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir()))
+
+
 def _load(path: Path) -> dict:
+    if not path.is_file():
+        raise ConvertError(f"{path} is missing; the checkpoint is incomplete: convert another tag with --tag")
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
-    except RuntimeError as exc:  # torch's zip reader on a truncated or overwritten file
+    except Exception as exc:  # zip reader / unpickler on a truncated or overwritten file
         raise ConvertError(f"{path} cannot be read ({str(exc).splitlines()[0]}); the checkpoint is corrupt or "
                            f"was cut short: convert an earlier tag with --tag") from exc
 
@@ -76,6 +98,46 @@ def detect_layout(tag_dir: Path) -> tuple[int, int]:
         tp = len({int(m.group(2)) for m in layers})
         return tp, len(mp) // tp
     return len(mp), 1
+
+
+def recorded_model_config(tag_dir: Path) -> dict | None:
+    """The ``model`` section the trainer saved with the checkpoint (client state ``config``), if any."""
+    first = tag_dir / "mp_rank_00_model_states.pt"
+    if not first.is_file():
+        return None
+    try:
+        state = torch.load(first, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:
+        state = _load(first)
+    cfg = state.get("config") if isinstance(state, dict) else None
+    return cfg.get("model") if isinstance(cfg, dict) else None
+
+
+def check_target_layout(sd: dict, tp: int, pp: int, model: dict | None = None) -> None:
+    """Refuse a layout the trainer would refuse: whole heads per TP rank, a block per stage, and
+    every split dimension divisible by ``tp``. Without the recorded ``model`` config only the
+    tensor shapes are checked."""
+    for name, value in (("--tp", tp), ("--pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ConvertError(f"{name} {value} must be >= 1")
+    if model:
+        heads = model.get("n_heads")
+        kv = model.get("n_kv_heads") or heads
+        if heads and heads % tp:
+            raise ConvertError(f"--tp {tp} does not divide the model's {heads} attention heads (model.n_heads); "
+                               f"each tensor-parallel rank needs whole heads: use a --tp that divides {heads}")
+        if kv and kv % tp:
+            raise ConvertError(f"--tp {tp} does not divide the model's {kv} key/value heads (model.n_kv_heads); "
+                               f"use a --tp that divides {kv}")
+    n_blocks = _n_blocks(sd)
+    if n_blocks < pp:
+        raise ConvertError(f"--pp {pp}: the model has {n_blocks} blocks, fewer than {pp} pipeline stages; "
+                           f"use --pp <= {n_blocks}")
+    for key, value in sd.items():
+        dim = sharded_dim(key)
+        if dim is not None and tp > 1 and value.shape[dim] % tp:
+            raise ConvertError(f"--tp {tp}: {key} has {value.shape[dim]} rows on dim {dim}, not divisible by {tp}; "
+                               f"use a --tp that divides it")
 
 
 def _strip(sd: dict) -> dict:
@@ -164,10 +226,23 @@ def shard_state_dict(sd: dict, tp: int, pp: int) -> dict[str, dict]:
 
 def write_checkpoint(sd: dict, out: str | os.PathLike, tp: int, pp: int, tag: str = "converted") -> Path:
     """Write ``sd`` as a module-only DeepSpeed checkpoint for (tp, pp) under ``out/tag`` and point
-    ``out/latest`` at it. Load it with ``engine.load_checkpoint(out, load_module_only=True)``."""
+    ``out/latest`` at it. Load it with ``engine.load_checkpoint(out, load_module_only=True)``.
+
+    The tag is written under a temporary name and renamed into place, so files of an earlier
+    conversion to another layout (an extra ``mp_rank_03``) never mix with the new ones."""
+    check_target_layout(sd, tp, pp)
+    files = shard_state_dict(sd, tp, pp)
     tag_dir = Path(out) / tag
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    for name, payload in shard_state_dict(sd, tp, pp).items():
-        torch.save(payload, tag_dir / name)
-    (Path(out) / "latest").write_text(tag)
+    tmp_dir = Path(out) / f".{tag}.tmp.{os.getpid()}"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for name, payload in files.items():
+            torch.save(payload, tmp_dir / name)
+        if tag_dir.exists():
+            shutil.rmtree(tag_dir)
+        os.replace(tmp_dir, tag_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    atomic_write_text(Path(out) / "latest", tag + "\n")
     return tag_dir

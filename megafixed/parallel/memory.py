@@ -5,7 +5,7 @@ Model states (per parameter; ZeRO paper, Rajbhandari et al. 2020):
 =============  ======  =====  ==========================================
 precision      params  grads  optimizer state
 =============  ======  =====  ==========================================
-bf16 / fp16    2       2      12 (fp32 master copy + Adam m and v)
+bf16 / fp16    2       2+4    12 (fp32 master copy + Adam m and v)
 fp32           4       4      8 (Adam m and v; the params are the master)
 =============  ======  =====  ==========================================
 
@@ -178,11 +178,16 @@ class Estimate:
 
 
 def model_state_bytes(n_params: int, layout: Layout, precision: str = "bf16") -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes for ``n_params`` on one GPU under ZeRO ``layout.zero``."""
+    """(params, grads, optimizer) bytes for ``n_params`` on one GPU under ZeRO ``layout.zero``.
+
+    16-bit runs accumulate gradients in fp32 (``data_types.grad_accum_dtype``, which the trainer
+    sets, as Megatron's main_grad): a 16-bit gradient per micro batch plus the fp32 accumulator,
+    6 bytes per parameter.
+    """
     if precision == "fp32":
         pb, gb, ob = 4, 4, 8
     else:
-        pb, gb, ob = 2, 2, 12
+        pb, gb, ob = 2, 2 + 4, 12
     dp, z = layout.dp, layout.zero
     params = n_params * pb / (dp if z >= 3 else 1)
     grads = n_params * gb / (dp if z >= 2 else 1)
@@ -217,10 +222,11 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
     return best
 
 
-def feasible_layouts(cfg, gpus: int, max_tp: int = 8) -> list[Layout]:
-    """Every (tp, pp, dp, zero, micro) whose shapes divide, for ``gpus`` GPUs."""
-    from .topology import LayoutError, check_layout
+def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list[Layout]:
+    """Every (tp, pp, dp, zero, micro, sp) that the layout validator accepts, for ``gpus`` GPUs."""
     import copy
+
+    from .layout import LayoutError, validate_layout
 
     out = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
@@ -231,21 +237,19 @@ def feasible_layouts(cfg, gpus: int, max_tp: int = 8) -> list[Layout]:
             dp = gpus // (tp * pp)
             for zero in (0, 1, 2, 3):
                 for micro in (1, 2, 4, 8, 16, 32):
-                    c = copy.deepcopy(cfg)
-                    c.parallel.tp, c.parallel.pp, c.zero.stage = tp, pp, zero
-                    c.train.micro_batch = micro
-                    if micro * dp > c.train.global_batch:
+                    if micro * dp > cfg.train.global_batch:
                         continue
-                    try:
-                        check_layout(c, gpus)
-                    except LayoutError:
-                        continue
-                    sps = (False, True) if tp > 1 and cfg.data.seq_len % tp == 0 else (False,)
-                    # Both balancing rules under PP: with fixed codes, balancing parameters moves
-                    # blocks onto stage 0, which holds the most in-flight micro batches.
-                    parts = ("parameters", "type:Block") if pp > 1 else ("parameters",)
-                    for sp in sps:
-                        for part in parts:
+                    for sp in ((False, True) if tp > 1 else (False,)):
+                        c = copy.deepcopy(cfg)
+                        c.parallel.tp, c.parallel.pp, c.zero.stage = tp, pp, zero
+                        c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
+                        try:
+                            validate_layout(c, gpus, precision)
+                        except LayoutError:
+                            continue
+                        # Both balancing rules under PP: with fixed codes, balancing parameters
+                        # moves blocks onto stage 0, which holds the most in-flight micro batches.
+                        for part in (("parameters", "type:Block") if pp > 1 else ("parameters",)):
                             out.append(Layout(tp, pp, dp, zero, micro, sp, cfg.train.activation_checkpointing,
                                               part))
     return out

@@ -8,9 +8,10 @@ stage's layers (the rest are freed with the full model). Layer list::
 
 and the loss (``GPT.loss``, or the vocab-parallel loss under TP) runs on the last stage. Stages pass
 one activation tensor ``[B, T, D]`` (``[B, T/tp, D]`` under sequence parallelism) -- DeepSpeed pipe
-only sends tensors. Each block carries its own copy of the RoPE tables as non-persistent buffers,
-so no stage needs the model's buffers or extra traffic. The engine's schedule is 1F1B
-(``engine.train_batch``).
+only sends tensors. Each block reads the fp32 RoPE tables through the model's ``Rotary`` (a cache,
+not buffers, so DeepSpeed's bf16 cast of every stage cannot touch them). The engine's schedule is
+1F1B (``engine.train_batch``). The model arrives on the meta device; ``PipelineModule`` keeps only
+this stage's layers, and ``build_model`` materialises just those.
 
 Balancing: ``parallel.pp_partition=parameters`` (default) balances trainable parameters. With
 fixed codes the input layer has none, so the first stage simply takes more blocks, while the
@@ -41,18 +42,17 @@ class PipeInput(nn.Module):
 
 
 class PipeBlock(nn.Module):
-    """One transformer block with its own RoPE tables (stages share no buffers)."""
+    """One transformer block; RoPE tables come from the shared fp32 ``Rotary`` cache."""
 
-    def __init__(self, block: nn.Module, rope_cos: torch.Tensor, rope_sin: torch.Tensor, seq_shards: int):
+    def __init__(self, block: nn.Module, rotary: nn.Module, seq_shards: int):
         super().__init__()
         self.block = block
-        self.register_buffer("rope_cos", rope_cos.clone(), persistent=False)
-        self.register_buffer("rope_sin", rope_sin.clone(), persistent=False)
+        self.rotary = rotary
         self.seq_shards = seq_shards  # tp under sequence parallelism: x holds T/tp positions
 
     def forward(self, x):
-        T = x.shape[1] * self.seq_shards
-        return self.block(x, self.rope_cos[:T], self.rope_sin[:T])
+        cos, sin = self.rotary(x.shape[1] * self.seq_shards, x.device)
+        return self.block(x, cos, sin)
 
 
 class PipeHead(nn.Module):
@@ -69,39 +69,68 @@ class PipeHead(nn.Module):
 def pipeline_layers(model, seq_shards: int = 1) -> list[nn.Module]:
     """The GPT's modules as an ordered list of pipeline layers (the converter relies on this
     order: layer 0 input, 1..L blocks, L+1 head). ``seq_shards`` is tp under sequence parallelism."""
-    blocks = [PipeBlock(b, model.rope_cos, model.rope_sin, seq_shards) for b in model.blocks]
+    blocks = [PipeBlock(b, model.rotary, seq_shards) for b in model.blocks]
     return [PipeInput(model.input), *blocks, PipeHead(model.head)]
 
 
-def build_pipeline(model, cfg, topo):
-    """A ``deepspeed.pipe.PipelineModule`` holding this rank's stage of ``model``."""
+def _pipeline_module_class():
+    from deepspeed.pipe import PipelineModule
+
+    class GPTPipelineModule(PipelineModule):
+        """DeepSpeed's PipelineModule plus the once-per-step sequence-parallel gradient sum.
+
+        DeepSpeed's pipeline engine calls ``get_tied_weights_and_groups`` exactly once per
+        optimizer step, in its ``ReduceTiedGrads`` instruction, right before the data-parallel
+        ``ReduceGrads``: the accumulation boundary where Megatron's ``finalize_model_grads`` runs.
+        We use that seam for one coalesced TP all-reduce (``megafixed.parallel.grads``).
+        """
+
+        grad_sync = None  # a TPGradSync, set by build_model under sequence parallelism
+
+        def __init__(self, *args, materialize=None, **kwargs):
+            # Set before PipelineModule.__init__, which calls _build (plain attribute, not a Module).
+            object.__setattr__(self, "_materialize", materialize)
+            super().__init__(*args, **kwargs)
+
+        def _build(self):
+            # DeepSpeed keeps this stage's layers in _build and then moves the module to its
+            # device; the layers are still meta tensors, so give them storage and their values first.
+            super()._build()
+            if self._materialize is not None:
+                self._materialize(self)
+
+        def get_tied_weights_and_groups(self):
+            if self.grad_sync is not None:
+                self.grad_sync.finish()
+            return super().get_tied_weights_and_groups()
+
+    return GPTPipelineModule
+
+
+def build_pipeline(model, topo, partition: str = "parameters", activation_checkpointing: bool = False,
+                   materialize=None):
+    """A ``PipelineModule`` holding this rank's stage of ``model`` (normally still on meta);
+    ``materialize(stage_module)`` gives the kept layers storage and values."""
     import deepspeed
     import torch.distributed as dist
-    from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     # The pipeline grid is built through deepspeed.comm, which wraps the torch process group
-    # setup_distributed already made (a no-op when deepspeed.initialize ran before).
+    # setup_distributed already made.
     deepspeed.init_distributed(dist_backend=dist.get_backend())
-
-    seq_shards = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-    if model.has_fixed_input:
-        # The trainer sets the codes' dtype on a plain GPT; here the input layer feeds stage
-        # blocks directly, so emit the compute dtype (the code is exactly +-scale in any float).
-        from ..train.ds_config import resolve_precision
-        precision = resolve_precision(cfg)
-        if precision in ("bf16", "fp16"):
-            model.input.out_dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    loss_fn = model.loss  # GPT.loss, or the vocab-parallel loss that apply_tp installed
-    topology = PipeModelDataParallelTopology(num_pp=cfg.parallel.pp, num_mp=cfg.parallel.tp,
-                                             num_dp=topo.dp)
-    return PipelineModule(layers=pipeline_layers(model, seq_shards), loss_fn=loss_fn, topology=topology,
-                          partition_method=PARTITION_METHODS[cfg.parallel.pp_partition],
-                          activation_checkpoint_interval=1 if cfg.train.activation_checkpointing else 0,
-                          # non-reentrant: with fixed codes the first stage's activations do
-                          # not require grad, which reentrant checkpointing cannot handle
-                          activation_checkpoint_func=partial(torch.utils.checkpoint.checkpoint,
-                                                             use_reentrant=False))
+    seq_shards = topo.tp if topo.sequence_parallel else 1
+    grid = PipeModelDataParallelTopology(num_pp=topo.pp, num_mp=topo.tp, num_dp=topo.dp)
+    module = _pipeline_module_class()(
+        layers=pipeline_layers(model, seq_shards), loss_fn=model.loss_fn, topology=grid,
+        partition_method=PARTITION_METHODS[partition],
+        activation_checkpoint_interval=1 if activation_checkpointing else 0,
+        # non-reentrant: with fixed codes the first stage's activations do not require grad,
+        # which reentrant checkpointing cannot handle
+        activation_checkpoint_func=partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
+        materialize=materialize)
+    if module._grid.get_stage_id() != topo.pp_rank or module._grid.get_data_parallel_id() != topo.dp_rank:
+        raise RuntimeError("DeepSpeed's pipeline grid disagrees with the Topology's rank order")  # a bug, not input
+    return module
 
 
 def layer_prefix(layer_idx: int, n_layers: int) -> str:

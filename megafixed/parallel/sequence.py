@@ -2,14 +2,13 @@
 
 Why our own: megatron-core 0.16's sequence-parallel mappings (and its gather along the last dim)
 allocate their outputs with ``torch.cuda.current_device()``, so they cannot run on CPU/gloo, where
-CI tests them. These are the same four operations (Megatron's "g" and "g-bar" conjugates) on dim 1
+CI tests them. These are the same operations (Megatron's "g" and "g-bar" conjugates) on dim 1
 of ``[B, T, ...]`` tensors, written against torch.distributed only:
 
 * ``gather_sequence``: all-gather the T/tp shards forward, reduce-scatter the gradient backward
   (before a column-parallel Linear).
 * ``reduce_scatter_sequence``: sum partial outputs and keep this rank's T/tp shard forward,
   all-gather the gradient backward (after a row-parallel Linear or a vocab-parallel lookup).
-* ``gather_last_dim``: assemble vocabulary-sharded logits; backward keeps this rank's slice.
 
 gloo has no reduce-scatter, so there it is an all-reduce followed by taking our chunk (same
 numbers, twice the traffic); NCCL uses ``reduce_scatter_tensor``.
@@ -60,25 +59,9 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return _all_gather(grad, 1, ctx.group), None
 
 
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, x.dim() - 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=-1)[rank].contiguous(), None
-
-
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherSequence.apply(x, group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceScatterSequence.apply(x, group)
-
-
-def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    return _GatherLastDim.apply(x, group)

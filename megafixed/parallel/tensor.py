@@ -1,13 +1,14 @@
-"""Tensor (and sequence) parallelism on the plain GPT, torchtitan-style: ``apply_tp(model, cfg)``.
+"""Tensor (and sequence) parallelism on the plain GPT, torchtitan-style: ``apply_tp(model, topo)``.
 
 The layers are megatron-core's (``ColumnParallelLinear``, ``RowParallelLinear``,
 ``VocabParallelEmbedding``, ``vocab_parallel_cross_entropy``): they carry the communication and
 mark their sharded parameters ``tensor_model_parallel=True``, which is what DeepSpeed's gradient
 norm reads to count each parameter once. We do not use megatron's GPTModel (CUDA-only paths) and
-keep our own model: ``apply_tp`` swaps the Linear modules named in ``model.gpt.TP_PLAN`` in place and
-copies the matching slice of the full, already-initialised weight into each shard, so a TP run
-starts from exactly the single-process weights (and parameter names do not change, which keeps
-checkpoints convertible).
+keep our own model: ``apply_tp`` swaps the Linear modules named in ``TP_PLAN`` in place on a model
+built on the meta device; ``megafixed.parallel.build_model`` then materialises each rank's shards
+with the matching slice of the single-process initial values (``sharded_dim`` says which), so a TP
+run starts from exactly the single-process weights without any rank holding the full model.
+Parameter names do not change, which keeps checkpoints convertible.
 
 Layout conventions: our activations are batch-first ``[B, T, D]``; megatron's sequence-parallel
 collectives act on dim 0 (sequence-first). The thin subclasses below transpose at the boundary
@@ -19,7 +20,8 @@ only when sequence parallelism is on.
   all-reduced, or reduce-scattered over the sequence under SP).
 * The output head is column-parallel over the vocabulary with ``gather_output=False`` and the loss
   is ``vocab_parallel_cross_entropy``: the full ``[B, T, V]`` logits never exist on one rank.
-  ``gather_logits`` assembles them explicitly for evaluation or generation.
+  Evaluation and generation gather a checkpoint into a plain model instead
+  (``megafixed.train.evaluate.load_trained_model``).
 """
 from __future__ import annotations
 
@@ -27,12 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.gpt import GPT, TP_PLAN, apply_rope
+from ..model.gpt import GPT
 from ..model.inputs import FixedCodeInput, LearnedInput
-from .sequence import gather_last_dim, gather_sequence, reduce_scatter_sequence
+from .sequence import gather_sequence, reduce_scatter_sequence
+
+# Which Linear is split how (Megatron's scheme): column-parallel layers shard their output
+# features (dim 0 of the weight), row-parallel ones their input features (dim 1).
+TP_PLAN = {"attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.wo": "row",
+           "mlp.w_in": "column", "mlp.w_gate": "column", "mlp.w_out": "row"}
 
 
-def megatron_config(cfg, dtype: torch.dtype = torch.float32):
+def megatron_config(tp: int, dtype: torch.dtype = torch.float32):
     """megatron-core's ModelParallelConfig for our layers (CPU-safe: no fused CUDA paths).
 
     ``sequence_parallel`` stays False here on purpose: megatron's sequence-parallel code paths
@@ -40,15 +47,17 @@ def megatron_config(cfg, dtype: torch.dtype = torch.float32):
     """
     from megatron.core import ModelParallelConfig
 
-    return ModelParallelConfig(tensor_model_parallel_size=cfg.parallel.tp,
+    return ModelParallelConfig(tensor_model_parallel_size=tp,
                                sequence_parallel=False,
-                               use_cpu_initialization=True,  # shards are filled from the full model
+                               # no CUDA allocation at construction: layers are built on the meta
+                               # device and filled by build_model with the single-process values
+                               use_cpu_initialization=True,
                                perform_initialization=False,
                                gradient_accumulation_fusion=False,
                                params_dtype=dtype)
 
 
-def _no_init(_weight):  # weights are copied from the full model, never drawn here
+def _no_init(_weight):  # values come from build_model's per-parameter init, never drawn here
     return None
 
 
@@ -105,31 +114,6 @@ def _build_embedding(base, seq_group):
     return VocabParallelTable
 
 
-class TensorParallelAttention(nn.Module):
-    """The model's attention with local heads; the sequence length comes from the projections,
-    so it is right both with and without sequence parallelism (where ``x`` holds T/tp positions
-    but q/k/v hold all T after the column-parallel all-gather)."""
-
-    def __init__(self, wq, wk, wv, wo, head_dim: int, group: int, dropout: float):
-        super().__init__()
-        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
-        self.head_dim, self.group, self.dropout = head_dim, group, dropout
-
-    def forward(self, x, cos, sin):
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        B, T = q.shape[:2]
-        q = apply_rope(q.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
-        k = apply_rope(k.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
-        v = v.view(B, T, -1, self.head_dim)
-        if self.group > 1:
-            k = k.repeat_interleave(self.group, dim=2)
-            v = v.repeat_interleave(self.group, dim=2)
-        y = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            dropout_p=self.dropout if self.training else 0.0)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
-
-
 class SequenceShardCodeInput(FixedCodeInput):
     """Fixed codes for this rank's slice of positions only (sequence parallelism): no table, no
     communication; each rank derives its own ``[B, T/tp, D]`` codes from the token ids."""
@@ -164,110 +148,62 @@ def vocab_parallel_loss(local_logits: torch.Tensor, targets: torch.Tensor) -> to
     return vocab_parallel_cross_entropy(local_logits.float(), targets).mean()
 
 
-def gather_logits(local_logits: torch.Tensor) -> torch.Tensor:
-    """Full ``[..., V]`` logits from the vocabulary shards (for evaluation and generation)."""
-    from megatron.core import parallel_state
-
-    return gather_last_dim(local_logits, parallel_state.get_tensor_model_parallel_group())
-
-
-def _shard(full: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
-    return full.chunk(tp, dim=dim)[rank].clone()
-
-
-def _column(linear: nn.Linear, mcfg, tp: int, rank: int, cls) -> nn.Module:
+def _column(linear: nn.Linear, mcfg, cls) -> nn.Module:
     layer = cls(linear.in_features, linear.out_features, config=mcfg, init_method=_no_init,
                 bias=linear.bias is not None, gather_output=False)
-    with torch.no_grad():
-        layer.weight.copy_(_shard(linear.weight, 0, tp, rank))
-        if linear.bias is not None:
-            layer.bias.copy_(_shard(linear.bias, 0, tp, rank))
     _mark_sharded(layer.weight, 0)
     return layer
 
 
-def _row(linear: nn.Linear, mcfg, tp: int, rank: int, cls) -> nn.Module:
+def _row(linear: nn.Linear, mcfg, cls) -> nn.Module:
     layer = cls(linear.in_features, linear.out_features, config=mcfg, init_method=_no_init,
                 bias=linear.bias is not None, input_is_parallel=True, skip_bias_add=False)
-    with torch.no_grad():
-        layer.weight.copy_(_shard(linear.weight, 1, tp, rank))
-        if linear.bias is not None:
-            layer.bias.copy_(linear.bias)
     _mark_sharded(layer.weight, 1)
     return layer
 
 
-def _allreduce_over_tp_hook(group):
-    import torch.distributed as dist
+def apply_tp(model: GPT, topo) -> GPT:
+    """Swap ``model``'s layers for tensor-parallel ones for this rank (``topo.tp_rank``), in place.
 
-    def hook(grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-    return hook
-
-
-def apply_tp(model: GPT, cfg, tp_rank: int | None = None) -> GPT:
-    """Shard ``model`` (a full, initialised GPT, identical on every TP rank) in place for this rank.
-
-    Needs megatron-core's parallel_state initialised (``setup_distributed`` does it).
+    ``model`` is normally on the meta device (``build_model`` materialises and initialises the
+    shards afterwards). Needs megatron-core's parallel_state initialised (``setup_distributed``).
+    Sequence-parallel parameters (norms and row-parallel biases, which see only T/tp positions)
+    are marked ``sequence_parallel=True``; ``megafixed.parallel.grads`` sums their gradients over
+    the TP group once per step.
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                               VocabParallelEmbedding)
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-    tp = cfg.parallel.tp
-    rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
-    sp = cfg.parallel.sequence_parallel
-    mcfg = megatron_config(cfg, dtype=model.head.proj.weight.dtype)
-    group = parallel_state.get_tensor_model_parallel_group()
-    seq_group = group if sp else None
+    tp, rank = topo.tp, topo.tp_rank
+    mcfg = megatron_config(tp, dtype=model.head.proj.weight.dtype)
+    seq_group = topo.tp_group if topo.sequence_parallel else None
     Column, Row = _build_column(ColumnParallelLinear, seq_group), _build_row(RowParallelLinear, seq_group)
 
     for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        new = {}
         for name, kind in TP_PLAN.items():
-            owner_name, attr = name.split(".")
-            owner = attn if owner_name == "attn" else mlp
+            owner = getattr(block, name.split(".")[0])
+            attr = name.split(".")[1]
             linear = getattr(owner, attr, None)
             if linear is None:  # w_gate only exists for SwiGLU
                 continue
-            new[name] = (_column(linear, mcfg, tp, rank, Column) if kind == "column"
-                         else _row(linear, mcfg, tp, rank, Row))
-        block.attn = TensorParallelAttention(new["attn.wq"], new["attn.wk"], new["attn.wv"],
-                                             new["attn.wo"], attn.head_dim, attn.group, attn.dropout)
-        for name in ("mlp.w_in", "mlp.w_gate", "mlp.w_out"):
-            if name in new:
-                setattr(mlp, name.split(".")[1], new[name])
+            setattr(owner, attr, _column(linear, mcfg, Column) if kind == "column" else _row(linear, mcfg, Row))
 
     # Output head: vocabulary rows split, logits stay sharded, loss is vocab-parallel.
-    model.head.proj = _column(model.head.proj, mcfg, tp, rank, Column)
+    model.head.proj = _column(model.head.proj, mcfg, Column)
     if model.has_learned_input:
         Table = _build_embedding(VocabParallelEmbedding, seq_group)
         table = Table(model.cfg.vocab_size, model.cfg.d_model, init_method=_no_init, config=mcfg)
-        with torch.no_grad():
-            table.weight.copy_(_shard(model.input.embedding.weight, 0, tp, rank))
         _mark_sharded(table.weight, 0)
         model.input = VocabParallelInput(table)
         if model.cfg.tie_embeddings:
             model.head.proj.weight = table.weight
-    elif sp:
+    elif topo.sequence_parallel:
         model.input = SequenceShardCodeInput(model.input, tp, rank)
-    model.loss = vocab_parallel_loss  # instance attribute shadows the static GPT.loss
+    model.loss_fn = vocab_parallel_loss  # the model's loss seam
 
-    if sp:
-        # Norms (and row-parallel biases) now see only T/tp positions: their gradients are
-        # partial sums over the sequence and must be summed across the TP group (Megatron's
-        # `sequence_parallel` parameter attribute, reduced in its finalize_model_grads).
+    if topo.sequence_parallel:
         for name, p in model.named_parameters():
-            if getattr(p, "tensor_model_parallel", False):
-                continue
-            if name.startswith("input."):
-                continue
-            p.sequence_parallel = True
-            p.register_hook(_allreduce_over_tp_hook(group))
-    model.tensor_parallel = tp
+            if not getattr(p, "tensor_model_parallel", False) and not name.startswith("input."):
+                p.sequence_parallel = True
     return model
 
 

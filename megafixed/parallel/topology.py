@@ -17,27 +17,33 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import ConfigError
+from .layout import LayoutError
 
 
-class LayoutError(ConfigError):
-    """An impossible parallel layout; the message names the constraint and a fix."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class Topology:
+    """Where this process sits in the (TP, PP, DP) layout, and its process groups.
+
+    Built once per process by ``setup_distributed``; everything downstream (TP, pipeline, the
+    trainer, DeepSpeed's mpu) takes it instead of re-reading ``cfg.parallel``. The engines' own
+    registries (megatron-core's ``parallel_state``, DeepSpeed's pipeline grid) are derived from it
+    in the same rank order, so they cannot disagree.
+    """
     world_size: int
     rank: int
     local_rank: int
     tp: int
     pp: int
     dp: int
+    sequence_parallel: bool = False
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
     device: torch.device = torch.device("cpu")
-    mpu: Optional[Any] = None  # megatron-style model-parallel unit for deepspeed.initialize
-    sequence_parallel: bool = False
+    backend: str = "gloo"
+    tp_group: Optional[Any] = None  # None: the default group (world) -- only when that is the right one
+    dp_group: Optional[Any] = None
+    model_parallel_group: Optional[Any] = None  # TP x PP: one model replica
 
     @property
     def is_main(self) -> bool:
@@ -51,68 +57,17 @@ class Topology:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
+    @property
+    def mpu(self):
+        """The model-parallel unit for ``deepspeed.initialize(mpu=...)``: needed under TP so that
+        ZeRO partitions over the DP group and the gradient norm counts each parameter once. With a
+        pipeline, DeepSpeed insists on None and builds its grid from the same numbers."""
+        return TopologyMPU(self) if self.tp > 1 and self.pp == 1 else None
+
 
 def coords_of(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
     """(pp_rank, dp_rank, tp_rank) of a global rank, in DeepSpeed's pipe/data/model order."""
     return rank // (tp * dp), (rank // tp) % dp, rank % tp
-
-
-def check_layout(cfg, world: int) -> int:
-    """Raise ``LayoutError`` for a layout that cannot work; return the data-parallel size.
-
-    Called before any process group is built, so a bad layout fails in a second with a message
-    rather than as a hang or a shape error deep inside a collective.
-    """
-    tp, pp, sp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel
-    m = cfg.model
-    if tp < 1 or pp < 1:
-        raise LayoutError(f"parallel.tp={tp} and parallel.pp={pp} must both be >= 1")
-    if world % (tp * pp):
-        raise LayoutError(f"world size {world} is not divisible by parallel.tp * parallel.pp = {tp}*{pp}; "
-                          f"launch a multiple of {tp * pp} processes or change the layout")
-    dp = world // (tp * pp)
-    if pp > 1 and cfg.zero.stage >= 2:
-        raise LayoutError(f"zero.stage={cfg.zero.stage} cannot be combined with parallel.pp={pp} "
-                          f"(DeepSpeed's pipeline engine refuses it); use zero.stage=1")
-    if pp > 1 and cfg.zero.stage == 0 and cfg.optimizer.grad_clip > 0:
-        # DeepSpeed's clip_grad_norm_ (used without ZeRO) keeps a non-TP parameter's gradient
-        # only on the replica's model-parallel rank 0, i.e. on the first pipeline stage: the
-        # other stages' parameters would be left out of the clipping norm.
-        raise LayoutError(f"zero.stage=0 with parallel.pp={pp} would clip gradients by a wrong norm "
-                          f"(DeepSpeed counts only the first stage's parameters); use zero.stage=1, "
-                          f"which costs the same communication")
-    if m.n_heads % tp:
-        raise LayoutError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; each "
-                          f"tensor-parallel rank needs whole attention heads")
-    if m.kv_heads % tp:
-        raise LayoutError(f"model.n_kv_heads={m.kv_heads} is not divisible by parallel.tp={tp}; use "
-                          f"more key/value heads or a smaller parallel.tp")
-    if m.ffn_dim % tp:
-        raise LayoutError(f"MLP width {m.ffn_dim} (model.ffn_hidden) is not divisible by parallel.tp={tp}")
-    if m.vocab_size % tp:
-        raise LayoutError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}; pad the "
-                          f"vocabulary to a multiple of {tp} (the output head is split by vocabulary rows)")
-    # A stage must own at least one block: a stage of only codes or only the head would idle
-    # while holding a full activation buffer. Uneven counts are allowed (the partitioner balances
-    # parameters, not layer counts), e.g. 6 layers on 4 stages.
-    if m.n_layers < pp:
-        raise LayoutError(f"model.n_layers={m.n_layers} is fewer than parallel.pp={pp} pipeline stages; "
-                          f"every stage needs at least one block")
-    if pp > 1 and m.tie_embeddings:
-        raise LayoutError("model.tie_embeddings=true is not supported with parallel.pp > 1 (the table and "
-                          "the head live on different stages); untie them or use parallel.pp=1")
-    if sp and tp == 1:
-        raise LayoutError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence "
-                          "over the tensor-parallel group)")
-    if sp and cfg.data.seq_len % tp:
-        raise LayoutError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={tp}, which "
-                          f"sequence parallelism needs (each rank holds seq_len/tp positions)")
-    per_step = cfg.train.micro_batch * dp
-    if cfg.train.global_batch % per_step:
-        raise LayoutError(f"train.global_batch={cfg.train.global_batch} is not divisible by "
-                          f"train.micro_batch * data-parallel size = {cfg.train.micro_batch}*{dp}; "
-                          f"choose a global batch that is a multiple of {per_step}")
-    return dp
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -122,21 +77,40 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
-def setup_distributed(cfg) -> Topology:
-    """Check the layout, initialise torch.distributed (gloo on CPU, NCCL on GPU) and the groups.
+def launch_world() -> tuple[int, int, int]:
+    """(world size, rank, local rank) from torchrun, the deepspeed launcher or srun."""
+    return (_env_int("WORLD_SIZE", "SLURM_NTASKS", default=1), _env_int("RANK", "SLURM_PROCID", default=0),
+            _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0))
 
-    A single process without a launcher still gets a 1-rank process group, because DeepSpeed's
-    engine needs one; we give it a free loopback port so two such runs never collide.
+
+def resolve_backend(parallel) -> tuple[str, bool]:
+    """(backend, use_cuda); refuses a backend this machine cannot run before anything starts."""
+    cuda = torch.cuda.is_available()
+    if parallel.backend == "nccl" and not cuda:
+        raise LayoutError("parallel.backend=nccl needs CUDA GPUs, and this machine has none (torch sees no "
+                          "CUDA device); use parallel.backend=gloo (or auto) on CPU")
+    if parallel.backend == "nccl" and not torch.distributed.is_nccl_available():
+        raise LayoutError("parallel.backend=nccl: this torch build has no NCCL; install a CUDA build of torch or "
+                          "use parallel.backend=gloo")
+    use_cuda = cuda and parallel.backend != "gloo"
+    return (parallel.backend if parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")), use_cuda
+
+
+def setup_distributed(cfg) -> Topology:
+    """Validate the layout, initialise torch.distributed and the groups, return the Topology.
+
+    Call it once per process. A single process without a launcher still gets a 1-rank process
+    group, because DeepSpeed's engine needs one; we give it a free loopback port so two such runs
+    never collide.
     """
     import torch.distributed as dist
 
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    rank = _env_int("RANK", "SLURM_PROCID", default=0)
-    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
-    dp = check_layout(cfg, world)
+    from .layout import validate_layout
+
+    world, rank, local_rank = launch_world()
+    dp = validate_layout(cfg, world).dp
+    backend, use_cuda = resolve_backend(cfg.parallel)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    use_cuda = torch.cuda.is_available() and cfg.parallel.backend != "gloo"
-    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -149,86 +123,85 @@ def setup_distributed(cfg) -> Topology:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
         dist.init_process_group(backend=backend, rank=rank, world_size=world)
     pp_rank, dp_rank, tp_rank = coords_of(rank, tp, dp)
-    mpu = None
-    if tp > 1:
-        # megatron-core's layers find their TP group through parallel_state; its default order
-        # equals DeepSpeed's pipe/data/model topology (see the module docstring).
-        from megatron.core import parallel_state
+    groups = {}
+    if tp > 1 or pp > 1:
+        # megatron-core's layers find their TP group through parallel_state, so its groups are the
+        # ones we keep. Its default order (tp-cp-ep-dp-pp) is DeepSpeed's pipe/data/model order.
+        from megatron.core import parallel_state as ps
 
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                                     pipeline_model_parallel_size=pp,
-                                                     create_gloo_process_groups=False)
-        assert parallel_state.get_tensor_model_parallel_rank() == tp_rank, "rank order mismatch"
-        if pp == 1:
-            mpu = MegatronMPU()
-    # With pp > 1 DeepSpeed insists on mpu=None and takes the pipeline module's own grid
-    # (same rank order), so ``mpu`` stays None there.
-    return Topology(world_size=world, rank=rank, local_rank=local_rank, tp=tp, pp=pp, dp=dp,
-                    tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, mpu=mpu,
-                    sequence_parallel=cfg.parallel.sequence_parallel)
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         create_gloo_process_groups=False)
+        groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
+                      model_parallel_group=ps.get_model_parallel_group())
+    topo = Topology(world_size=world, rank=rank, local_rank=local_rank, tp=tp, pp=pp, dp=dp,
+                    sequence_parallel=cfg.parallel.sequence_parallel, tp_rank=tp_rank, pp_rank=pp_rank,
+                    dp_rank=dp_rank, device=device, backend=backend, **groups)
+    if groups and dist.get_rank(topo.tp_group) != tp_rank:
+        # Only reachable if a caller initialised megatron's groups with another layout first.
+        raise LayoutError(f"megatron-core's parallel_state was initialised with another layout than "
+                          f"parallel.tp={tp}, parallel.pp={pp}; call setup_distributed once per process")
+    return topo
 
 
-class MegatronMPU:
-    """The model-parallel unit DeepSpeed 0.19 queries, answered from megatron-core's parallel_state.
+class TopologyMPU:
+    """The model-parallel unit DeepSpeed 0.19 queries, answered from the Topology.
 
     megatron-core 0.16 no longer has ``get_model_parallel_rank/world_size`` (DeepSpeed still calls
     them for checkpoint file names and the gradient-norm reduction), so this adapter spells out
     exactly the calls DeepSpeed makes. "Model parallel" means TP x PP (one model replica).
     """
 
-    def __init__(self):
-        from megatron.core import parallel_state as ps
-        self._ps = ps
+    def __init__(self, topo: Topology):
+        self.topo = topo
 
     # tensor parallel
     def get_tensor_model_parallel_rank(self) -> int:
-        return self._ps.get_tensor_model_parallel_rank()
+        return self.topo.tp_rank
 
     def get_tensor_model_parallel_world_size(self) -> int:
-        return self._ps.get_tensor_model_parallel_world_size()
+        return self.topo.tp
 
     def get_tensor_model_parallel_group(self):
-        return self._ps.get_tensor_model_parallel_group()
+        return self.topo.tp_group
 
     def get_tensor_model_parallel_src_rank(self) -> int:
-        return self._ps.get_tensor_model_parallel_src_rank()
+        return self.topo.rank - self.topo.tp_rank
 
     # pipeline parallel
     def get_pipeline_model_parallel_rank(self) -> int:
-        return self._ps.get_pipeline_model_parallel_rank()
+        return self.topo.pp_rank
 
     def get_pipeline_model_parallel_world_size(self) -> int:
-        return self._ps.get_pipeline_model_parallel_world_size()
+        return self.topo.pp
 
     def get_pipeline_model_parallel_group(self):
-        return self._ps.get_pipeline_model_parallel_group()
+        from megatron.core import parallel_state as ps
+        return ps.get_pipeline_model_parallel_group()
 
     # model parallel = one replica (TP x PP)
     def get_model_parallel_group(self):
-        return self._ps.get_model_parallel_group()
+        return self.topo.model_parallel_group
 
     def get_model_parallel_world_size(self) -> int:
-        import torch.distributed as dist
-        return dist.get_world_size(group=self.get_model_parallel_group())
+        return self.topo.tp * self.topo.pp
 
     def get_model_parallel_rank(self) -> int:
-        import torch.distributed as dist
-        return dist.get_rank(group=self.get_model_parallel_group())
+        return self.topo.pp_rank * self.topo.tp + self.topo.tp_rank
 
     # data parallel
     def get_data_parallel_group(self):
-        return self._ps.get_data_parallel_group()
+        return self.topo.dp_group
 
     def get_data_parallel_rank(self) -> int:
-        return self._ps.get_data_parallel_rank()
+        return self.topo.dp_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self._ps.get_data_parallel_world_size()
+        return self.topo.dp
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         import torch.distributed as dist
-        return dist.get_process_group_ranks(self.get_data_parallel_group())
+        return dist.get_process_group_ranks(self.topo.dp_group)
 
 
 def _free_port() -> int:

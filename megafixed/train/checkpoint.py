@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..atomic import atomic_write_text
+
 LATEST = "latest"
 TAG_RE = re.compile(r"^step_(\d+)$")
 
@@ -31,11 +33,19 @@ def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def tag_step(tag: str) -> int:
+    m = TAG_RE.match(tag)
+    return int(m.group(1)) if m else -1
+
+
 def read_latest(ckpt_dir: str | os.PathLike) -> Optional[str]:
     path = Path(ckpt_dir) / LATEST
     if not path.exists():
         return None
-    tag = path.read_text().strip()
+    tag = path.read_text(errors="replace").strip()
+    if not tag:
+        raise CheckpointError(f"{path} is empty; write the tag to resume from into it (one of: "
+                              f"{', '.join(_tags(ckpt_dir)) or 'none found'}), or delete it to start from scratch")
     if not (Path(ckpt_dir) / tag).is_dir():
         raise CheckpointError(f"{path} points to '{tag}', which does not exist under {ckpt_dir}; "
                               f"restore that directory or delete {path} to start from scratch")
@@ -43,13 +53,12 @@ def read_latest(ckpt_dir: str | os.PathLike) -> Optional[str]:
 
 
 def write_latest(ckpt_dir: str | os.PathLike, tag: str) -> None:
-    path = Path(ckpt_dir) / LATEST
-    tmp = path.with_name(f".{LATEST}.tmp.{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(tag + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(Path(ckpt_dir) / LATEST, tag + "\n")
+
+
+def _tags(ckpt_dir) -> list[str]:
+    root = Path(ckpt_dir)
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and TAG_RE.match(p.name)) if root.is_dir() else []
 
 
 def prune(ckpt_dir: str | os.PathLike, keep: int, protect: str) -> list[str]:
@@ -90,13 +99,20 @@ def gather_rng_states() -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------- save / load
-def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, keep: int, is_main: bool) -> str:
+def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, keep: int, is_main: bool,
+         run_record: Optional[dict] = None) -> str:
+    """DeepSpeed's shards, then (rank 0) the run record, then ``latest``: a crash at any point
+    leaves ``latest`` on the previous complete checkpoint."""
+    from .resume import write_run_record
+
     tag = tag_for(step)
     client_state = {**client_state, "rng": gather_rng_states()}
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     if dist.is_initialized():
         dist.barrier()  # every rank's shards are on disk before anyone points `latest` at them
     if is_main:
+        if run_record is not None:
+            write_run_record(Path(ckpt_dir) / tag, run_record)
         write_latest(ckpt_dir, tag)
         prune(ckpt_dir, keep, protect=tag)
     if dist.is_initialized():

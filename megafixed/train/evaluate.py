@@ -80,35 +80,70 @@ def greedy_generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
     return ids[0, prompt.numel():].cpu()
 
 
-def load_trained_model(cfg, run_dir: str | os.PathLike, tag: Optional[str] = None) -> tuple[nn.Module, str]:
-    """A plain ``GPT`` with the weights of ``<run_dir>/checkpoints/<tag or latest>``.
+def trained_state_dict(ckpt_dir: str | os.PathLike, tag: str) -> dict:
+    """The full plain-GPT state dict of ``ckpt_dir/tag``, whatever layout wrote it.
 
-    Reads DeepSpeed's ``mp_rank_00_model_states.pt``, which holds the full module state for
-    ZeRO stages 0-2 without tensor/pipeline parallelism. The fixed code's A/b buffers are
-    checked against ``cfg`` on load (a mismatch raises naming the code fields).
+    TP/PP shards (any ZeRO stage below 3) are gathered by ``megafixed.parallel.convert``; ZeRO-3
+    partitions by DeepSpeed's own ``zero_to_fp32`` reader.
+    """
+    from ..parallel.convert import ConvertError, gather_state_dict
+
+    tag_dir = Path(ckpt_dir) / tag
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"{tag_dir} does not exist; pass a tag that is under {ckpt_dir}")
+    if any(tag_dir.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")) and \
+            not any(tag_dir.glob("mp_rank_*_model_states.pt")):
+        if any(tag_dir.glob("zero_pp_rank_*_mp_rank_01_model_states.pt")):
+            raise CheckpointError(f"{tag_dir} is a ZeRO-3 checkpoint with tensor parallelism, which this loader "
+                                  f"does not gather; resume it on its own layout with zero.stage=3 instead")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag))
+    try:
+        return gather_state_dict(tag_dir)
+    except ConvertError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def load_trained_model(cfg, run_dir: str | os.PathLike, tag: Optional[str] = None) -> tuple[nn.Module, str]:
+    """A plain single-process ``GPT`` with the weights of ``<run_dir>/checkpoints/<tag or latest>``.
+
+    The one loading path for evaluation, generation and export: it accepts a checkpoint from any
+    layout (TP, PP, ZeRO 1-3) and gathers it. ``cfg`` may be None: the checkpoint's own run record
+    (or the run's ``config.yaml``) then gives the model config. The fixed code's A/b buffers are
+    checked against the config on load (a mismatch raises naming the code fields).
     """
     from ..model import GPT
+    from .resume import read_run_record
 
     ckpt_dir = Path(run_dir) / "checkpoints"
     tag = tag or read_latest(ckpt_dir)
     if tag is None:
         raise CheckpointError(f"no checkpoint under {ckpt_dir}; train first (megafixed train ...)")
-    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.zero.stage >= 3:
-        raise CheckpointError("load_trained_model reads unsharded checkpoints (tp=pp=1, zero.stage<=2); "
-                              "for sharded ones, consolidate first with DeepSpeed's zero_to_fp32.py")
-    path = ckpt_dir / tag / "mp_rank_00_model_states.pt"
-    if not path.exists():
-        raise CheckpointError(f"{path} is missing; the checkpoint {ckpt_dir / tag} is incomplete")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    if cfg is None:
+        cfg = _run_config(run_dir, read_run_record(ckpt_dir / tag))
+    state = trained_state_dict(ckpt_dir, tag)
     model = GPT(cfg.model)
     # bf16 runs store bf16 weights; evaluate in fp32. The code buffers keep their dtype for the check.
     weights = {k: v.float() if v.is_floating_point() and not k.split(".")[-1].startswith("code_") else v
-               for k, v in state["module"].items()}
+               for k, v in state.items()}
     try:
         result = model.load_state_dict(weights, strict=False)
     except RuntimeError as exc:
-        raise CheckpointError(f"{path} does not fit this config: {exc}") from None
-    problems = list(result.missing_keys) + list(result.unexpected_keys)
+        raise CheckpointError(f"{ckpt_dir / tag} does not fit this config: {exc}") from None
+    problems = [k for k in list(result.missing_keys) + list(result.unexpected_keys)
+                if not k.split(".")[-1].startswith("code_")]  # ZeRO-3's reader may drop buffers
     if problems:
-        raise CheckpointError(f"{path} does not match model.*: missing/unexpected keys {problems[:8]}")
+        raise CheckpointError(f"{ckpt_dir / tag} does not match model.*: missing/unexpected keys {problems[:8]}")
     return model, tag
+
+
+def _run_config(run_dir, record):
+    from ..config import config_from_dict, load_config
+
+    if record is not None:
+        return config_from_dict(record["config"])
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise CheckpointError(f"{run_dir} has no config.yaml and its checkpoint no run record; pass the run's "
+                              f"config explicitly")
+    return load_config(str(path))

@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from ..atomic import atomic_write_text
+
 # Dense bf16 peak FLOP/s per GPU, from the vendors' data sheets (SXM parts). Only used for MFU;
 # set MEGAFIXED_PEAK_TFLOPS for a GPU that is not listed.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0,
@@ -73,21 +75,28 @@ def progress_line(rec: dict, max_steps: int, eta_s: float) -> str:
 class MetricsLog:
     """Rank 0's sink for per-step records: JSON lines plus TensorBoard scalars.
 
-    On resume, records past the resumed step (written by the interrupted run after its last
-    checkpoint) are dropped first, so the file reads as one uninterrupted run.
+    Files are opened on the first record, so a run that fails before its first step leaves no
+    empty ``metrics.jsonl`` or event file behind. On resume, records past the resumed step
+    (written by the interrupted run after its last checkpoint) are dropped first, so the file reads
+    as one uninterrupted run.
     """
 
     def __init__(self, run_dir: str | os.PathLike, enabled: bool, tensorboard: bool, resume_step: int = 0):
         self.enabled = enabled
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.tensorboard = tensorboard
+        self.resume_step = resume_step
+        self.fh = None
         self.writer = None
-        if not enabled:
-            return
-        self._truncate_after(resume_step)
+
+    def _open(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(self.resume_step)
         self.fh = open(self.path, "a")
-        if tensorboard:
+        if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self.resume_step + 1)
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
@@ -99,13 +108,13 @@ class MetricsLog:
                     keep.append(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a kill
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, rec: dict) -> None:
         if not self.enabled:
             return
+        if self.fh is None:
+            self._open()
         self.fh.write(json.dumps(rec) + "\n")
         self.fh.flush()
         if self.writer is not None:
@@ -115,9 +124,7 @@ class MetricsLog:
                                            value, rec["step"])
 
     def close(self) -> None:
-        if not self.enabled:
-            return
-        self.fh.close()
+        if self.fh is not None:
+            self.fh.close()
         if self.writer is not None:
-            self.writer.flush()
             self.writer.close()

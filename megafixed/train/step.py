@@ -28,7 +28,29 @@ class StepResult:
     skipped: bool  # non-finite loss with on_nonfinite=skip: the update was dropped
 
 
-def split_tokens(tokens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+class TokenRangeError(ValueError):
+    """A batch holds a token id the model cannot embed or predict."""
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: Optional[int]) -> None:
+    """Refuse ids outside [0, vocab_size) on the host, before the copy to the device.
+
+    The model's forward is kept free of device-to-host syncs, so this is where a mismatch between
+    the data's tokenizer and ``model.vocab_size`` is caught (shards are also checked when written).
+    On a CPU tensor ``aminmax`` costs microseconds and no synchronisation.
+    """
+    if vocab_size is None or tokens.numel() == 0 or tokens.device.type != "cpu":
+        return
+    lo, hi = (int(v) for v in torch.aminmax(tokens))
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise TokenRangeError(f"token id {bad} is outside [0, {vocab_size - 1}] (model.vocab_size={vocab_size}); "
+                              f"the data was tokenized with a different vocabulary than this config: check "
+                              f"data.tokenizer and model.vocab_size")
+
+
+def split_tokens(tokens: torch.Tensor, device, vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    check_token_ids(tokens, vocab_size)
     tokens = tokens.to(device, non_blocking=True)
     return tokens[:, :-1], tokens[:, 1:]
 
@@ -56,12 +78,18 @@ def _stage0_grad_norm(engine) -> Optional[float]:
 
 
 def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *, dp: int, dp_group=None,
-               on_nonfinite: str = "stop", step: int = 0) -> StepResult:
-    """Run one optimizer step over ``accum`` micro batches from ``batches`` on this rank."""
+               on_nonfinite: str = "stop", step: int = 0, grad_sync=None,
+               vocab_size: Optional[int] = None) -> StepResult:
+    """Run one optimizer step over ``accum`` micro batches from ``batches`` on this rank.
+
+    ``grad_sync`` (plain engine, sequence parallelism, ZeRO 0/1) sums the sequence-parallel
+    gradients over TP once, after the last micro batch's backward, and then lets DeepSpeed do
+    its data-parallel reduction (``megafixed.parallel.grads``).
+    """
     engine.train()
     if is_pipeline_engine(engine):
         # Exactly `accum` pairs: the pipeline schedule pulls one per micro batch on its first/last stage.
-        pairs = (split_tokens(next(batches), engine.device) for _ in range(accum))
+        pairs = (split_tokens(next(batches), engine.device, vocab_size) for _ in range(accum))
         loss = engine.train_batch(data_iter=pairs)  # already averaged over micro batches and DP
         value = float(loss)
         nonfinite = not torch.isfinite(torch.tensor(value))
@@ -73,12 +101,15 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
 
     local_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
     for k in range(accum):
-        inputs, labels = split_tokens(next(batches), engine.device)
+        inputs, labels = split_tokens(next(batches), engine.device, vocab_size)
         loss = engine(inputs, labels)
         engine.backward(loss)
         local_sum += loss.detach().double()
         if k < accum - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro step
+        elif grad_sync is not None:
+            grad_sync.finish()  # one TP all-reduce of the SP gradients, at the boundary
+            engine.allreduce_gradients()  # then DeepSpeed's DP reduction, which it deferred for us
     value, nonfinite = _dp_mean_and_flag(local_sum / accum, dp_group, dp)
     if nonfinite:
         if on_nonfinite == "stop":
@@ -95,19 +126,20 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
 
 
 @torch.no_grad()
-def eval_loss(engine, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp_group=None) -> float:
+def eval_loss(engine, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp_group=None,
+              vocab_size: Optional[int] = None) -> float:
     """Mean loss over ``iters`` micro batches per rank, averaged over data-parallel ranks."""
     if iters < 1:
         return float("nan")
     was_training = engine.training
     if is_pipeline_engine(engine):
-        pairs = (split_tokens(next(batches), engine.device) for _ in range(iters))
+        pairs = (split_tokens(next(batches), engine.device, vocab_size) for _ in range(iters))
         value = float(engine.eval_batch(data_iter=pairs, num_micro_batches=iters))
     else:
         engine.eval()
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
         for _ in range(iters):
-            inputs, labels = split_tokens(next(batches), engine.device)
+            inputs, labels = split_tokens(next(batches), engine.device, vocab_size)
             total += engine.module(inputs, labels).double()
         total /= iters
         if dp > 1:

@@ -1,18 +1,19 @@
-"""``train(cfg)``: the DeepSpeed training loop on one node (plain process, torchrun or deepspeed).
-
-Order of events: environment -> process group -> batch layout -> run dir + resolved config ->
-data -> model (through the parallel seam) -> client AdamW -> ``deepspeed.initialize`` -> resume
-from ``latest`` -> loop (lr from the schedule, one step, log, validate, save).
+"""``train(cfg, topo)``: the training loop. It reads top to bottom: resume, then step, log,
+validate, save, stop. Everything else is a component behind it: the engine (``engine.py``), the
+step (``step.py``), validation (``validation.py``), checkpoints and the resume check
+(``checkpoint.py``, ``resume.py``), metrics (``metrics.py``) and the stop request (``stop.py``).
 
 Reproducibility contract (CPU, fp32): the same command twice, or a run killed and started again,
-logs bit-identical losses. What makes that true: the model is built under a fixed seed; the data
-position is the number of consumed samples (the sample order is a pure function of the seed);
-the learning rate is a pure function of the step; checkpoints carry optimizer moments and every
-rank's python/numpy/torch RNG state.
+logs bit-identical losses. What makes that true: every parameter's initial value is a function
+of (seed, name); the data position is the number of consumed samples (the sample order is a pure
+function of the seed); the learning rate is a pure function of the step; checkpoints carry the
+optimizer moments and every rank's python/numpy/torch RNG state.
 """
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,14 +22,18 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ..atomic import atomic_write_text
 from ..config import Config, save_config
+from ..parallel.layout import validate_layout
 from . import checkpoint
-from .ds_config import batch_layout, deepspeed_config, resolve_precision
-from .env import prepare_runtime_env
+from .ds_config import deepspeed_config, resolve_precision
+from .engine import build_engine
 from .metrics import MetricsLog, flops_per_token, matmul_param_count, peak_flops_per_gpu, progress_line
-from .optim import build_optimizer
+from .resume import check_resume, read_run_record, run_record
 from .schedule import LRSchedule
-from .step import eval_loss, train_step
+from .step import train_step
+from .stop import StopRequest
+from .validation import Validator
 
 
 @dataclass
@@ -40,6 +45,7 @@ class TrainResult:
     last_loss: Optional[float]
     last_val_loss: Optional[float]
     checkpoint: Optional[str]  # tag of the newest checkpoint
+    stopped: bool = False  # a stop request ended the run early (after saving)
     history: list = field(default_factory=list)  # every logged record (rank 0)
 
 
@@ -49,60 +55,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _configure_model(model, cfg: Config, precision: str) -> None:
-    from ..model import GPT
-
-    if not isinstance(model, GPT):
-        return  # a PipelineModule: the parallel layer configures its stages
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    if model.has_fixed_input and precision in ("bf16", "fp16"):
-        # The code is exactly +-scale in any float dtype; emit it in the compute dtype.
-        model.input.out_dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    if cfg.train.compile:
-        for block in model.blocks:
-            block.compile()  # in place: parameter names (and so checkpoints) stay unchanged
+def _due(step: int, interval: int, last: int) -> bool:
+    return step == last or (interval > 0 and step % interval == 0)
 
 
-def keep_fp32_buffers(module) -> None:
-    """Undo DeepSpeed's cast of *buffers* to bf16/fp16 (it calls ``module.bfloat16()``).
-
-    RoPE tables in bf16 carry ~0.4% angle error, which grows into position confusion at long
-    contexts (Megatron keeps them fp32 too), and the fixed code's scale buffer must stay exact for
-    the checkpoint check. Parameters keep the engine's dtype.
-    """
-    from ..model import GPT
-    from ..model.gpt import rope_cache
-
-    if not isinstance(module, GPT):
-        return
-    dev = module.rope_cos.device
-    cos, sin = rope_cache(module.cfg.head_dim, module.cfg.max_seq_len, module.cfg.rope_theta)
-    module.rope_cos, module.rope_sin = cos.to(dev), sin.to(dev)
-    if module.has_fixed_input:
-        module.input.code_scale = torch.tensor(module.input.code.scale, dtype=torch.float64, device=dev)
-
-
-def _dp_group(topo):
-    return topo.mpu.get_data_parallel_group() if topo.mpu is not None else None
-
-
-def train(cfg: Config, *, datasets: Optional[dict] = None, log: Callable[[str], None] = print) -> TrainResult:
-    """Train (or resume) the run described by ``cfg``; see the module docstring."""
-    prepare_runtime_env()
-    import deepspeed
-    import torch.distributed as dist
-
-    from ..parallel import build_model, setup_distributed
-
-    topo = setup_distributed(cfg)
-    layout = batch_layout(cfg, topo.dp)
-    precision = resolve_precision(cfg)
+def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[StopRequest] = None,
+          log: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume) the run described by ``cfg`` on this rank of ``topo``."""
     say = log if topo.is_main else (lambda *_: None)
-
-    run_dir = Path(cfg.train.run_dir)
+    stop = stop or StopRequest()
+    precision = resolve_precision(cfg)
+    layout = validate_layout(cfg, topo.world_size, precision)
+    ds_config = deepspeed_config(cfg, layout, precision)
+    run_dir, max_steps = Path(cfg.train.run_dir), cfg.train.max_steps
     ckpt_dir = run_dir / "checkpoints"
-    if topo.is_main:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    created_run_dir = not run_dir.exists()
+
+    # Resume point, checked against the new config before anything in the run dir is touched.
+    resume_tag = checkpoint.read_latest(ckpt_dir)
+    changes: list = []
+    if resume_tag is not None:
+        record = read_run_record(ckpt_dir / resume_tag)
+        if record is not None:
+            changes = check_resume(record, cfg, topo, precision, cfg.zero.stage, ckpt_dir / resume_tag)
 
     if datasets is None:
         from ..data.gpt_dataset import build_datasets
@@ -110,110 +85,97 @@ def train(cfg: Config, *, datasets: Optional[dict] = None, log: Callable[[str], 
     if datasets.get("train") is None:
         raise ValueError("the training split is empty; check data.prefixes and data.split")
 
-    model = build_model(cfg, topo)
-    _configure_model(model, cfg, precision)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    # A PipelineModule carries its own process grid, and DeepSpeed refuses an mpu beside it.
-    is_pipeline = isinstance(model, deepspeed.pipe.PipelineModule)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           mpu=None if is_pipeline else topo.mpu,
-                                           config=deepspeed_config(cfg, layout, precision))
-    if precision != "fp32":
-        keep_fp32_buffers(engine.module)
-    # Training randomness (dropout) differs per rank; initial weights do not (build_model seeds).
-    seed_everything(cfg.train.seed + 1 + topo.rank)
-
-    schedule = LRSchedule.from_config(cfg.schedule, cfg.optimizer, cfg.train.max_steps)
-    step, consumed = 0, 0
-    client = checkpoint.load(engine, ckpt_dir, topo.rank)
-    resumed_from = None
-    if client is not None:
+    bundle = build_engine(cfg, topo, ds_config, precision)
+    engine, optimizer = bundle.engine, bundle.optimizer
+    seed_everything(cfg.train.seed + 1 + topo.rank)  # dropout differs per rank; initial weights do not
+    step = consumed = 0
+    if resume_tag is not None:
+        client = checkpoint.load(engine, ckpt_dir, topo.rank)
         step, consumed = int(client["step"]), int(client["consumed_samples"])
-        resumed_from = checkpoint.tag_for(step)
-        say(f"resumed from {ckpt_dir / resumed_from} (step {step}, {consumed} samples consumed)")
-
-    if topo.is_main:  # after a successful resume: a refused config must not replace the run's own
+        say(f"resumed from {ckpt_dir / resume_tag} (step {step}, {consumed} samples consumed)"
+            + (f"; changed: {', '.join(changes)}" if changes else ""))
+    if topo.is_main:  # only now: a refused resume must not replace the run's own files
+        run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, str(run_dir / "config.yaml"))
+        atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2) + "\n")
 
     from ..data.gpt_dataset import micro_batches
     batches = micro_batches(datasets["train"], start_sample=consumed, micro_batch=layout.micro_batch,
                             dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
+    schedule = LRSchedule.from_config(cfg.schedule, cfg.optimizer, max_steps)
     metrics = MetricsLog(run_dir, enabled=topo.is_main, tensorboard=cfg.train.tensorboard, resume_step=step)
-    dp_group = _dp_group(topo)
-    seq_len = cfg.data.seq_len
-    tokens_per_step = layout.global_batch * seq_len
+    validator = Validator(engine, datasets.get("valid"), layout, topo, cfg.train.eval_iters,
+                          cfg.model.vocab_size, stop)
+    validate = validator.enabled and cfg.train.eval_interval > 0
+    tokens_per_step = layout.global_batch * cfg.data.seq_len
     peak = peak_flops_per_gpu() if engine.device.type == "cuda" else None
-    flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), seq_len) if peak else None
-
-    say(f"training {cfg.model.input} interface: {cfg.train.max_steps} steps, global batch {layout.global_batch} "
-        f"= micro {layout.micro_batch} x accum {layout.accum} x dp {topo.dp}, {precision}, "
+    flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), cfg.data.seq_len) if peak else None
+    say(f"training {cfg.model.input} interface: {max_steps} steps, global batch {layout.global_batch} = micro "
+        f"{layout.micro_batch} x accum {layout.accum} x dp {topo.dp}, tp {topo.tp}, pp {topo.pp}, {precision}, "
         f"zero {cfg.zero.stage}, run dir {run_dir}")
+
     history: list = []
     last_loss = last_val = None
-    has_valid = cfg.train.eval_interval > 0 and datasets.get("valid") is not None
-
-    def validate() -> float:
-        # train.eval_iters counts global batches (Megatron's meaning): the same held-out samples
-        # are scored whatever the data-parallel layout.
-        valid = micro_batches(datasets["valid"], start_sample=0, micro_batch=layout.micro_batch,
-                              dp_rank=topo.dp_rank, dp_size=topo.dp)
-        return eval_loss(engine, valid, cfg.train.eval_iters * layout.accum, dp=topo.dp, dp_group=dp_group)
-
-    if step == 0 and has_valid:
-        # The curve's starting point (~ln vocab for a fresh model); no RNG is consumed.
-        rec0 = {"step": 0, "val_loss": validate(), "consumed_samples": 0}
-        metrics.write(rec0)
-        history.append(rec0)
-        say(f"step 0/{cfg.train.max_steps} | val {rec0['val_loss']:.4f}")
-    last_tag = resumed_from
-    window_t, window_steps = time.perf_counter(), 0
-    step_times: list = []
+    last_tag, stopped, saved_any = resume_tag, False, resume_tag is not None
+    window_t, window_steps, step_times = time.perf_counter(), 0, []
     try:
-        while step < cfg.train.max_steps:
+        if step == 0 and validate:  # the curve's starting point (~ln vocab); consumes no RNG
+            val0 = validator.run()
+            stopped = val0 is None  # a stop arrived during the pass: nothing to save yet
+            if val0 is not None:
+                history.append({"step": 0, "val_loss": val0, "consumed_samples": 0})
+                metrics.write(history[-1])
+                say(f"step 0/{max_steps} | val {val0:.4f}")
+        while step < max_steps and not stopped:
             lr = schedule.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             t0 = time.perf_counter()
-            result = train_step(engine, optimizer, batches, layout.accum, dp=topo.dp, dp_group=dp_group,
-                                on_nonfinite=cfg.train.on_nonfinite, step=step)
-            step += 1
-            consumed += layout.global_batch
+            result = train_step(engine, optimizer, batches, layout.accum, dp=topo.dp, dp_group=topo.dp_group,
+                                on_nonfinite=cfg.train.on_nonfinite, step=step, grad_sync=bundle.grad_sync,
+                                vocab_size=cfg.model.vocab_size)
+            step, consumed, last_loss = step + 1, consumed + layout.global_batch, result.loss
             window_steps += 1
             step_times.append(time.perf_counter() - t0)
-            last_loss = result.loss
 
-            do_log = step % cfg.train.log_interval == 0 or step == cfg.train.max_steps
-            do_eval = has_valid and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps)
-            val = last_val = validate() if do_eval else last_val
-            if do_log or do_eval:
-                elapsed = time.perf_counter() - window_t
+            val = validator.run() if validate and _due(step, cfg.train.eval_interval, max_steps) else None
+            last_val = val if val is not None else last_val
+            if _due(step, cfg.train.log_interval, max_steps) or val is not None:
                 rec = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                       "tokens_per_s": tokens_per_step * window_steps / max(elapsed, 1e-9),
+                       "tokens_per_s": tokens_per_step * window_steps / max(time.perf_counter() - window_t, 1e-9),
                        "consumed_samples": consumed}
                 if flops_tok:
                     rec["mfu"] = rec["tokens_per_s"] * flops_tok / (peak * topo.world_size)
-                if do_eval:
+                if val is not None:
                     rec["val_loss"] = val
                 if result.skipped:
                     rec["skipped"] = True
-                recent = step_times[-50:]
-                eta = (cfg.train.max_steps - step) * sum(recent) / len(recent)
                 metrics.write(rec)
                 history.append(rec)
-                say(progress_line(rec, cfg.train.max_steps, eta))
+                recent = step_times[-50:]
+                say(progress_line(rec, max_steps, (max_steps - step) * sum(recent) / len(recent)))
                 window_t, window_steps = time.perf_counter(), 0
 
-            if step % cfg.train.save_interval == 0 or step == cfg.train.max_steps:
+            stopped = stop.should_stop()
+            if _due(step, cfg.train.save_interval, max_steps) or stopped:
                 client_state = {"step": step, "consumed_samples": consumed, "schedule": schedule.state_dict(),
                                 "config": cfg.to_dict()}
                 last_tag = checkpoint.save(engine, ckpt_dir, step, client_state, cfg.train.keep_checkpoints,
-                                           topo.is_main)
+                                           topo.is_main, run_record(cfg, topo, precision, cfg.zero.stage))
+                saved_any = True
                 window_t = time.perf_counter()  # do not charge the save to tokens/s
-    finally:
+            if stopped:
+                say(f"stopped at step {step} ({stop.reason}); checkpoint {ckpt_dir / last_tag} is complete. "
+                    f"Run the same command again to resume.")
+                break
+    except BaseException:
         metrics.close()
-    if dist.is_initialized():
-        dist.barrier()
-    if resumed_from is not None and step == int(resumed_from.split("_")[1]):
-        say(f"nothing to do: the run already reached train.max_steps={cfg.train.max_steps}")
-    return TrainResult(run_dir=str(run_dir), step=step, consumed_samples=consumed, resumed_from=resumed_from,
-                       last_loss=last_loss, last_val_loss=last_val, checkpoint=last_tag, history=history)
+        if created_run_dir and not saved_any and topo.is_main:
+            shutil.rmtree(run_dir, ignore_errors=True)  # a failed run leaves nothing half-made behind
+        raise
+    metrics.close()
+    if resume_tag is not None and step == checkpoint.tag_step(resume_tag) and not stopped:
+        say(f"nothing to do: the run already reached train.max_steps={max_steps}")
+    return TrainResult(run_dir=str(run_dir), step=step, consumed_samples=consumed, resumed_from=resume_tag,
+                       last_loss=last_loss, last_val_loss=last_val, checkpoint=last_tag, stopped=stopped,
+                       history=history)

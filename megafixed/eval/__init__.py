@@ -1,1 +1,0 @@
-"""megafixed.eval (grows with its issue)."""

@@ -1,0 +1,15 @@
+"""One exit-code policy for every ``megafixed`` verb (``cli.main`` applies it).
+
+Schedulers and wrappers branch on these, so they never change meaning:
+
+* ``OK`` (0): the command did what was asked.
+* ``FAILED`` (1): it ran and failed (e.g. the training loss became non-finite).
+* ``BAD_INPUT`` (2): bad input -- a config key, a file, a flag, a layout (argparse uses 2 as well).
+  Nothing the user had was changed.
+* ``STOPPED`` (75, ``EX_TEMPFAIL``): a stop was requested (a signal, a time limit); the run saved a
+  checkpoint at a safe point and the same command resumes it. Slurm requeue logic keys on it.
+"""
+OK = 0
+FAILED = 1
+BAD_INPUT = 2
+STOPPED = 75

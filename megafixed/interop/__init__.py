@@ -1,1 +1,0 @@
-"""megafixed.interop (grows with its issue)."""

@@ -1,1 +1,0 @@
-"""megafixed.launch (grows with its issue)."""

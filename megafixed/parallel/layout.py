@@ -1,0 +1,127 @@
+"""The one layout validator: every cross-field rule of a (TP, PP, DP, ZeRO, batch) layout.
+
+It runs before any process group exists (and on a CPU-only login node for ``--dry-run``), so a
+bad layout fails in a second with a message naming the keys and a fix, rather than as a hang or a
+shape error deep inside a collective. ``megafixed plan`` uses it to filter candidate layouts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import ConfigError
+
+
+class LayoutError(ConfigError):
+    """An impossible parallel layout; the message names the constraint and a fix."""
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    global_batch: int  # sequences per optimizer step, all data-parallel ranks together
+    micro_batch: int  # sequences per forward/backward on one rank
+    accum: int  # micro batches per optimizer step on one rank
+    dp: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro_batch * self.accum
+
+
+def data_parallel_size(parallel, world: int) -> int:
+    tp, pp = parallel.tp, parallel.pp
+    if tp < 1 or pp < 1:
+        raise LayoutError(f"parallel.tp={tp} and parallel.pp={pp} must both be >= 1")
+    if world < 1 or world % (tp * pp):
+        raise LayoutError(f"world size {world} is not divisible by parallel.tp * parallel.pp = {tp}*{pp}; "
+                          f"launch a multiple of {tp * pp} processes or change the layout")
+    return world // (tp * pp)
+
+
+def batch_layout(train, dp: int) -> BatchLayout:
+    """Reconcile global = micro * accum * dp; refuse layouts that do not divide, naming the fix."""
+    g, mb = train.global_batch, train.micro_batch
+    if g < 1 or mb < 1:
+        raise LayoutError(f"train.global_batch={g} and train.micro_batch={mb} must both be >= 1")
+    if g % (mb * dp):
+        lo = (g // (mb * dp)) * mb * dp
+        hint = f"e.g. train.global_batch={lo or mb * dp} or {lo + mb * dp}"
+        raise LayoutError(f"train.global_batch={g} is not divisible by train.micro_batch * data-parallel size "
+                          f"= {mb} * {dp} = {mb * dp}; pick a global batch that is a multiple ({hint}) "
+                          f"or change train.micro_batch")
+    return BatchLayout(global_batch=g, micro_batch=mb, accum=g // (mb * dp), dp=dp)
+
+
+def _check_model_split(cfg, tp: int, pp: int) -> None:
+    m = cfg.model
+    if m.n_heads % tp:
+        raise LayoutError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; each "
+                          f"tensor-parallel rank needs whole attention heads")
+    if m.kv_heads % tp:
+        raise LayoutError(f"model.n_kv_heads={m.kv_heads} is not divisible by parallel.tp={tp}; use "
+                          f"more key/value heads or a smaller parallel.tp")
+    if m.ffn_dim % tp:
+        raise LayoutError(f"MLP width {m.ffn_dim} (model.ffn_hidden) is not divisible by parallel.tp={tp}")
+    if m.vocab_size % tp:
+        raise LayoutError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}; pad the "
+                          f"vocabulary to a multiple of {tp} (the output head is split by vocabulary rows)")
+    # A stage must own at least one block: a stage of only codes or only the head would idle while
+    # holding a full activation buffer. Uneven counts are allowed (6 layers on 4 stages).
+    if m.n_layers < pp:
+        raise LayoutError(f"model.n_layers={m.n_layers} is fewer than parallel.pp={pp} pipeline stages; "
+                          f"every stage needs at least one block")
+    if pp > 1 and m.tie_embeddings:
+        raise LayoutError("model.tie_embeddings=true is not supported with parallel.pp > 1 (the table and "
+                          "the head live on different stages); untie them or use parallel.pp=1")
+
+
+def _check_sequence_parallel(cfg, tp: int) -> None:
+    sp = cfg.parallel.sequence_parallel
+    if sp and tp == 1:
+        raise LayoutError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence "
+                          "over the tensor-parallel group)")
+    if sp and cfg.data.seq_len % tp:
+        raise LayoutError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={tp}, which "
+                          f"sequence parallelism needs (each rank holds seq_len/tp positions)")
+    if tp > 1 and not sp and cfg.model.dropout > 0:
+        # Without SP the residual stream is replicated on every TP rank, and each rank's own RNG
+        # would drop different elements of it: the replicas drift apart (measured: block outputs
+        # differ by up to 0.04). Under SP each rank owns distinct positions, so per-rank masks are right.
+        raise LayoutError(f"model.dropout={cfg.model.dropout} with parallel.tp={tp} would drop different "
+                          f"elements of the replicated residual stream on each tensor-parallel rank; set "
+                          f"parallel.sequence_parallel=true (each rank then owns its positions) or model.dropout=0")
+
+
+def _check_zero(cfg, pp: int, precision: Optional[str]) -> None:
+    stage = cfg.zero.stage
+    if pp > 1 and stage >= 2:
+        raise LayoutError(f"zero.stage={stage} cannot be combined with parallel.pp={pp} "
+                          f"(DeepSpeed's pipeline engine refuses it); use zero.stage=1")
+    if pp > 1 and stage == 0 and cfg.optimizer.grad_clip > 0:
+        # DeepSpeed's clip_grad_norm_ (used without ZeRO) keeps a non-TP parameter's gradient only
+        # on the replica's model-parallel rank 0, i.e. the first stage: other stages would be left
+        # out of the clipping norm.
+        raise LayoutError(f"zero.stage=0 with parallel.pp={pp} would clip gradients by a wrong norm "
+                          f"(DeepSpeed counts only the first stage's parameters); use zero.stage=1, "
+                          f"which costs the same communication")
+    if precision in ("bf16", "fp16") and stage == 0:
+        # Accumulating micro-batch gradients in 16 bits loses ~1% of the gradient at 128 micro
+        # batches; DeepSpeed keeps fp32 accumulators only in its ZeRO optimizers.
+        raise LayoutError(f"train.precision={precision} needs zero.stage >= 1: only DeepSpeed's ZeRO "
+                          f"optimizers accumulate gradients in fp32 (data_types.grad_accum_dtype); "
+                          f"use zero.stage=1, which costs no extra communication")
+
+
+def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLayout:
+    """Raise ``LayoutError`` for a layout that cannot work; return its batch layout (with dp)."""
+    dp = data_parallel_size(cfg.parallel, world)
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    _check_model_split(cfg, tp, pp)
+    _check_sequence_parallel(cfg, tp)
+    _check_zero(cfg, pp, precision)
+    return batch_layout(cfg.train, dp)
+
+
+def check_layout(cfg, world: int) -> int:
+    """The data-parallel size of a valid layout (``validate_layout(...).dp``)."""
+    return validate_layout(cfg, world).dp

@@ -1,1 +1,0 @@
-"""megafixed.study (grows with its issue)."""

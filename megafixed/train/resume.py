@@ -1,0 +1,103 @@
+"""Resume checks: rerunning ``megafixed train`` continues a run only if nothing that shaped its
+weights changed -- the model, its fixed code, its data, its layout.
+
+Each checkpoint tag directory holds ``run.json`` (written by rank 0 before ``latest`` moves): the
+resolved config, with the GF(2) recoding's rows and shift spelled out, and the layout. On resume
+``check_resume`` compares it with the new config *before* anything in the run directory is
+touched (``config.yaml``, ``latest``, the checkpoint list, ``metrics.jsonl``), so a refused resume
+changes nothing. Safe changes (more steps, other intervals, a new learning rate) are allowed and
+reported.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from ..atomic import atomic_write_text
+from .checkpoint import CheckpointError
+
+RUN_RECORD = "run.json"
+
+# Keys whose change makes the checkpoint's weights mean something else. Everything else is safe.
+FROZEN_PREFIXES = ("model.",)
+FROZEN_KEYS = ("data.tokenizer", "data.prefixes", "data.weights", "data.seq_len", "data.split", "data.source",
+               "data.source_json_key", "train.seed", "train.global_batch")
+
+
+class ResumeError(CheckpointError):
+    """A rerun whose config no longer fits the run's checkpoint."""
+
+
+def _resolved(cfg):
+    from ..config import resolve_code
+    return resolve_code(cfg)
+
+
+def run_record(cfg, topo, precision: str, zero_stage: int) -> dict:
+    return {"config": _resolved(cfg).to_dict(),
+            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero_stage,
+                       "precision": precision}}
+
+
+def write_run_record(tag_dir: Path, record: dict) -> None:
+    atomic_write_text(tag_dir / RUN_RECORD, json.dumps(record, indent=1, default=str))
+
+
+def read_run_record(tag_dir: Path) -> Optional[dict]:
+    path = Path(tag_dir) / RUN_RECORD
+    if not path.exists():
+        return None  # a checkpoint from before run records: only DeepSpeed's own load checks apply
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ResumeError(f"{path} is unreadable ({exc}); the checkpoint is damaged: point "
+                          f"{Path(tag_dir).parent / 'latest'} at an earlier tag or start a new train.run_dir") from exc
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _frozen(key: str) -> bool:
+    return key.startswith(FROZEN_PREFIXES) or key in FROZEN_KEYS
+
+
+def check_resume(record: dict, cfg, topo, precision: str, zero_stage: int, tag_dir: Path) -> list[str]:
+    """Raise ``ResumeError`` naming the first incompatible change; return the safe changes."""
+    old, new = _flatten(record.get("config", {})), _flatten(_resolved(cfg).to_dict())
+    if old.get("model.code_rows") is not None and old.get("model.code_rows") == new.get("model.code_rows"):
+        for key in ("model.code_seed", "model.code_affine"):  # the rows and shift are the code itself
+            old.pop(key, None), new.pop(key, None)
+    run_dir = Path(tag_dir).parent.parent
+    frozen = [k for k in sorted(set(old) | set(new)) if _frozen(k) and old.get(k) != new.get(k)]
+    if frozen:
+        k = frozen[0]
+        more = f" (and {', '.join(frozen[1:4])}{', ...' if len(frozen) > 4 else ''})" if len(frozen) > 1 else ""
+        raise ResumeError(f"cannot resume {run_dir}: {k} changed from {old.get(k)!r} to {new.get(k)!r}{more} since "
+                          f"checkpoint {Path(tag_dir).name}, whose weights were trained for the old value. Set it "
+                          f"back (the run's {run_dir / 'config.yaml'} records every value), or start a new run "
+                          f"with another train.run_dir")
+    lay = record.get("layout")
+    if lay:
+        now = {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero_stage, "precision": precision}
+        names = {"tp": "parallel.tp", "pp": "parallel.pp", "zero_stage": "zero.stage", "precision": "train.precision",
+                 "dp": "the data-parallel size (world size / (tp*pp))"}
+        keys = ["tp", "pp", "zero_stage", "precision"] + (["dp"] if zero_stage >= 1 else [])
+        changed = [f"{names[k]} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
+        if changed:
+            raise ResumeError(
+                f"cannot resume {run_dir} on a different layout ({'; '.join(changed)}): checkpoint "
+                f"{Path(tag_dir).name} holds shards and optimizer partitions for tp={lay.get('tp')}, "
+                f"pp={lay.get('pp')}, dp={lay.get('dp')}, zero.stage={lay.get('zero_stage')}. Resume with that "
+                f"layout, or move the weights with `megafixed convert {Path(tag_dir).parent} OUT --tp "
+                f"{now['tp']} --pp {now['pp']}` and start a new run from them (the optimizer state does not "
+                f"move between layouts yet)")
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]

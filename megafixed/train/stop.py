@@ -1,0 +1,53 @@
+"""Asking a training run to stop cleanly at its next safe point.
+
+``StopRequest.request()`` may be called from anywhere -- a signal handler (Slurm's pre-timeout
+``USR1``, a ``TERM`` from a preemption), a callback, a test. The loop polls ``should_stop()`` at
+safe points: after every optimizer step and between validation batches. It then finishes the
+step, writes a checkpoint atomically and returns; ``megafixed train`` exits with
+``exit_codes.STOPPED`` so a scheduler can requeue the job, and rerunning the same command resumes.
+
+Every rank must stop at the same point, or the next collective hangs, but a signal reaches ranks
+at slightly different times; ``should_stop`` therefore agrees across ranks with one tiny all-reduce
+(MAX of the local flags) per poll.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+class StopRequest:
+    def __init__(self):
+        self._event = threading.Event()
+        self.reason: str | None = None
+
+    def request(self, reason: str = "stop requested") -> None:
+        if not self._event.is_set():
+            self.reason = reason
+        self._event.set()
+
+    @property
+    def requested(self) -> bool:
+        """This rank's own flag (no communication)."""
+        return self._event.is_set()
+
+    def should_stop(self, group=None) -> bool:
+        """True on every rank once any rank's flag is set (a collective: call on all ranks)."""
+        local = self._event.is_set()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return local
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        if dist.get_backend(group) == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() and not local:
+            self.request("stop requested on another rank")
+        return bool(flag.item())
+
+    def install_signal_handlers(self, signals=(signal.SIGUSR1,)) -> None:
+        """Turn these signals into a stop request (main thread only, as Python requires)."""
+        for sig in signals:
+            signal.signal(sig, lambda signum, _frame: self.request(f"received {signal.Signals(signum).name}"))

@@ -1,0 +1,65 @@
+"""Builds this rank's model part under torchrun and reports what it allocated (rank 0 -> JSON).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/build_worker.py OUT.json key=value ...
+
+Records, while ``build_model`` runs: every ``GPT`` constructed and whether its parameters were on
+the meta device, and the largest tensor any op produced on a real device. Afterwards: this rank's
+parameter count and its parameters by plain-GPT name (to compare with the single-process model).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+class LargestAllocation(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def main(argv) -> int:
+    from megafixed.config import load_config
+    from megafixed.model import gpt
+    from megafixed.parallel import build_model, setup_distributed
+
+    out, overrides = argv[0], argv[1:]
+    cfg = load_config(None, overrides)
+    topo = setup_distributed(cfg)
+    built = []
+    original_init = gpt.GPT.__init__
+
+    def recording_init(self, *a, **k):
+        original_init(self, *a, **k)
+        built.append(all(p.is_meta for p in self.parameters()))
+
+    gpt.GPT.__init__ = recording_init
+    with LargestAllocation() as mode:
+        module = build_model(cfg.model, topo, seed=cfg.train.seed)
+    gpt.GPT.__init__ = original_init
+    local = {n: p.detach().clone() for n, p in module.named_parameters()}
+    result = {"rank": topo.rank, "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
+              "gpts_built_on_meta": built, "largest_allocation": mode.largest,
+              "local_params": sum(p.numel() for p in local.values())}
+    gathered = [None] * topo.world_size
+    torch.distributed.all_gather_object(gathered, {"result": result, "params": local})
+    if topo.rank == 0:
+        torch.save(gathered, out)
+    torch.distributed.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
