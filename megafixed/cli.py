@@ -43,13 +43,22 @@ VERBS = {
     "train": "train a model (DeepSpeed engine; single process, torchrun or deepspeed launcher)",
     "plan": "list feasible TP/PP/DP/ZeRO layouts and their memory per GPU",
     "convert": "re-shard a checkpoint's weights for another TP/PP layout",
-    "bench": "benchmarks (preprocessing throughput, kernels)",
+    "ckpt": "inspect a checkpoint: layout, step, tokens, input code, parameters, files, manifest check",
+    "bench": "benchmarks (preprocessing throughput, kernels, training step time/MFU/overhead)",
     "quickstart": "the README's main job: tokenize the bundled corpus, train, evaluate",
+    "study": "the interface study: learned/canonical/gf2 x seeds (x a grid), evaluated, with a report",
+    "probe": "linear probes of the code bits through the layers",
+    "submit": "submit a (multi-node) Slurm training job: sbatch script, pre-timeout checkpoint, requeue",
+    "eval": "benchmark a checkpoint as lm-evaluation-harness scores it; bits per byte on text",
+    "export": "export a trained run as a Hugging Face transformers model (export hf)",
+    "import": "import a Hugging Face Llama model as a megafixed checkpoint (import hf)",
+    "generate": "generate text from a trained run (greedy or top-p, streamed)",
 }
+MODULES = {"import": "import_"}  # verbs whose module name differs (`import` is a Python keyword)
 
 
 def _module(verb: str):
-    return importlib.import_module(f"megafixed.commands.{verb}")
+    return importlib.import_module(f"megafixed.commands.{MODULES.get(verb, verb)}")
 
 
 def _take_launcher_local_rank(argv: list[str]) -> list[str]:
@@ -100,5 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         return errors.report(exc)
 
 
+def entry() -> None:
+    """The console script and ``python -m megafixed.cli``: run the verb, then leave without the
+    interpreter's teardown, where DeepSpeed's atexit hooks have been seen to SIGABRT after a
+    finished run (turning a success into exit 134). Every file we write is closed by then."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -187,6 +187,34 @@ def _parity(x: torch.Tensor) -> torch.Tensor:
     return x & 1
 
 
+def tile_code(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Tile ``values [..., bits]`` to ``[..., width]``: column ``j`` is ``values[..., j % bits]``.
+
+    Why not ``values[..., arange(width) % bits]``: that is a gather (an index read per output
+    element) and measured 0.6x ``F.embedding`` on CPU. Copying a stride-0 broadcast of the code
+    into whole tiles is a pure write stream (one contiguous pass over the output, as
+    ``Tensor.repeat`` does). A 16-bit code in bf16 is only 32 bytes, though, and copies in such
+    short runs cost more in loop overhead than in bytes (0.5x ``F.embedding`` at 4,096 x 1,024 bf16):
+    short codes first fill a ~512-byte head of each row, and the rest of the row is copied from
+    that head (just written, so in cache) in 512-byte runs.
+    """
+    nbits = values.shape[-1]
+    width = int(width)
+    out = values.new_empty(*values.shape[:-1], width)
+    flat, v = out.view(-1, width), values.reshape(-1, nbits)
+    reps = width // nbits
+    head = nbits * max(1, min(reps, 512 // (nbits * values.element_size()))) if nbits * values.element_size() < 64 \
+        else nbits * reps  # a code of 64+ bytes: one pass of whole tiles
+    flat[:, :head].view(-1, head // nbits, nbits).copy_(v[:, None, :].expand(-1, head // nbits, nbits))
+    # Column c holds bit c % bits, and head is a multiple of bits: column c equals column c % head.
+    q, tail = divmod(width - head, head)
+    if q:
+        flat[:, head: head + q * head].view(-1, q, head).copy_(flat[:, None, :head].expand(-1, q, head))
+    if tail:  # the last partial run (and a partial last tile when bits does not divide width)
+        flat[:, width - tail:] = flat[:, :tail]
+    return out
+
+
 @dataclass(frozen=True)
 class FixedCode:
     """A fixed, parameter-free map from token ids to +-scale codes (see the module docstring)."""
@@ -292,12 +320,23 @@ class FixedCode:
                             f"code; check the tokenizer's vocab against model.code_bits")
 
     # ----------------------------------------------------------------------------- math
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows of A, bits of b, arange(bits)) as int64 on ``device``, built once per device: a
+        host-to-device copy per call is a sync on CUDA and most of the time of a small CPU call."""
+        cache = self.__dict__.setdefault("_const_cache", {})
+        key = str(device)
+        if key not in cache:
+            ar = torch.arange(self.bits, dtype=torch.int64, device=device)
+            cache[key] = (torch.tensor(self.rows, dtype=torch.int64, device=device),
+                          (torch.tensor(self.shift, dtype=torch.int64, device=device) >> ar) & 1, ar)
+        return cache[key]
+
     def code_bits(self, ids: torch.Tensor) -> torch.Tensor:
         """The recoded bits ``A.bits(t) XOR b`` as an int64 tensor of shape ``ids.shape + (bits,)``."""
         ids = ids.to(torch.int64)
-        rows = torch.tensor(self.rows, dtype=torch.int64, device=ids.device)
-        shift = (torch.tensor(self.shift, dtype=torch.int64, device=ids.device)
-                 >> torch.arange(self.bits, device=ids.device)) & 1
+        rows, shift, ar = self._constants(ids.device)
+        if self.is_identity:  # A = I, b = 0: parity(t & (1 << i)) is bit i of t itself
+            return (ids[..., None] >> ar) & 1
         return _parity(ids[..., None] & rows) ^ shift
 
     def encode(self, ids: torch.Tensor, width: int, dtype: torch.dtype = torch.float32,
@@ -309,12 +348,48 @@ class FixedCode:
         self.check_width(width)
         if validate:
             self.check_ids(ids)
-        bits = self.code_bits(ids)
-        col = torch.arange(width, device=ids.device) % self.bits
-        # Round the bits-wide values (sign * scale in fp32, then cast) and tile afterwards: the
-        # same numbers as tiling first, without width-wide int64 temporaries.
-        values = ((bits * 2 - 1).to(torch.float32) * self.scale).to(dtype)
-        return values[..., col]
+        return tile_code(self._code_values(ids, dtype), width)
+
+    def _code_values(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The bits-wide values ``ids.shape + (bits,)``: exactly ``((2 c - 1) * scale in fp32).to(dtype)``.
+
+        Computed a byte at a time: the code word ``A t XOR b`` is linear over GF(2), so it is the XOR of
+        one 256-entry lookup per byte of ``t`` (table ``j`` holds ``A (x << 8j)``), and the values of a
+        code byte come from one ``[256, 8]`` value table. A few int64 ops per token instead of ~15 per
+        code bit (``code_bits``), which on CPU cost as much as writing the output. Tables are tiny and
+        per code, not per vocabulary; values are rounded by the same formula, so nothing changes.
+        """
+        word_tables, value_table = self._byte_tables(ids.device, dtype)
+        t = ids.to(torch.int64) & ((1 << self.bits) - 1)  # unvalidated ids: only the low bits count
+        chunks = (self.bits + 7) // 8
+        if self.is_identity:
+            word = t
+        else:
+            word = torch.full_like(t, self.shift)
+            for j in range(chunks):
+                word ^= word_tables[j][(t >> (8 * j)) & 255]
+        byte_idx = (word[..., None] >> (8 * torch.arange(chunks, device=ids.device))) & 255
+        values = value_table[byte_idx].flatten(-2)  # [..., chunks * 8]
+        return values if values.shape[-1] == self.bits else values[..., : self.bits]
+
+    def _byte_tables(self, device: torch.device, dtype: torch.dtype) -> tuple[list, torch.Tensor]:
+        """(per-byte code-word tables, the [256, 8] value table), built once per device and dtype."""
+        cache = self.__dict__.setdefault("_byte_cache", {})
+        key = (str(device), dtype)
+        if key not in cache:
+            cols = [sum(((r >> k) & 1) << i for i, r in enumerate(self.rows)) for k in range(self.bits)]
+            tables = []
+            for j in range((self.bits + 7) // 8):
+                tab = [0] * 256
+                for x in range(1, 256):
+                    low = (x & -x).bit_length() - 1  # lowest set bit: tab[x] = tab[x without it] ^ its column
+                    k = 8 * j + low
+                    tab[x] = tab[x & (x - 1)] ^ (cols[k] if k < self.bits else 0)
+                tables.append(torch.tensor(tab, dtype=torch.int64, device=device))
+            bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+            values = ((bits * 2 - 1).to(torch.float32) * self.scale).to(dtype).to(device)
+            cache[key] = (tables, values)
+        return cache[key]
 
     def decode(self, x: torch.Tensor, strict: bool = True) -> torch.Tensor:
         """Recover int64 ids from a code tensor (last dim = width).
@@ -393,5 +468,5 @@ def make_code(kind: str, bits: int = 16, seed: int = 0, affine: bool = True, sca
     raise CodeError(f"unknown code kind {kind!r}; use 'canonical' or 'gf2'")
 
 
-__all__ = ["FixedCode", "CodeError", "bits_needed", "gf2_draw", "gf2_inverse", "gf2_rank", "make_code",
+__all__ = ["FixedCode", "CodeError", "bits_needed", "tile_code", "gf2_draw", "gf2_inverse", "gf2_rank", "make_code",
            "splitmix64", "CODE_FORMAT_VERSION"]

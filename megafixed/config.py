@@ -58,6 +58,9 @@ class ModelConfig:
     code_rows: Optional[list] = None
     code_shift: Optional[int] = None
     tie_embeddings: bool = False
+    # Compute the first block's normed QKV projection and residual add from the token ids through
+    # folded weights (megafixed.model.fused); same parameters, so checkpoints are interchangeable.
+    fused_first_layer: bool = False
 
     def validate(self) -> None:
         _require_at_least("model", self, 1, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -72,6 +75,10 @@ class ModelConfig:
         if self.tie_embeddings and self.input != "learned":
             raise ConfigError(f"model.tie_embeddings=true needs model.input=learned; fixed codes "
                               f"({self.input}) have no table to tie to the output head")
+        if self.fused_first_layer and (self.input == "learned" or self.norm != "rmsnorm"):
+            raise ConfigError(f"model.fused_first_layer=true needs a fixed code (model.input canonical or gf2) "
+                              f"and model.norm=rmsnorm (a +-s code's RMSNorm is a gamma-scaling; LayerNorm's mean "
+                              f"is not), got input={self.input}, norm={self.norm}; set model.fused_first_layer=false")
         self._validate_code_rows()
         if self.input != "learned":
             from .codes import CodeError, make_code
@@ -150,6 +157,9 @@ class DataConfig:
     source_json_key: str = "text"
     tokenizer_train_vocab: int = 4096  # used when `tokenizer` is to be trained from `source`
     num_workers: int = 0
+    # Synthetic tokens (megafixed.data.mock; Megatron's --mock-data): no tokenizer, shards or
+    # source needed, for throughput runs (`megafixed bench train`). Uniform over model.vocab_size.
+    mock: bool = False
 
     def validate(self) -> None:
         parts = self.split.split(",")
@@ -203,6 +213,11 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     tensorboard: bool = True
     keep_checkpoints: int = 2  # <= 0 keeps every checkpoint
+    # Start a new run from these weights (module only, at step 0; Adam moments start fresh): a run
+    # directory, its checkpoints folder or a tag directory, of any TP/PP layout -- e.g. the output of
+    # `megafixed import hf`. Ignored once the run has its own checkpoint (it then resumes from that).
+    init_from: Optional[str] = None
+    async_save: bool = False  # write checkpoints in the background; `latest` moves once they are complete
 
     def validate(self) -> None:
         _require_at_least("train", self, 1, ("global_batch", "micro_batch", "log_interval", "save_interval"))

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import importlib
 
-HELP = "benchmarks: 'preprocess' (tokenization throughput); more as they land"
+HELP = "benchmarks: 'preprocess' (tokenization), 'kernels' (fixed code vs tables), 'train' (step time, MFU, overhead)"
 
 # sub-benchmark -> module exposing add_arguments(parser) and run(args)
 BENCHES = {"preprocess": "megafixed.data.bench_preprocess",
-           "kernels": "megafixed.kernels.bench_token_codes",
+           "kernels": "megafixed.bench.kernels",
+           "train": "megafixed.bench.train",
            }
 
 

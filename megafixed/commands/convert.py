@@ -13,11 +13,17 @@ HELP = "gather a checkpoint of any TP/PP layout and re-shard its weights for ano
 
 def add_arguments(p):
     p.add_argument("checkpoint", help="checkpoint directory (run_dir/checkpoints or a tag directory)")
-    p.add_argument("out", help="output directory (or file with --plain); never the run's own checkpoints/")
+    p.add_argument("out", nargs="?", default=None,
+                   help="output directory (or file with --plain); never the run's own checkpoints/. With "
+                        "--universal it may be left out: the universal checkpoint then goes to <tag>/universal, "
+                        "where `megafixed train` on another layout finds and reuses it")
     p.add_argument("--tag", default=None, help="tag to read (default: the 'latest' file)")
     p.add_argument("--tp", type=int, default=1, help="target tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size")
     p.add_argument("--plain", action="store_true", help="write one plain GPT state dict file instead")
+    p.add_argument("--universal", action="store_true",
+                   help="write DeepSpeed's universal checkpoint instead: weights AND optimizer state (ZeRO 1/2), "
+                        "loadable on any TP/PP/DP layout (DeepSpeed config checkpoint.load_universal)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (never the input)")
 
 
@@ -27,6 +33,7 @@ def run(args) -> int:
     from ..atomic import atomic_path
     from ..outputs import claim_output, ensure_parent, writing
     from ..parallel.convert import (
+        ConvertError,
         check_target_layout,
         detect_layout,
         gather_state_dict,
@@ -36,9 +43,12 @@ def run(args) -> int:
     )
 
     if args.tp < 1 or args.pp < 1:  # cheap checks before reading gigabytes
-        from ..parallel.convert import ConvertError
         raise ConvertError(f"--tp {args.tp} and --pp {args.pp} must both be >= 1")
     tag_dir = resolve_tag_dir(args.checkpoint, args.tag)
+    if args.universal:
+        return _universal(args, tag_dir)
+    if args.out is None:
+        raise ConvertError("give an output directory (OUT); only --universal may leave it out")
     inputs = [str(tag_dir), *(str(p) for p in tag_dir.iterdir())]
     claim_output([args.out], overwrite=args.overwrite, inputs=inputs, what="output")
     src = detect_layout(tag_dir)
@@ -55,4 +65,37 @@ def run(args) -> int:
         out = write_checkpoint(sd, args.out, tp=args.tp, pp=args.pp)
     print(f"{tag_dir} (TP {src[0]}, PP {src[1]}) -> {out} (TP {args.tp}, PP {args.pp}); load it with "
           f"engine.load_checkpoint('{args.out}', load_module_only=True)")
+    return 0
+
+
+def _universal(args, tag_dir) -> int:
+    """ZeRO-1/2 checkpoint -> DeepSpeed universal checkpoint (``megafixed.train.universal``)."""
+    from pathlib import Path
+
+    from ..config import config_from_dict
+    from ..outputs import claim_output, writing
+    from ..parallel.convert import ConvertError
+    from ..train.resume import read_run_record
+
+    record = read_run_record(tag_dir)
+    if not record or "config" not in record:
+        raise ConvertError(f"{tag_dir} has no run.json (written by `megafixed train`), so the model it belongs to "
+                           f"is unknown; --universal converts checkpoints of megafixed runs only")
+    from ..train.env import prepare_runtime_env
+    from ..train.universal import to_universal
+
+    prepare_runtime_env()
+    model_cfg = config_from_dict(record["config"]).model
+    if args.out is None:  # beside the checkpoint, where the trainer looks for it: ours to write
+        out = to_universal(tag_dir, model_cfg, log=lambda *_: None)
+    else:
+        inputs = [str(tag_dir), *(str(p) for p in tag_dir.iterdir())]
+        claim_output([args.out], overwrite=args.overwrite, inputs=inputs, what="output")
+        with writing(dirs=[args.out]):
+            out = to_universal(tag_dir, model_cfg, out=Path(args.out), log=lambda *_: None)
+    lay = record.get("layout") or {}
+    print(f"{tag_dir} (TP {lay.get('tp')}, PP {lay.get('pp')}, DP {lay.get('dp')}, ZeRO {lay.get('zero_stage')}) -> "
+          f"universal checkpoint {out} (weights and optimizer state; loads on any layout with DeepSpeed's "
+          f"checkpoint.load_universal" + ("; `megafixed train` on a new layout reuses it)" if args.out is None
+                                          else f": engine.load_checkpoint('{out.parent}', tag='{out.name}'))"))
     return 0

@@ -4,7 +4,8 @@
    first run, in the user cache: ``megafixed.paths.cache_dir()``);
 2. train the packaged ``megafixed/bundled/quickstart.yaml`` (canonical fixed code) with DeepSpeed on CPU;
 3. evaluate the final checkpoint: held-out *test*-split loss and perplexity, plus a greedy sample;
-4. print where the metrics, TensorBoard events and checkpoints are (also in ``quickstart.json``).
+4. a zero-shot slice: 200 items each of HellaSwag, PIQA and LAMBADA (``megafixed eval``), next to chance;
+5. print where the metrics, TensorBoard events and checkpoints are (also in ``quickstart.json``).
 
 Running it again resumes (or, when finished, just re-evaluates) the same run.
 """
@@ -32,6 +33,8 @@ def add_arguments(p):
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.max_steps=100")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config (default: %(default)s)")
     p.add_argument("--sample-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    p.add_argument("--zero-shot-items", type=int, default=200,
+                   help="items each of HellaSwag, PIQA and LAMBADA in the final zero-shot slice (0: skip it)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -53,7 +56,7 @@ def run(args) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         _anchor_paths(cfg)
-        quickstart(cfg, sample_tokens=args.sample_tokens, t_start=t_start)
+        quickstart(cfg, sample_tokens=args.sample_tokens, t_start=t_start, zero_shot_items=args.zero_shot_items)
         code = exit_codes.OK
     except Exception as exc:  # noqa: BLE001 -- the error boundary decides what is a bug
         code = report(exc)
@@ -63,7 +66,8 @@ def run(args) -> int:
     os._exit(code)
 
 
-def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> dict | None:
+def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
+               zero_shot_items: int = 0) -> dict | None:
     import torch.distributed as dist
 
     from ..data.gpt_dataset import build_datasets
@@ -77,7 +81,7 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> di
     topo = setup_distributed(cfg)
     say = print if topo.is_main else (lambda *_: None)
 
-    say("== 1/3 data: tokenizing the bundled corpus (cached after the first run)")
+    say("== 1/4 data: tokenizing the bundled corpus (cached after the first run)")
     t0 = time.perf_counter()
     cfg = prepare_data(cfg, is_main=topo.is_main, progress=False)
     if dist.is_initialized():
@@ -87,7 +91,7 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> di
         + ", ".join(f"{k} {len(v) if v is not None else 0}" for k, v in datasets.items())
         + f" (seq_len {cfg.data.seq_len}); {time.perf_counter() - t0:.1f}s")
 
-    say(f"== 2/3 train: {cfg.model.n_layers} layers x {cfg.model.d_model}, input={cfg.model.input}, "
+    say(f"== 2/4 train: {cfg.model.n_layers} layers x {cfg.model.d_model}, input={cfg.model.input}, "
         f"{cfg.train.max_steps} steps")
     t0 = time.perf_counter()
     result = train(cfg, topo, datasets=datasets)
@@ -95,7 +99,7 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> di
     if not topo.is_main:
         return {}
 
-    say("== 3/3 evaluate the final checkpoint on the held-out test split")
+    say("== 3/4 evaluate the final checkpoint on the held-out test split")
     model, tag = load_trained_model(cfg, cfg.train.run_dir)
     test = evaluate_loss(cfg, model, datasets["test"], micro_batch=cfg.train.micro_batch)
     tok = load_tokenizer(cfg.data.tokenizer)
@@ -124,6 +128,9 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> di
         say(f"   validation loss {vals[0]:.4f} (step 0) -> {vals[-1]:.4f} (step {result.step})")
     for s in samples:
         say(f"   sample: {s['prompt']!r} -> {s['completion']!r}")
+    if zero_shot_items:
+        summary["zero_shot"] = _zero_shot_slice(model, tok, zero_shot_items, say)
+        atomic_write_text(run_dir / "quickstart.json", json.dumps(summary, indent=2))
     say(f"\nmetrics     {summary['metrics']}\n"
         + (f"tensorboard {summary['tensorboard']}\n" if summary["tensorboard"] else "")
         + f"checkpoint  {summary['checkpoint']}\nsummary     {run_dir / 'quickstart.json'}\n"
@@ -134,3 +141,25 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None) -> di
 def _read_metrics(run_dir) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+ZERO_SHOT_TASKS = "hellaswag,piqa,lambada"
+
+
+def _zero_shot_slice(model, tok, items: int, say) -> dict | None:
+    """Step 4: the first ``items`` of HellaSwag, PIQA and LAMBADA, scored as lm-evaluation-harness
+    scores them (``megafixed eval``), printed next to chance. Skipped, with the install line, when
+    the benchmark data package is missing: the main job does not depend on it."""
+    from ..eval.data import INSTALL, package_root
+    from ..eval.harness import evaluate, format_table
+
+    say(f"== 4/4 zero-shot slice: {items} items each of {ZERO_SHOT_TASKS.replace(',', ', ')}")
+    if package_root() is None:
+        say(f"   skipped: the benchmark sets are not installed (`{INSTALL}`)")
+        return None
+    out = evaluate(model, tok, ZERO_SHOT_TASKS, limit=items, progress=False)
+    say("   " + format_table(out).replace("\n", "\n   "))
+    say("   A 4-layer model trained for minutes on CPU scores near chance: this table shows the path (real\n"
+        "   benchmark items, lm-evaluation-harness scoring), not capability. Full sets: `megafixed eval RUN`.\n"
+        f"   ({out['requests']:,} requests in {out['seconds']:.0f}s)")
+    return {"results": out["results"], "limit": items, "seconds": out["seconds"]}

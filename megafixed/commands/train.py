@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -57,12 +58,17 @@ def _train(args) -> int:
     from ..train.stop import StopRequest
     from ..train.trainer import train
 
+    # SIGUSR1 (Slurm's pre-timeout signal, which the job script forwards) and SIGTERM (scancel, preemption,
+    # the time limit itself): finish the step (or leave validation), save, exit STOPPED. Installed before
+    # the rendezvous and data preparation, so that a signal during start-up becomes a clean stop instead
+    # of the default action (death without a checkpoint). Requeueing is the job script's decision (it
+    # sees exit 75 and knows whether the signal was the pre-timeout one): see megafixed/launch.
+    stop = StopRequest()
+    stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM))
     cfg = load_config(args.config, args.overrides)
     topo = setup_distributed(cfg)  # the one Topology of this process
     cfg = prepare_data(cfg, is_main=topo.is_main)
     _barrier()  # other ranks read the shards rank 0 may just have written
-    stop = StopRequest()
-    stop.install_signal_handlers()  # SIGUSR1: finish the step, save, exit STOPPED
     result = train(cfg, topo, stop=stop)
     if topo.is_main:
         ckpt = os.path.join(result.run_dir, "checkpoints", result.checkpoint or "")
@@ -101,7 +107,7 @@ def _check_data_paths(cfg) -> None:
     """Shards must exist unless the run will tokenize ``data.source`` itself."""
     from ..data.gpt_dataset import resolve_prefix
 
-    if cfg.data.source:
+    if cfg.data.source or cfg.data.mock:
         return
     if not cfg.data.prefixes:
         from ..data.errors import DataError

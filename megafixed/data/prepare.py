@@ -168,6 +168,8 @@ def prepare_data(cfg, is_main: bool = True, wait_timeout_s: float = 6 * 3600, po
     """Train the tokenizer / tokenize ``data.source`` if needed, validate, return cfg with absolute paths."""
     cfg = copy.deepcopy(cfg)
     d = cfg.data
+    if d.mock:  # synthetic tokens (megafixed.data.mock): nothing to tokenize or check on disk
+        return cfg
     d.cache_dir = _abs(d.cache_dir)
     if d.source:
         d.source = resolve_bundled(d.source)

@@ -83,19 +83,29 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, qkv=None) -> torch.Tensor:
+        """``cache`` (generation only): this layer's key/value cache (``megafixed.model.generate``);
+        ``cos``/``sin`` then start at the cache's position. ``qkv``: projections computed elsewhere
+        (the fused first layer makes them from token ids, ``megafixed.model.fused``); ``x`` is unused."""
+        q, k, v = (self.wq(x), self.wk(x), self.wv(x)) if qkv is None else qkv
         # B and T from q, not x: under sequence parallelism x holds T/tp positions and the
         # projections return all T.
         B, T = q.shape[:2]
         q = apply_rope(q.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
         k = apply_rope(k.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
         v = v.view(B, T, -1, self.head_dim)
+        mask, causal = None, True
+        if cache is not None:
+            k, v = cache.append(k, v)  # all positions so far; queries are the last T of them
+            S = k.shape[1]
+            causal = S == T  # an empty cache: plain causal attention (SDPA's mask is top-left aligned)
+            if not causal and T > 1:
+                mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         if self.group > 1:
             k = k.repeat_interleave(self.group, dim=2)
             v = v.repeat_interleave(self.group, dim=2)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True,
+                                           attn_mask=mask, is_causal=causal,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -123,8 +133,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), cos, sin, cache))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -215,22 +225,40 @@ class GPT(nn.Module):
             self.head.proj.weight = self.input.embedding.weight
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
         self.activation_checkpointing = False
+        # The first block straight from token ids (megafixed.model.fused); same parameters and names.
+        self.fused_first_layer = bool(getattr(cfg, "fused_first_layer", False)) and self.has_fixed_input
         if not any(p.is_meta for p in self.parameters()):
             init_parameters(self, cfg, seed)  # on the meta device the parallel layer does it per shard
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits ``[B, T, V]``, or the mean next-token loss when ``targets`` is given."""
-        cos, sin = self.rotary(ids.shape[1], ids.device)
-        x = self.input(ids)
-        for block in self.blocks:
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, cache=None):
+        """Logits ``[B, T, V]``, or the mean next-token loss when ``targets`` is given.
+
+        ``cache``: a ``megafixed.model.generate.KVCache`` for incremental decoding; ``ids`` are then
+        the positions after the ones it holds."""
+        start = cache.length if cache is not None else 0
+        cos, sin = self.rotary(start + ids.shape[1], ids.device)
+        cos, sin = cos[start:], sin[start:]
+        fused = self.fused_first_layer and cache is None
+        x = self._fused_first_block(ids, cos, sin) if fused else self.input(ids)
+        for i, block in enumerate(self.blocks):
+            if fused and i == 0:
+                continue  # done above, from the ids
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
-                x = block(x, cos, sin)
+                x = block(x, cos, sin, cache.layers[i] if cache is not None else None)
         logits = self.head(x)
         if targets is None:
             return logits
         return self.loss_fn(logits, targets)
+
+    def _fused_first_block(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from .fused import fused_first_block
+
+        args = (self.blocks[0], self.input.code, ids, cos, sin)
+        if self.activation_checkpointing and self.training:
+            return torch.utils.checkpoint.checkpoint(fused_first_block, *args, use_reentrant=False)
+        return fused_first_block(*args)
 
     @property
     def has_fixed_input(self) -> bool:

@@ -64,7 +64,17 @@ def _materialize(module, model_cfg, topo, seed, full_shapes, name_of) -> None:
     # meta ones (tensor_model_parallel, partition_dim, sequence_parallel), which the gradient
     # norm, ZeRO and the SP gradient sum read.
     attrs = {name: dict(p.__dict__) for name, p in module.named_parameters()}
+    # to_empty gives every module a new Parameter of its own, which would untie shared weights
+    # (model.tie_embeddings: the head is the table); remember who shares what and tie them again.
+    first_name, ties = {}, []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first_name:
+            ties.append((name, first_name[id(p)]))
+        first_name.setdefault(id(p), name)
     module.to_empty(device=topo.device)
+    for name, first in ties:
+        owner, attr = name.rsplit(".", 1)
+        setattr(module.get_submodule(owner), attr, module.get_parameter(first))
     for name, p in module.named_parameters():
         p.__dict__.update(attrs.get(name, {}))
 

@@ -112,6 +112,15 @@ def _check_zero(cfg, pp: int, precision: Optional[str]) -> None:
                           f"use zero.stage=1, which costs no extra communication")
 
 
+def _check_fused_first_layer(cfg, tp: int, pp: int) -> None:
+    # The fused first layer reads the first block's full q/k/v weights and runs inside GPT.forward;
+    # TP shards those weights into megatron-core layers and PP runs stages without GPT.forward.
+    if getattr(cfg.model, "fused_first_layer", False) and (tp > 1 or pp > 1):
+        raise LayoutError(f"model.fused_first_layer=true is implemented for the plain model only (parallel.tp=1, "
+                          f"parallel.pp=1; data parallelism and ZeRO are fine), got tp={tp}, pp={pp}; set "
+                          f"model.fused_first_layer=false")
+
+
 def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLayout:
     """Raise ``LayoutError`` for a layout that cannot work; return its batch layout (with dp)."""
     dp = data_parallel_size(cfg.parallel, world)
@@ -119,6 +128,7 @@ def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLa
     _check_model_split(cfg, tp, pp)
     _check_sequence_parallel(cfg, tp)
     _check_zero(cfg, pp, precision)
+    _check_fused_first_layer(cfg, tp, pp)
     return batch_layout(cfg.train, dp)
 
 

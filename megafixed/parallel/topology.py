@@ -11,7 +11,6 @@ TP group (used by its layers) and DeepSpeed's pipeline grid agree.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -70,17 +69,13 @@ def coords_of(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
     return rank // (tp * dp), (rank // tp) % dp, rank % tp
 
 
-def _env_int(*names: str, default: int) -> int:
-    for n in names:
-        if os.environ.get(n) not in (None, ""):
-            return int(os.environ[n])
-    return default
-
-
 def launch_world() -> tuple[int, int, int]:
-    """(world size, rank, local rank) from torchrun, the deepspeed launcher or srun."""
-    return (_env_int("WORLD_SIZE", "SLURM_NTASKS", default=1), _env_int("RANK", "SLURM_PROCID", default=0),
-            _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0))
+    """(world size, rank, local rank) from torchrun, the deepspeed launcher or a plain srun task
+    (``megafixed.launch.world.detect_world``; raises LaunchError on a half-set environment)."""
+    from ..launch.world import detect_world
+
+    w = detect_world()
+    return w.size, w.rank, w.local_rank
 
 
 def resolve_backend(parallel) -> tuple[str, bool]:
@@ -100,14 +95,18 @@ def setup_distributed(cfg) -> Topology:
     """Validate the layout, initialise torch.distributed and the groups, return the Topology.
 
     Call it once per process. A single process without a launcher still gets a 1-rank process
-    group, because DeepSpeed's engine needs one; we give it a free loopback port so two such runs
-    never collide.
+    group, because DeepSpeed's engine needs one. Rank/world detection, its consistency checks and
+    the rendezvous live in ``megafixed.launch.world``.
     """
     import torch.distributed as dist
 
+    from ..launch import world as launch
     from .layout import validate_layout
 
-    world, rank, local_rank = launch_world()
+    # Checked before anything waits on the network: an inconsistent environment fails in seconds.
+    lw = launch.detect_world()
+    launch.check_world(lw)
+    world, rank, local_rank = lw.size, lw.rank, lw.local_rank
     dp = validate_layout(cfg, world).dp
     backend, use_cuda = resolve_backend(cfg.parallel)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
@@ -115,13 +114,9 @@ def setup_distributed(cfg) -> Topology:
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
-        os.environ.setdefault("WORLD_SIZE", str(world))
-        os.environ.setdefault("RANK", str(rank))
-        os.environ.setdefault("LOCAL_RANK", str(local_rank))
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        launch.set_master_env(lw)  # a lone process gets a free loopback port, so two runs never collide
+        launch.init_process_group(lw, backend)  # gives up after MEGAFIXED_RDZV_TIMEOUT, saying what to check
+        launch.check_agreement(lw)  # same job, same master, every node of the step in this one world
     pp_rank, dp_rank, tp_rank = coords_of(rank, tp, dp)
     groups = {}
     if tp > 1 or pp > 1:
@@ -203,10 +198,3 @@ class TopologyMPU:
         import torch.distributed as dist
         return dist.get_process_group_ranks(self.topo.dp_group)
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

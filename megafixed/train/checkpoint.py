@@ -1,17 +1,22 @@
 """Checkpoints: DeepSpeed writes the shards, we own the ``latest`` pointer.
 
-Layout: ``<run_dir>/checkpoints/step_00000100/`` (DeepSpeed's files for that step) and
-``<run_dir>/checkpoints/latest`` (one line: the tag). DeepSpeed's own ``latest`` is written
-before every rank has finished its shards; ours is written by rank 0 after a barrier, via a
-temporary file and ``os.replace``, so a crash mid-save leaves ``latest`` on the previous,
-complete checkpoint.
+Layout: ``<run_dir>/checkpoints/step_00000100/`` (DeepSpeed's files for that step, ``run.json``,
+``manifest.json``) and ``<run_dir>/checkpoints/latest`` (one line: the tag). DeepSpeed's own
+``latest`` is written before every rank has finished its shards; ours is written by rank 0 only
+after every rank reported its files written and fsynced (``MARKER``), their sizes checked and the
+manifest written, via a temporary file and ``os.replace`` -- so a crash (kill -9) mid-save leaves
+``latest`` on the previous, complete checkpoint. The files themselves go through
+``async_save.CheckpointWriter`` (checksums as written; in the background with
+``train.async_save=true``).
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -99,25 +104,104 @@ def gather_rng_states() -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------- save / load
+MARKER = ".files.rank{:05d}.json"  # a rank's written files, its signal that they are complete
+COMMIT_TIMEOUT_S = 3600.0
+
+
+def writer_of(engine, async_save: Optional[bool] = None):
+    """The engine's ``CheckpointWriter`` (installed on first use; ``async_save`` switches the mode)."""
+    from .async_save import CheckpointWriter
+
+    writer = getattr(engine, "checkpoint_engine", None)
+    if not isinstance(writer, CheckpointWriter):
+        writer = CheckpointWriter(bool(async_save), getattr(engine, "_config", None))
+        engine.checkpoint_engine = writer
+    elif async_save is not None:
+        writer.async_save = bool(async_save)
+    return writer
+
+
 def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, keep: int, is_main: bool,
-         run_record: Optional[dict] = None) -> str:
-    """DeepSpeed's shards, then (rank 0) the run record, then ``latest``: a crash at any point
-    leaves ``latest`` on the previous complete checkpoint."""
+         run_record: Optional[dict] = None, meta: Optional[dict] = None) -> str:
+    """DeepSpeed's shards (through our ``CheckpointWriter``), then -- once every rank's files are
+    written -- the run record, the manifest and ``latest`` (rank 0). A crash at any point leaves
+    ``latest`` on the previous complete checkpoint. With an async writer this returns while the
+    files are still being written; the next ``save`` (or ``wait_for_saves``) waits for them."""
+    tag = tag_for(step)
+    tag_dir = Path(ckpt_dir) / tag
+    writer = writer_of(engine)
+    writer.begin()  # a save in flight completes first
+    distributed = dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if is_main and tag_dir.exists() and _latest_or_none(ckpt_dir) != tag:
+        shutil.rmtree(tag_dir)  # left by an interrupted save: its files must not mix with ours
+    client_state = {**client_state, "rng": gather_rng_states()}
+    if distributed:
+        dist.barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+
+    def on_written(records: dict) -> None:
+        mine = {os.path.relpath(path, tag_dir): rec for path, rec in records.items()}
+        atomic_write_text(tag_dir / MARKER.format(rank), json.dumps(mine))
+        if is_main:
+            _commit(Path(ckpt_dir), tag, world, keep, run_record, meta or {})
+
+    writer.finish(on_written)
+    if distributed and not writer.async_save:
+        dist.barrier()  # sync: when save returns on any rank, `latest` names this checkpoint
+    return tag
+
+
+def wait_for_saves(engine) -> None:
+    """Block until this rank's save in flight is written (rank 0: and committed)."""
+    from .async_save import CheckpointWriter
+
+    writer = getattr(engine, "checkpoint_engine", None)
+    if isinstance(writer, CheckpointWriter):
+        writer.wait()
+
+
+def _latest_or_none(ckpt_dir) -> Optional[str]:
+    try:
+        return read_latest(ckpt_dir)
+    except CheckpointError:
+        return None
+
+
+def _commit(ckpt_dir: Path, tag: str, world: int, keep: int, run_record: Optional[dict], meta: dict) -> None:
+    """Rank 0, after its own files: wait for every rank's, check them, write run record, manifest, latest."""
+    from . import manifest
     from .resume import write_run_record
 
-    tag = tag_for(step)
-    client_state = {**client_state, "rng": gather_rng_states()}
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    if dist.is_initialized():
-        dist.barrier()  # every rank's shards are on disk before anyone points `latest` at them
-    if is_main:
-        if run_record is not None:
-            write_run_record(Path(ckpt_dir) / tag, run_record)
-        write_latest(ckpt_dir, tag)
-        prune(ckpt_dir, keep, protect=tag)
-    if dist.is_initialized():
-        dist.barrier()
-    return tag
+    tag_dir = ckpt_dir / tag
+    markers = [tag_dir / MARKER.format(r) for r in range(world)]
+    deadline = time.monotonic() + COMMIT_TIMEOUT_S
+    while not all(m.exists() for m in markers):
+        if time.monotonic() > deadline:
+            missing = [m.name for m in markers if not m.exists()]
+            raise CheckpointError(f"checkpoint {tag_dir}: ranks never reported their files ({missing[:4]}); "
+                                  f"`latest` stays on the previous checkpoint")
+        time.sleep(0.02)
+    files: dict = {}
+    for m in markers:
+        files.update(json.loads(m.read_text()))
+    for name, rec in files.items():  # complete on disk: every recorded file, at its recorded size
+        why = manifest.check_file(tag_dir, {"name": name, **rec}, checksum=False)
+        if why:
+            raise CheckpointError(f"checkpoint {tag_dir}: {name} is {why} right after writing; `latest` stays "
+                                  f"on the previous checkpoint")
+    if run_record is not None:
+        write_run_record(tag_dir, run_record)
+    hidden = {m.name for m in markers} | {manifest.MANIFEST}
+    for path in sorted(tag_dir.rglob("*")):  # files written outside the engine (run.json, ...)
+        rel = str(path.relative_to(tag_dir))
+        if path.is_file() and rel not in files and path.name not in hidden and not rel.startswith("universal"):
+            files[rel] = manifest.record_existing(path)
+    manifest.write(tag_dir, {**meta, "tag": tag}, files)
+    for m in markers:
+        m.unlink()
+    write_latest(ckpt_dir, tag)
+    prune(ckpt_dir, keep, protect=tag)
 
 
 def _summarize(msg: str, keep: int = 3) -> str:
@@ -127,13 +211,17 @@ def _summarize(msg: str, keep: int = 3) -> str:
     return " ".join(lines[:keep]) + more
 
 
-def load(engine, ckpt_dir: str | os.PathLike, rank: int) -> Optional[dict]:
-    """Restore model, optimizer and RNG from ``latest``; returns the client state (None: nothing to load)."""
+def load(engine, ckpt_dir: str | os.PathLike, rank: int, universal: bool = False) -> Optional[dict]:
+    """Restore model, optimizer and RNG from ``latest``; returns the client state (None: nothing to load).
+
+    ``universal``: read ``<tag>/universal`` (``universal.prepare``) with an engine built with
+    ``checkpoint.load_universal`` -- the resume on another layout."""
     tag = read_latest(ckpt_dir)
     if tag is None:
         return None
+    load_dir, load_tag = (Path(ckpt_dir) / tag, "universal") if universal else (Path(ckpt_dir), tag)
     try:
-        path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+        path, client = engine.load_checkpoint(str(load_dir), tag=load_tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
     except (RuntimeError, OSError) as exc:
         msg = str(exc)

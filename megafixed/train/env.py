@@ -23,6 +23,8 @@ HARMLESS_LOG_MESSAGES = (
     # DeepSpeed only whitelists its own optimizers; ours is torch.optim.AdamW with parameter groups,
     # which ZeRO 1-3 handle -- the parallel tests check losses against a single process to 1e-5.
     ("DeepSpeed", "You are using ZeRO with an untested optimizer"),
+    # A universal-checkpoint load without TP (no mpu): tp size 1 is exactly right (train/universal.py).
+    ("DeepSpeed", "MPU is not provided, setting tp size to 1 in checkpoint loading"),
 )
 # No python `warnings` need filtering: a CLI run (train, quickstart, plan) shows none today. Under
 # pytest torch's "torch.jit.script_method is deprecated" (from torch.utils.mkldnn) appears; that is

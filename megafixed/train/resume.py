@@ -85,19 +85,35 @@ def check_resume(record: dict, cfg, topo, precision: str, zero_stage: int, tag_d
                           f"back (the run's {run_dir / 'config.yaml'} records every value), or start a new run "
                           f"with another train.run_dir")
     lay = record.get("layout")
-    if lay:
-        now = {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero_stage, "precision": precision}
-        names = {"tp": "parallel.tp", "pp": "parallel.pp", "zero_stage": "zero.stage", "precision": "train.precision",
-                 "dp": "the data-parallel size (world size / (tp*pp))"}
-        keys = ["tp", "pp", "zero_stage", "precision"] + (["dp"] if zero_stage >= 1 else [])
-        changed = [f"{names[k]} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
-        if changed:
+    changed = layout_changes(record, topo, precision, zero_stage)
+    if changed:
+        from .universal import unsupported
+
+        now = current_layout(topo, precision, zero_stage)
+        why = unsupported(lay, now)
+        if why:
             raise ResumeError(
-                f"cannot resume {run_dir} on a different layout ({'; '.join(changed)}): checkpoint "
-                f"{Path(tag_dir).name} holds shards and optimizer partitions for tp={lay.get('tp')}, "
-                f"pp={lay.get('pp')}, dp={lay.get('dp')}, zero.stage={lay.get('zero_stage')}. Resume with that "
-                f"layout, or move the weights with `megafixed convert {Path(tag_dir).parent} OUT --tp "
-                f"{now['tp']} --pp {now['pp']}` and start a new run from them (the optimizer state does not "
-                f"move between layouts yet)")
+                f"cannot resume {run_dir} on a different layout ({'; '.join(changed)}): {why}. Resume with the "
+                f"checkpoint's layout (tp={lay.get('tp')}, pp={lay.get('pp')}, dp={lay.get('dp')}, "
+                f"zero.stage={lay.get('zero_stage')}, {lay.get('precision')}), or move only the weights with "
+                f"`megafixed convert {Path(tag_dir).parent} OUT --tp {now['tp']} --pp {now['pp']}` and start a new "
+                f"run from them")
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)]
+            if old.get(k) != new.get(k)] + [f"layout: {c}" for c in changed]
+
+
+def current_layout(topo, precision: str, zero_stage: int) -> dict:
+    return {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero_stage, "precision": precision}
+
+
+def layout_changes(record: dict, topo, precision: str, zero_stage: int) -> list[str]:
+    """What differs between the checkpoint's layout and this run's, as ``key old -> new``. The DP size
+    counts only when a side partitions the optimizer (ZeRO >= 1); a change means a universal resume."""
+    lay = record.get("layout")
+    if not lay:
+        return []
+    now = current_layout(topo, precision, zero_stage)
+    names = {"tp": "parallel.tp", "pp": "parallel.pp", "zero_stage": "zero.stage", "precision": "train.precision",
+             "dp": "the data-parallel size (world size / (tp*pp))"}
+    keys = ["tp", "pp", "zero_stage", "precision"] + (["dp"] if max(zero_stage, lay.get("zero_stage", 0)) >= 1 else [])
+    return [f"{names[k]} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]

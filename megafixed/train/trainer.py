@@ -25,11 +25,11 @@ import torch
 from ..atomic import atomic_write_text
 from ..config import Config, save_config
 from ..parallel.layout import validate_layout
-from . import checkpoint
+from . import checkpoint, manifest, universal
 from .ds_config import deepspeed_config, resolve_precision
 from .engine import build_engine
 from .metrics import MetricsLog, flops_per_token, matmul_param_count, peak_flops_per_gpu, progress_line
-from .resume import check_resume, read_run_record, run_record
+from .resume import check_resume, layout_changes, read_run_record, run_record
 from .schedule import LRSchedule
 from .step import train_step
 from .stop import StopRequest
@@ -71,29 +71,42 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     ckpt_dir = run_dir / "checkpoints"
     created_run_dir = not run_dir.exists()
 
-    # Resume point, checked against the new config before anything in the run dir is touched.
+    # Resume point: its files verified against its manifest, then checked against the new config,
+    # before anything in the run dir is touched. Another layout resumes through a universal checkpoint.
     resume_tag = checkpoint.read_latest(ckpt_dir)
     changes: list = []
+    relayout = False
     if resume_tag is not None:
+        manifest.verify(ckpt_dir / resume_tag, topo.rank, topo.world_size)
         record = read_run_record(ckpt_dir / resume_tag)
         if record is not None:
             changes = check_resume(record, cfg, topo, precision, cfg.zero.stage, ckpt_dir / resume_tag)
+            relayout = bool(layout_changes(record, topo, precision, cfg.zero.stage))
+    if relayout:
+        universal.prepare(ckpt_dir / resume_tag, cfg.model, topo.is_main, log=say)
 
+    if datasets is None and cfg.data.mock:
+        from ..data.mock import build_mock_datasets
+        datasets = build_mock_datasets(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)
     if datasets is None:
         from ..data.gpt_dataset import build_datasets
         datasets = build_datasets(cfg.data, seed=cfg.train.seed)
     if datasets.get("train") is None:
         raise ValueError("the training split is empty; check data.prefixes and data.split")
 
-    bundle = build_engine(cfg, topo, ds_config, precision)
+    bundle = build_engine(cfg, topo, universal.engine_config(ds_config) if relayout else ds_config, precision)
     engine, optimizer = bundle.engine, bundle.optimizer
+    checkpoint.writer_of(engine, async_save=cfg.train.async_save)
     seed_everything(cfg.train.seed + 1 + topo.rank)  # dropout differs per rank; initial weights do not
     step = consumed = 0
     if resume_tag is not None:
-        client = checkpoint.load(engine, ckpt_dir, topo.rank)
+        client = checkpoint.load(engine, ckpt_dir, topo.rank, universal=relayout)
         step, consumed = int(client["step"]), int(client["consumed_samples"])
         say(f"resumed from {ckpt_dir / resume_tag} (step {step}, {consumed} samples consumed)"
             + (f"; changed: {', '.join(changes)}" if changes else ""))
+    elif cfg.train.init_from:  # a new run starting from other weights (e.g. `megafixed import hf`)
+        from .init_from import load_initial_weights
+        say(load_initial_weights(engine, cfg, topo))
     if topo.is_main:  # only now: a refused resume must not replace the run's own files
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, str(run_dir / "config.yaml"))
@@ -113,6 +126,11 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     say(f"training {cfg.model.input} interface: {max_steps} steps, global batch {layout.global_batch} = micro "
         f"{layout.micro_batch} x accum {layout.accum} x dp {topo.dp}, tp {topo.tp}, pp {topo.pp}, {precision}, "
         f"zero {cfg.zero.stage}, run dir {run_dir}")
+
+    # What every checkpoint records besides the engine's state (the manifest, universal_checkpoint_info).
+    record_now = run_record(cfg, topo, precision, cfg.zero.stage)
+    ckpt_meta = manifest.describe(cfg, record_now["layout"], step, consumed) if topo.is_main else {}
+    uc_info = universal.client_state(cfg.model, topo.pp)
 
     history: list = []
     last_loss = last_val = None
@@ -159,15 +177,18 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
             stopped = stop.should_stop()
             if _due(step, cfg.train.save_interval, max_steps) or stopped:
                 client_state = {"step": step, "consumed_samples": consumed, "schedule": schedule.state_dict(),
-                                "config": cfg.to_dict()}
+                                "config": cfg.to_dict(), **uc_info}
                 last_tag = checkpoint.save(engine, ckpt_dir, step, client_state, cfg.train.keep_checkpoints,
-                                           topo.is_main, run_record(cfg, topo, precision, cfg.zero.stage))
+                                           topo.is_main, record_now,
+                                           {**ckpt_meta, **manifest.progress(step, consumed, cfg.data.seq_len)})
                 saved_any = True
                 window_t = time.perf_counter()  # do not charge the save to tokens/s
             if stopped:
+                checkpoint.wait_for_saves(engine)  # an async save must be complete before we say so
                 say(f"stopped at step {step} ({stop.reason}); checkpoint {ckpt_dir / last_tag} is complete. "
                     f"Run the same command again to resume.")
                 break
+        checkpoint.wait_for_saves(engine)  # the run ends with `latest` on its last checkpoint
     except BaseException:
         metrics.close()
         if created_run_dir and not saved_any and topo.is_main:

@@ -1,0 +1,165 @@
+"""The correctness half and the report of ``tools/gpu_check.sh`` (a one-command GPU check; never part of
+the test suite, which has no GPU).
+
+``python -m megafixed.bench.gpu_check verify OUT.json``: on CUDA,
+
+* the token-code kernel bit for bit against ``FixedCode.encode`` for fp32, bf16, fp16 and fp64,
+  canonical and GF(2) codes, scales that do and do not round, ragged widths, int32 and int64 ids;
+* the fused first layer's kernels: the residual add that generates the code, bit for bit in every
+  dtype; the rank-``bits`` QKV product and its gradient against fp32 torch references;
+* a fused vs an unfused model, fp32 on the GPU (kernels active): loss, logits and every gradient.
+
+``python -m megafixed.bench.gpu_check report DIR``: merges ``DIR/*.json`` (verify, the kernel
+sweeps, the training benchmarks) into ``DIR/gpu_check.json`` and a markdown table ``DIR/gpu_check.md``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+            torch.float64: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(INT_VIEW[a.dtype]),
+                                                                       b.contiguous().view(INT_VIEW[b.dtype]))
+
+
+def verify(device: str = "cuda") -> dict:
+    from ..codes import FixedCode
+    from ..config import ModelConfig
+    from ..kernels import token_codes
+    from ..kernels.fused_first_layer import add_code, code_qkv, code_qkv_reference, fold, norm_alpha
+    from ..model import GPT
+
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    codes = {"canonical16": FixedCode.canonical(16), "gf2_16_affine_s0.1": FixedCode.gf2(16, seed=3, scale=0.1),
+             "gf2_5_linear": FixedCode.gf2(5, seed=1, affine=False), "canonical24_s2.5": FixedCode.canonical(24, 2.5)}
+    failures, checked = [], 0
+    # Every code in every dtype at width 2,048 with int64 ids, plus ragged widths and int32 ids for one code:
+    # each distinct (dtype, bits, block shape, id type) is a fresh Triton compile, and the check must stay quick.
+    cases = [(c, 2048, dt, torch.int64) for c in codes for dt in INT_VIEW]
+    cases += [("gf2_16_affine_s0.1", w, dt, torch.int32) for w in (16, 37, 4100) for dt in (torch.bfloat16,
+                                                                                           torch.float32)]
+    cases += [("gf2_5_linear", 5, torch.float16, torch.int64), ("canonical24_s2.5", 24, torch.float32, torch.int32)]
+    for cname, width, dtype, id_dtype in cases:
+        code = codes[cname]
+        ids = torch.randint(0, 1 << code.bits, (7, 301), generator=gen).to(dev, id_dtype)
+        got = token_codes(ids, code, width, dtype, force_kernel=dev.type == "cuda")
+        checked += 1
+        if not _same_bits(got, code.encode(ids, width, dtype)):
+            failures.append(f"token_codes {cname} w{width} {dtype} {id_dtype}")
+        y = torch.randn(7, 301, width, generator=gen).to(dev, dtype)
+        if not _same_bits(add_code(y, ids, code), code.encode(ids, width, dtype) + y):
+            failures.append(f"add_code {cname} w{width} {dtype} {id_dtype}")
+    qkv = {}
+    for cname, code in codes.items():
+        ids = torch.randint(0, 1 << code.bits, (4, 513), generator=gen).to(dev)
+        w = torch.randn(3 * 256, 2048, generator=gen).to(dev)
+        folded = fold(w, code.bits).requires_grad_(True)
+        alpha = norm_alpha(code, 1e-5, torch.float32)
+        got = code_qkv(ids, code, folded, alpha)
+        g = torch.randn(got.shape, generator=gen).to(dev)
+        (got * g).sum().backward()
+        g_kernel, folded.grad = folded.grad.clone(), None
+        want = code_qkv_reference(ids, code, folded, alpha)
+        (want * g).sum().backward()
+        got, want = got.detach(), want.detach()
+        err = float((got - want).abs().max() / want.abs().max())
+        gerr = float((g_kernel - folded.grad).abs().max() / folded.grad.abs().max())
+        qkv[cname] = {"rel_err": err, "grad_rel_err": gerr}
+        if err > 1e-5 or gerr > 1e-5:
+            failures.append(f"code_qkv {cname}: rel err {err:.2e}, grad {gerr:.2e}")
+    model = {}
+    for kind in ("canonical", "gf2"):
+        cfg = ModelConfig(vocab_size=4096, d_model=512, n_layers=2, n_heads=8, code_bits=12, input=kind,
+                          max_seq_len=256)
+        plain = GPT(cfg, seed=1).to(dev)
+        fused = GPT(ModelConfig(**{**cfg.__dict__, "fused_first_layer": True}), seed=1).to(dev)
+        ids = torch.randint(0, 4096, (4, 256), generator=gen).to(dev)
+        lp, lf = plain(ids, ids), fused(ids, ids)
+        lp.backward()
+        lf.backward()
+        lp, lf = lp.detach(), lf.detach()
+        gerr = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-30))
+                   for a, b in zip(fused.parameters(), plain.parameters()))
+        model[kind] = {"loss_plain": float(lp), "loss_fused": float(lf), "max_grad_rel_err": gerr}
+        if abs(float(lp) - float(lf)) > 1e-4 * abs(float(lp)) or gerr > 1e-3:
+            failures.append(f"fused model {kind}: loss {float(lf)} vs {float(lp)}, grad rel err {gerr:.2e}")
+    return {"bench": "verify", "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda"
+            else "cpu", "cases_checked": checked, "failures": failures, "ok": not failures, "code_qkv": qkv,
+            "fused_model_fp32": model, "torch": torch.__version__}
+
+
+# ----------------------------------------------------------------------------------- report
+def _fmt(x, spec=".1f", scale=1.0, suffix=""):
+    return "n/a" if x is None else f"{x * scale:{spec}}{suffix}"
+
+
+def report(folder: Path) -> str:
+    parts = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json")) if p.name != "gpu_check.json"}
+    lines = [f"# GPU check ({time.strftime('%Y-%m-%d')})", ""]
+    v = parts.get("verify")
+    if v:
+        lines += [f"Device: {v['device_name']}; torch {v['torch']}.", "",
+                  f"**Bit identity**: {v['cases_checked']} token-code cases and as many fused residual adds "
+                  f"(fp32/bf16/fp16/fp64 x 4 codes at d=2,048, ragged widths, int32/int64 ids): "
+                  f"{'all identical' if v['ok'] else 'FAILED: ' + '; '.join(v['failures'][:5])}.",
+                  "Fused first layer, fp32: " + ", ".join(
+                      f"{k} loss {m['loss_fused']:.6f} vs {m['loss_plain']:.6f}, max grad rel err "
+                      f"{m['max_grad_rel_err']:.1e}" for k, m in v["fused_model_fp32"].items()) + ".", ""]
+    for name, k in parts.items():
+        if k.get("bench") != "kernels":
+            continue
+        lines += [f"## Kernel sweep `{name}` (copy peak {k['copy_peak']['gbps']:.0f} GB/s, data sheet "
+                  f"{_fmt(k['spec_bandwidth_Bps'], '.0f', 1e-9)} GB/s)", "",
+                  "| mode | dtype | d | tokens | provider | ms (p50) | GB/s | % copy | % spec | vs F.embedding |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in k["rows"]:
+            lines.append(f"| {r['mode']} | {r['dtype']} | {r['width']} | {r['n_tokens']:,} | {r['provider']} | "
+                         f"{r['ms_50']:.4f} | {r['gbps']:.0f} | {r['pct_copy_peak']:.0f}% | "
+                         f"{_fmt(r['pct_spec_peak'], '.0f', 1, '%')} | "
+                         f"{_fmt(r.get('speedup_vs_torch_embedding'), '.2f', 1, 'x')} |")
+        lines.append("")
+    trains = {n: t for n, t in parts.items() if t.get("bench") == "train"}
+    if trains:
+        lines += ["## Training (mock data)", "",
+                  "| run | input | tokens/step | loop | step ms | tokens/s | MFU | peak memory | overhead |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for n, t in trains.items():
+            for loop in ("bare", "framework"):
+                if loop in t:
+                    s = t[loop]
+                    lines.append(f"| {n} | {t['input']} | {t['tokens_per_step']:,} | {loop} | "
+                                 f"{s['step_s_median'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} | "
+                                 f"{_fmt(s['mfu'], '.1f', 100, '%')} | "
+                                 f"{_fmt(s['peak_memory_bytes'], '.1f', 2 ** -30, ' GiB')} | "
+                                 f"{_fmt(t['overhead'], '+.1f', 100, '%') if loop == 'framework' else ''} |")
+        lines.append("")
+    md = "\n".join(lines) + "\n"
+    (folder / "gpu_check.json").write_text(json.dumps(parts, indent=2) + "\n")
+    (folder / "gpu_check.md").write_text(md)
+    return md
+
+
+def main(argv: list) -> int:
+    if len(argv) >= 2 and argv[0] == "verify":
+        res = verify(argv[2] if len(argv) > 2 else "cuda")
+        Path(argv[1]).write_text(json.dumps(res, indent=2) + "\n")
+        print(f"verify: {res['cases_checked']} cases, {'ok' if res['ok'] else 'FAILED'}: {res['failures'][:5]}")
+        return 0 if res["ok"] else 1
+    if len(argv) == 2 and argv[0] == "report":
+        print(report(Path(argv[1])))
+        return 0
+    print("usage: python -m megafixed.bench.gpu_check verify OUT.json [cuda|cpu] | report DIR", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

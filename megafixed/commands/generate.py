@@ -1,0 +1,73 @@
+"""``megafixed generate RUN --prompt TEXT``: look at what a trained model says.
+
+Greedy by default; ``--temperature T`` (> 0) samples, with ``--top-p`` nucleus filtering and a
+``--seed``. Tokens are printed as they are generated (a key/value cache makes each one cheap).
+The model is loaded through the one loading path, so any TP/PP/ZeRO checkpoint works.
+"""
+from __future__ import annotations
+
+import sys
+
+HELP = "generate text from a trained run (greedy or top-p sampling, streamed to the terminal)"
+
+
+def add_arguments(p):
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                   help="run directory, its checkpoints folder, or a tag directory under it")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--tag", default=None, help="checkpoint tag (default: the run's latest)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (default: the run's own)")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-document token")
+
+
+class TextStream:
+    """Print the decoded continuation as it grows. Decoding the whole continuation each time (not
+    token by token) keeps multi-token characters intact; a trailing U+FFFD (half a UTF-8
+    character) is held back until the rest arrives."""
+
+    def __init__(self, tok, out=None):
+        self.tok, self.out, self.ids, self.shown = tok, out or sys.stdout, [], 0
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+    def finish(self) -> None:
+        text = self.tok.decode(self.ids)
+        self.out.write(text[self.shown:] + "\n")
+        self.out.flush()
+
+
+def run(args) -> int:
+    import torch
+
+    from ..interop.run_source import resolve_run, run_tokenizer
+    from ..model.generate import GenerationError, SamplingConfig, generate
+
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed).validate()
+    src = resolve_run(args.source, args.tag)
+    tok = run_tokenizer(src.config, args.tokenizer)
+    if tok is None:
+        raise GenerationError(f"the run {src.run_dir} names no tokenizer; pass --tokenizer PATH")
+    if not args.no_stop:
+        sampling.stop_id = tok.eod_id
+    prompt = torch.tensor(tok.encode(args.prompt), dtype=torch.long)
+    model = src.load_model()
+    if torch.cuda.is_available():
+        model = model.cuda()
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    stream = TextStream(tok)
+    generate(model, prompt, sampling, on_token=stream)
+    stream.finish()
+    return 0

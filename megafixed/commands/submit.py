@@ -1,0 +1,110 @@
+"""``megafixed submit CONFIG --nodes N --gpus-per-node G [...] [overrides]``: a Slurm training job.
+
+Checks the config, the data paths and the layout for N x G ranks here (a mistake fails now, not
+after hours in the queue), renders ``megafixed/launch/templates/job.sbatch``, saves it as
+``<run_dir>/slurm/job-<time>.sbatch``, calls ``sbatch`` and prints the job id(s). Every submitted
+job is appended to ``<run_dir>/slurm/jobs.jsonl`` (id, nodes, script and its hash, git revision).
+``--dry-run`` prints the script and touches nothing. ``--chain K`` submits K jobs, each starting
+after the previous one ends (``--dependency=afterany``), for runs longer than a partition's time
+limit; each resumes from ``checkpoints/latest``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import sys
+
+from .. import exit_codes
+from ..config import load_config
+
+HELP = "submit a (multi-node) Slurm training job: sbatch script, pre-timeout checkpoint, requeue"
+
+
+def add_arguments(p):
+    p.add_argument("config", help="YAML run config (examples/configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, passed on to `megafixed train`")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, required=True,
+                   help="GPUs per node = ranks per node (one srun task per GPU)")
+    p.add_argument("--cpu", action="store_true",
+                   help="request no GPUs: the ranks run on CPUs (gloo); for CPU clusters and tests")
+    p.add_argument("--cpus-per-task", type=int, default=8, help="CPUs per rank (default 8)")
+    p.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's default)")
+    p.add_argument("--account", default=None, help="Slurm account to charge")
+    p.add_argument("--qos", default=None, help="Slurm quality of service")
+    p.add_argument("--time", default=None, help="time limit, HH:MM:SS or D-HH:MM:SS (default: the partition's)")
+    p.add_argument("--signal-before", type=int, default=300, metavar="SECONDS",
+                   help="send the pre-timeout USR1 this long before the time limit: time to finish a step and "
+                        "write a checkpoint (default 300)")
+    p.add_argument("--no-requeue", action="store_true",
+                   help="after a pre-timeout stop, end the job instead of requeueing it")
+    p.add_argument("--chain", type=int, default=1, metavar="K",
+                   help="submit K jobs, each after the previous ends (--dependency=afterany); default 1")
+    p.add_argument("--job-name", default=None, help="Slurm job name (default: the run dir's name)")
+    p.add_argument("--dry-run", action="store_true", help="print the job script; submit and write nothing")
+
+
+def run(args) -> int:
+    from ..launch.sbatch import JobSpec, record, render, sbatch
+    from ..launch.world import LaunchError
+
+    for flag, value, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
+                             ("--cpus-per-task", args.cpus_per_task, 1), ("--chain", args.chain, 1),
+                             ("--signal-before", args.signal_before, 0)):
+        if value < low:
+            raise LaunchError(f"{flag} {value}: must be >= {low}")
+    cfg = load_config(args.config, args.overrides)
+    world = args.nodes * args.gpus_per_node
+    _check_plan(cfg, world, gpu=not args.cpu, data=not args.dry_run)
+    run_dir = os.path.abspath(cfg.train.run_dir)
+    spec = JobSpec(config=os.path.abspath(args.config), overrides=list(args.overrides), run_dir=run_dir,
+                   nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpu=args.cpu,
+                   cpus_per_task=args.cpus_per_task, partition=args.partition, account=args.account, qos=args.qos,
+                   time=args.time, signal_before=args.signal_before, requeue=not args.no_requeue,
+                   job_name=args.job_name or os.path.basename(run_dir.rstrip(os.sep)) or "megafixed",
+                   python=sys.executable, workdir=os.getcwd())
+    text = render(spec)
+    if args.dry_run:
+        print(text, end="")
+        return exit_codes.OK
+    from ..atomic import atomic_write_text
+
+    os.makedirs(spec.log_dir, exist_ok=True)
+    script = _new_script_path(spec.log_dir)
+    atomic_write_text(script, text)
+    previous = None
+    for _ in range(args.chain):
+        job_id = sbatch(script, dependency=previous)
+        record(spec, script, job_id, previous)
+        print(job_id)
+        print(f"submitted job {job_id}" + (f" (after {previous})" if previous else "") +
+              f": {args.nodes} node(s) x {args.gpus_per_node} ranks; script {script}; log "
+              f"{os.path.join(spec.log_dir, job_id + '.out')}", file=sys.stderr)
+        previous = job_id
+    return exit_codes.OK
+
+
+def _check_plan(cfg, world: int, gpu: bool, data: bool) -> None:
+    """What `megafixed train --dry-run --world-size N` checks: layout, precision, data paths. A dry run
+    only warns about missing data: scripts are often written where the shards are not (yet)."""
+    from ..parallel.layout import validate_layout
+    from ..train.ds_config import resolve_precision
+    from .train import _check_data_paths
+
+    validate_layout(cfg, world, resolve_precision(cfg, gpu=gpu))
+    try:
+        _check_data_paths(cfg)
+    except ValueError as exc:
+        if data:
+            raise
+        print(f"warning: {exc}", file=sys.stderr)
+
+
+def _new_script_path(log_dir: str) -> str:
+    """A new file per submission: a resubmitted run never overwrites the script an earlier job ran."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path, n = os.path.join(log_dir, f"job-{stamp}.sbatch"), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(log_dir, f"job-{stamp}-{n}.sbatch")
+    return path

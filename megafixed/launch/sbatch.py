@@ -1,0 +1,135 @@
+"""Render the job script of ``megafixed submit``, submit it, and record submitted jobs in the run dir.
+
+The template (``templates/job.sbatch``) is a readable bash script with ``{{NAME}}`` placeholders:
+bash itself uses ``$NAME``/``${NAME}`` and ``#SBATCH --signal=B:USR1@600`` uses ``@``, so the
+placeholders use a syntax that appears nowhere in a job script (and ``string.Template`` or
+``str.format`` would fight with bash). Rendering refuses a placeholder left unfilled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+from .world import LaunchError
+
+_PLACEHOLDER = re.compile(r"{{([A-Z_]+)}}")
+_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")  # Slurm's --time forms: MM, HH:MM:SS, D-HH[:MM[:SS]]
+
+
+@dataclasses.dataclass
+class JobSpec:
+    config: str  # absolute path of the run config
+    overrides: list[str]
+    run_dir: str  # absolute
+    nodes: int
+    gpus_per_node: int  # ranks per node; GPUs requested unless cpu
+    cpu: bool = False
+    cpus_per_task: int = 8
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: Optional[str] = None
+    signal_before: int = 300
+    requeue: bool = True
+    job_name: str = "megafixed"
+    python: str = sys.executable
+    workdir: str = os.getcwd()
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.run_dir, "slurm")
+
+
+def template_text() -> str:
+    return resources.files("megafixed.launch").joinpath("templates/job.sbatch").read_text()
+
+
+def render(spec: JobSpec, submitted: Optional[str] = None) -> str:
+    """The job script for ``spec``: pure text, nothing touched."""
+    for what, path in (("run dir", spec.log_dir), ("working directory", spec.workdir)):
+        if re.search(r"\s", path):
+            raise LaunchError(f"the {what} {path!r} contains whitespace, which #SBATCH lines cannot carry; choose a "
+                              f"path without spaces (train.run_dir=...)")
+    if spec.time is not None and not _TIME.match(spec.time):
+        raise LaunchError(f"--time {spec.time!r} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
+    options = []
+    if not spec.cpu:
+        options.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
+    for flag, value in (("time", spec.time), ("partition", spec.partition), ("account", spec.account),
+                        ("qos", spec.qos)):
+        if value:
+            options.append(f"#SBATCH --{flag}={value}")
+    values = {
+        "NODES": spec.nodes, "TASKS_PER_NODE": spec.gpus_per_node, "WORLD": spec.world,
+        "CPUS_PER_TASK": spec.cpus_per_task,
+        "SUBMITTED": submitted or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "JOB_NAME": re.sub(r"[^A-Za-z0-9_.-]", "_", spec.job_name), "SIGNAL_BEFORE": spec.signal_before,
+        "LOG_DIR": spec.log_dir, "WORKDIR": spec.workdir, "SBATCH_OPTIONS": "\n".join(options),
+        "PYTHON": shlex.quote(spec.python), "REQUEUE": int(spec.requeue),
+        "TRAIN_ARGS": " ".join(shlex.quote(a) for a in [spec.config, *spec.overrides]),
+    }
+
+    def fill(m):
+        if m.group(1) not in values:
+            raise KeyError(f"job.sbatch placeholder {{{{{m.group(1)}}}}} has no value")  # a template bug
+        return str(values[m.group(1)])
+
+    text = _PLACEHOLDER.sub(fill, template_text())
+    return re.sub(r"\n{3,}", "\n\n", text)  # no double blank line where the options were empty
+
+
+def git_revision(path: str | os.PathLike | None = None) -> Optional[str]:
+    """The code's commit (``+dirty`` with uncommitted changes), or None outside a git checkout."""
+    path = path or Path(__file__).resolve().parent
+    if shutil.which("git") is None:
+        return None
+    try:
+        rev = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=30)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=60)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def sbatch(script: str, dependency: Optional[str] = None) -> str:
+    """Submit ``script``; returns the job id. ``dependency``: a job id this one starts after (afterany)."""
+    if shutil.which("sbatch") is None:
+        raise LaunchError("sbatch is not on PATH: run `megafixed submit` on a Slurm login node (or use --dry-run "
+                          "to print the script)")
+    cmd = ["sbatch", "--parsable"] + ([f"--dependency=afterany:{dependency}"] if dependency else []) + [script]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise LaunchError(f"sbatch refused the job ({out.stderr.strip() or out.stdout.strip()}); the script is "
+                          f"{script}")
+    return out.stdout.strip().split(";")[0]  # "id" or "id;cluster"
+
+
+def record(spec: JobSpec, script: str, job_id: str, dependency: Optional[str]) -> dict:
+    """Append the submitted job to ``<run_dir>/slurm/jobs.jsonl`` (one JSON object per line)."""
+    entry = {"job_id": job_id, "submitted": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+             "nodes": spec.nodes, "ranks_per_node": spec.gpus_per_node, "world": spec.world,
+             "gpus": not spec.cpu, "after": dependency, "script": script,
+             "script_sha256": hashlib.sha256(Path(script).read_bytes()).hexdigest(),
+             "git_revision": git_revision(), "config": spec.config, "overrides": spec.overrides}
+    with open(os.path.join(spec.log_dir, "jobs.jsonl"), "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return entry

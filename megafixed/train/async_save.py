@@ -1,0 +1,142 @@
+"""Writing checkpoint files: checksummed always, in the background with ``train.async_save=true``.
+
+``CheckpointWriter`` replaces the engine's ``checkpoint_engine`` (DeepSpeed's seam for how shard
+files are written: every ``mp_rank_*``, ``layer_*`` and ``zero_pp_rank_*`` file goes through its
+``save``). Each file's sha256 and size are computed from the bytes as they are written (no second
+read), for the manifest (``manifest.py``).
+
+Why not DeepSpeed's own async engines: ``DecoupledCheckpointEngine`` and ``FastCheckpointEngine``
+write through DeepSpeed's async-I/O op (libaio, a GPU-node build) and the decoupled one commits
+only at the *next* save; torch's ``distributed.checkpoint.async_save`` writes its own DCP format,
+which DeepSpeed's loader, ``ds_to_universal`` and our converter do not read. Ours is the same idea
+in plain torch: in async mode ``save`` takes a CPU copy of the state (the only time training waits,
+a memcpy) and a thread per rank serialises it with ``torch.save`` while training continues. The
+files are DeepSpeed's own, so every reader works unchanged.
+
+Completion is agreed through files, not collectives (a collective from a background thread could
+interleave with the training step's): each rank, once its files are written and fsynced, writes
+``<tag>/.files.rank<r>.json`` with their records; rank 0's ``on_complete`` waits for all of them,
+checks every file's size on disk, writes the run record and the manifest, and only then moves
+``latest``. A second save first waits for the one in flight (``wait``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+
+class _HashingFile:
+    """A write-only binary file that hashes and counts what passes through it."""
+
+    def __init__(self, fh):
+        self.fh, self.h, self.n = fh, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.h.update(view)
+        self.n += view.nbytes
+        return self.fh.write(view)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+# Test hook: a save of this tag stalls after its first file, so a test can kill -9 the process
+# mid-save (tests/test_ckpt_integrity.py). Unset in real runs.
+SLOW_TAG_ENV = "MEGAFIXED_TEST_SLOW_SAVE"
+
+
+def write_file(obj, path: str, zipfile: bool = True) -> dict:
+    """``torch.save`` ``obj`` to ``path``, fsynced; returns its manifest record."""
+    with open(path, "wb") as fh:
+        out = _HashingFile(fh)
+        torch.save(obj, out, _use_new_zipfile_serialization=zipfile)
+        fh.flush()
+        os.fsync(fh.fileno())
+    slow = os.environ.get(SLOW_TAG_ENV)
+    if slow and os.path.basename(os.path.dirname(path)) == slow:
+        time.sleep(120)
+    return {"size": out.n, "sha256": out.h.hexdigest()}
+
+
+def snapshot(obj):
+    """A copy of ``obj`` that training can no longer change: tensors cloned to CPU (views of one
+    storage become separate tensors, which is also what DeepSpeed's own clone-before-save does)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = obj.copy()  # keeps OrderedDict & co.
+        for k, v in obj.items():
+            out[k] = snapshot(v)
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj  # ints, strings, configs, RNG states (already copies)
+
+
+class CheckpointWriter(TorchCheckpointEngine):
+    """DeepSpeed checkpoint engine: checksummed writes, optionally in a background thread."""
+
+    def __init__(self, async_save: bool = False, config_params=None):
+        super().__init__(config_params)
+        self.name = "megafixed.CheckpointWriter"
+        if config_params is None:
+            self.zipfile_serialization = True  # torch.save's default
+        self.async_save = async_save
+        self.records: dict[str, dict] = {}  # path -> {"size", "sha256"} of the save being written
+        self._pending: list[tuple[object, str]] = []
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    # ---- DeepSpeed's CheckpointEngine interface
+    def save(self, state_dict, path: str):
+        if self.async_save:
+            self._pending.append((snapshot(state_dict), path))
+        else:
+            self.records[path] = write_file(state_dict, path, self.zipfile_serialization)
+
+    # ---- ours
+    def begin(self) -> None:
+        """Start collecting a new save (after the previous one is complete)."""
+        self.wait()
+        self.records, self._pending = {}, []
+
+    def finish(self, on_written: Callable[[dict], None]) -> None:
+        """The engine has handed over every file of this save: write them (async: in the background),
+        then call ``on_written(records)``."""
+        if not self.async_save:
+            on_written(self.records)
+            return
+        pending, self._pending = self._pending, []
+
+        def work():
+            try:
+                for state, path in pending:
+                    self.records[path] = write_file(state, path, self.zipfile_serialization)
+                    del state
+                pending.clear()
+                on_written(self.records)
+            except BaseException as exc:  # re-raised in the training thread by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=work, name="megafixed-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; raise what it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err

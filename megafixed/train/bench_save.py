@@ -1,0 +1,52 @@
+"""Training time lost per checkpoint save, sync against ``train.async_save=true``.
+
+    python -m megafixed.train.bench_save CONFIG [overrides...] --steps 24 --every 4
+
+Runs ``train()`` three times in one process on mock data (``data.mock=true``): saving only at the
+end, saving every ``--every`` steps synchronously, and the same asynchronously. Time lost per save =
+(wall time with saves - wall time without) / number of extra saves; the final save (and, async,
+the wait for it) is in every run, so it cancels out. Results: docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+
+def main(argv=None) -> None:
+    from ..train.env import prepare_runtime_env
+
+    prepare_runtime_env()
+    from ..config import load_config
+    from ..parallel import setup_distributed
+    from .trainer import train
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--every", type=int, default=4)
+    a = ap.parse_args(argv)
+    out, topo = {}, None
+    for mode, extra in (("none", [f"train.save_interval={10 ** 9}"]),
+                        ("sync", [f"train.save_interval={a.every}", "train.async_save=false"]),
+                        ("async", [f"train.save_interval={a.every}", "train.async_save=true"])):
+        with tempfile.TemporaryDirectory() as d:
+            cfg = load_config(a.config, [*a.overrides, "data.mock=true", f"train.max_steps={a.steps}",
+                                         "train.eval_interval=0", "train.tensorboard=false",
+                                         f"train.log_interval={a.steps}", f"train.run_dir={d}/run",
+                                         "train.keep_checkpoints=2", *extra])
+            topo = topo or setup_distributed(cfg)
+            t0 = time.perf_counter()
+            train(cfg, topo, log=lambda *_: None)
+            out[mode] = time.perf_counter() - t0
+    saves = a.steps // a.every - 1
+    res = {"wall_s": out, "saves": saves,
+           "lost_per_save_s": {m: (out[m] - out["none"]) / saves for m in ("sync", "async")}}
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

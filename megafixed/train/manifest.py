@@ -1,0 +1,145 @@
+"""Per-checkpoint manifest: what a checkpoint holds, and proof that its files are intact.
+
+``<tag>/manifest.json`` is written by rank 0 after every rank's files are on disk and before
+``latest`` moves; it lists every file with its size and sha256 (computed from the bytes as they
+were written, see ``async_save.CheckpointWriter``), plus the layout, the step, the tokens seen, the
+input interface and its fixed code (A's rows and b for gf2), the parameter count and the git
+revision of the megafixed source that trained it.
+
+``verify`` re-reads the files (spread over the ranks) and names the first one that is missing,
+has the wrong size or the wrong checksum. A checkpoint without a manifest (written before
+manifests existed) is accepted as it is: DeepSpeed's own load errors then apply.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+from ..atomic import atomic_write_text
+from .checkpoint import LATEST, CheckpointError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+CHUNK = 8 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def git_revision() -> str:
+    """``git rev-parse HEAD`` of the tree this megafixed was imported from ("unknown" if none)."""
+    src = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    rev = out.stdout.strip()
+    return rev if out.returncode == 0 and len(rev) >= 7 else "unknown"
+
+
+def describe(cfg, layout: dict, step: int, consumed_samples: int) -> dict:
+    """Everything but the files: what ``ckpt inspect`` shows without opening a tensor."""
+    from ..config import resolve_code
+    from ..model.params import count_params
+
+    m = resolve_code(cfg).model
+    code = {"input": m.input}
+    if m.input != "learned":
+        code.update(bits=m.code_bits, scale=m.code_scale)
+    if m.input == "gf2":
+        code.update(A_rows=list(m.code_rows), b=m.code_shift)
+    return {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
+            "consumed_tokens": consumed_samples * cfg.data.seq_len, "layout": dict(layout), "code": code,
+            "parameters": count_params(cfg.model).total, "git_revision": git_revision()}
+
+
+def progress(step: int, consumed_samples: int, seq_len: int) -> dict:
+    return {"step": step, "consumed_samples": consumed_samples, "consumed_tokens": consumed_samples * seq_len}
+
+
+def write(tag_dir: Path, meta: dict, files: dict[str, dict]) -> dict:
+    """``files``: name (relative to ``tag_dir``) -> {"size", "sha256"}."""
+    manifest = {**meta, "tag": Path(tag_dir).name,
+                "files": [{"name": n, **files[n]} for n in sorted(files)]}
+    atomic_write_text(Path(tag_dir) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def read(tag_dir: Path) -> Optional[dict]:
+    path = Path(tag_dir) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is unreadable ({exc}); the checkpoint is damaged: point "
+                              f"{Path(tag_dir).parent / LATEST} at an earlier tag") from None
+
+
+def check_file(tag_dir: Path, entry: dict, checksum: bool = True) -> Optional[str]:
+    """Why the manifest's ``entry`` does not match the file on disk, or None."""
+    path = Path(tag_dir) / entry["name"]
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry["size"]:
+        return f"{size} bytes on disk, {entry['size']} in the manifest (truncated or overwritten)"
+    if checksum and sha256_file(path) != entry["sha256"]:
+        return "its sha256 differs from the manifest's (corrupt)"
+    return None
+
+
+def problems(tag_dir: Path, manifest: dict, rank: int = 0, world: int = 1, checksum: bool = True) -> list:
+    """(index, name, why) for this rank's share of the files that fail their check."""
+    out = []
+    for i, entry in enumerate(manifest["files"]):
+        if i % world == rank:
+            why = check_file(tag_dir, entry, checksum)
+            if why:
+                out.append((i, entry["name"], why))
+    return out
+
+
+def verify(tag_dir: Path, rank: int = 0, world: int = 1, group=None) -> Optional[dict]:
+    """Raise ``CheckpointError`` naming the first bad file (all ranks together when ``world > 1``:
+    each checks every ``world``-th file); return the manifest (None: a checkpoint without one)."""
+    manifest = read(tag_dir)
+    if manifest is None:
+        return None
+    bad = problems(tag_dir, manifest, rank, world)
+    if world > 1:
+        import torch.distributed as dist
+
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, bad, group=group)
+        bad = sorted(p for part in gathered for p in part)
+    if bad:
+        _, name, why = bad[0]
+        more = f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""
+        raise CheckpointError(f"checkpoint {tag_dir} is damaged: {Path(tag_dir) / name} is {why}{more}. Point "
+                              f"{Path(tag_dir).parent / LATEST} at an earlier tag (or delete it to start from "
+                              f"scratch)" if why == "missing" else
+                              f"checkpoint {tag_dir} is damaged: {Path(tag_dir) / name}: {why}{more}. Point "
+                              f"{Path(tag_dir).parent / LATEST} at an earlier tag (or delete it to start from "
+                              f"scratch)")
+    return manifest
+
+
+def file_record(path: Path, size: int, digest: str) -> dict:
+    return {"size": size, "sha256": digest}
+
+
+def record_existing(path: Path) -> dict:
+    return file_record(path, os.path.getsize(path), sha256_file(path))

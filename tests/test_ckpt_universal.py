@@ -1,0 +1,88 @@
+"""Resume on another layout with the optimizer state: ``megafixed train`` on layout A to step 2, then
+the same command on layout B to step 4. The resumed steps 3-4 log the losses and gradient norms of
+the run that stayed on one layout (the single-process reference, which a same-layout resume repeats
+bit for bit: tests/test_parallel_train.py), within 1e-5 relative -- so weights, Adam's moments and
+step, the schedule and the data position all crossed the change (fp32, gloo, ZeRO-1)."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _train_data import tiny_overrides, write_shards
+
+ROOT = Path(__file__).resolve().parent.parent
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_shards(tmp_path_factory.mktemp("shards"))
+
+
+def _args(shards, run_dir, steps, *extra):
+    return ["-m", "megafixed.cli", "train", "/dev/null",
+            *tiny_overrides(shards, run_dir, "model.input=canonical", f"train.max_steps={steps}",
+                            "train.save_interval=2", "train.eval_interval=0", "schedule.warmup_steps=1",
+                            "zero.stage=1", *extra)]
+
+
+def _train(torchrun, nproc, args):
+    if nproc > 1:
+        return torchrun(nproc, args).stdout
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [r for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory):
+    """Single process, 4 steps, checkpoints at 2 and 4: the losses every layout must reproduce."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    _train(None, 1, _args(shards, run_dir, 4))
+    return run_dir
+
+
+def _assert_resumed_like_reference(run_dir, ref_dir, what):
+    got, ref = _metrics(run_dir), _metrics(ref_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4], what
+    for a, b in zip(got[2:], ref[2:]):
+        assert a["consumed_samples"] == b["consumed_samples"], f"{what}: data position at step {a['step']}"
+        for key in ("loss", "grad_norm"):
+            assert math.isclose(a[key], b[key], rel_tol=RTOL), f"{what}: step {a['step']} {key} {a[key]} vs {b[key]}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name,layout_a,nproc_a", [
+    ("dp2->dp1", ("train.micro_batch=2",), 2),
+    ("tp2->tp1", ("parallel.tp=2",), 2),
+    ("pp2->pp1", ("parallel.pp=2",), 2),
+])
+def test_resume_on_one_process_after_two(shards, reference, torchrun, tmp_path, name, layout_a, nproc_a):
+    run_dir = tmp_path / "run"
+    _train(torchrun, nproc_a, _args(shards, run_dir, 2, *layout_a))
+    out = _train(torchrun, 1, _args(shards, run_dir, 4))
+    resumed = next(line for line in out.splitlines() if line.startswith("resumed from"))
+    assert "layout: " in resumed, resumed
+    assert (run_dir / "checkpoints" / "step_00000002" / "universal" / "zero" / "optimizer_state.pt").is_file()
+    _assert_resumed_like_reference(run_dir, reference, name)
+
+
+@pytest.mark.multiprocess
+def test_resume_on_two_processes_after_one(shards, reference, torchrun, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
+    out = _train(torchrun, 2, _args(shards, run_dir, 4, "train.micro_batch=2"))
+    assert "layout: the data-parallel size (world size / (tp*pp)) 1 -> 2" in out
+    _assert_resumed_like_reference(run_dir, reference, "dp1->dp2")
