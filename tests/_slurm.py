@@ -38,6 +38,9 @@ SelectTypeParameters=CR_Core
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 ReturnToService=2
+# A requeued job waits out its old credential's lifetime before it may start again (120 s by default);
+# releasing it sooner gets it killed ("Job credential revoked"). 10 s keeps the requeue test short.
+AuthInfo=cred_expire=10
 # KillWait: seconds between TERM and KILL at a time limit / scancel (30 is Slurm's default)
 KillWait=30
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=2

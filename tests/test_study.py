@@ -105,3 +105,15 @@ def test_probe_recovers_the_code_at_the_input_and_not_the_previous_token(trained
     _, own, prev = probe_model(model, windows)
     assert own[0] >= 0.99 and 0.4 <= prev[0] <= 0.6
     assert max(prev[1:]) > prev[0] + 0.05, prev  # measured 0.585 vs 0.514 (deterministic on CPU)
+
+
+def test_submit_renders_one_slurm_job_per_unfinished_run(study, tmp_path, capsys):
+    out, args = study
+    other = [a if a != str(out) else str(tmp_path / "new") for a in args]  # a fresh study dir: nothing finished
+    assert main([*other, "--submit", "--submit-args", "--gpus-per-node 1 --cpu --dry-run"]) == 0
+    said = capsys.readouterr().out
+    scripts = said.count("#!/bin/bash")
+    assert scripts == 4 and said.count("model.input=canonical") >= 2 and "train.seed=1" in said
+    assert "rerun this command without --submit" in said
+    assert main([*args, "--submit", "--submit-args", "--gpus-per-node 1 --cpu --dry-run"]) == 0
+    assert capsys.readouterr().out.count("finished earlier, not submitted") == 4

@@ -28,6 +28,11 @@ def add_arguments(p):
                    help="zero-shot tasks scored for each run (megafixed eval); '' for none")
     p.add_argument("--eval-limit", type=int, default=200, help="items per task (default 200; 0 = all)")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their status; train nothing")
+    p.add_argument("--submit", action="store_true",
+                   help="submit each unfinished run as a Slurm job (`megafixed submit`) instead of training here; "
+                        "rerun the study without --submit once they finished to evaluate them and write the report")
+    p.add_argument("--submit-args", default="--gpus-per-node 1", metavar="'FLAGS'",
+                   help="flags for `megafixed submit`, e.g. '--nodes 1 --gpus-per-node 8 --time 04:00:00'")
 
 
 def run(args) -> int:
@@ -50,6 +55,8 @@ def run(args) -> int:
         raise ConfigError(f"--eval-limit {args.eval_limit} must be >= 0 (0 = every item)")
     configs = [run_config(args.config, args.overrides, r) for r in runs]  # every config is valid before we start
     _claim_study_dir(out, args, grid)
+    if args.submit:
+        return _submit(args, runs, configs)
     if args.dry_run:
         for r, cfg in zip(runs, configs):
             state = "finished" if is_finished(r, cfg.train.max_steps) else "to train"
@@ -68,6 +75,24 @@ def run(args) -> int:
     command = "megafixed study " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     report = write_report(out, results, command or f"megafixed study {args.config}")
     print(f"report: {report}")
+    return exit_codes.OK
+
+
+def _submit(args, runs, configs) -> int:
+    """One `megafixed submit` per unfinished run (each a resumable Slurm job with its own run dir)."""
+    from ..cli import main as cli_main
+    from ..study.runner import is_finished
+
+    extra = shlex.split(args.submit_args)
+    for r, cfg in zip(runs, configs):
+        if is_finished(r, cfg.train.max_steps):
+            print(f"{r.point_name} {r.interface} seed {r.seed}: finished earlier, not submitted")
+            continue
+        code = cli_main(["submit", args.config or "/dev/null", *args.overrides, *r.overrides, *extra])
+        if code != exit_codes.OK:
+            return code
+    print("when the jobs have finished, rerun this command without --submit: finished runs are skipped, and "
+          "it evaluates them and writes report.md")
     return exit_codes.OK
 
 
