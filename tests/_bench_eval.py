@@ -69,7 +69,8 @@ def main() -> None:
     print(json.dumps({"items_per_task": n, "tasks": Q.TASKS, "requests": out["requests"],
                       "forward_passes": out["forward_passes"], "lm_eval_adapter_s": round(t_ref, 2),
                       "megafixed_eval_s": round(t_ours, 2), "ratio": round(t_ref / t_ours, 2),
-                      "hf_tasks": hf_tasks, "lm_eval_hf_s": round(t_hf, 2), "megafixed_eval_hf_tasks_s": round(t_sub, 2),
+                      "hf_tasks": hf_tasks, "lm_eval_hf_s": round(t_hf, 2),
+                      "megafixed_eval_hf_tasks_s": round(t_sub, 2),
                       "ratio_vs_hf": round(t_hf / t_sub, 2),
                       "acc_ours": ours_acc, "acc_lm_eval_hf": hf_acc,
                       "threads": torch.get_num_threads()}))
