@@ -31,6 +31,9 @@ from megafixed.codes import FixedCode
 from .token_codes import HAVE_TRITON, _rows_on, _wants_kernel, kernel_is_interpreted, tl, triton
 
 if HAVE_TRITON:
+    from .token_codes import code_bits_tile
+
+if HAVE_TRITON:
 
     @triton.jit
     def _code_bits_of(ids, k, rows_ptr, shift, BITS: tl.constexpr, CANONICAL: tl.constexpr):
@@ -83,17 +86,7 @@ if HAVE_TRITON:
         mask_w = offs_w < width
         ids = tl.load(ids_ptr + offs_t, mask=mask_t, other=0).to(tl.int32)
         k = offs_w % BITS
-        if CANONICAL:
-            bit = (ids[:, None] >> k[None, :]) & 1
-        else:
-            row = tl.load(rows_ptr + k, mask=mask_w, other=0).to(tl.int32)
-            x = ids[:, None] & row[None, :]
-            x = x ^ (x >> 16)
-            x = x ^ (x >> 8)
-            x = x ^ (x >> 4)
-            x = x ^ (x >> 2)
-            x = x ^ (x >> 1)
-            bit = (x & 1) ^ ((shift >> k) & 1)[None, :]
+        bit = code_bits_tile(ids, k, rows_ptr, mask_w, shift, CANONICAL)
         offs = offs_t[:, None].to(tl.int64) * width + offs_w[None, :]
         mask = mask_t[:, None] & mask_w[None, :]
         y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)

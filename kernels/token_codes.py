@@ -43,6 +43,23 @@ KERNEL_ID_DTYPES = (torch.int32, torch.int64)
 if HAVE_TRITON:
 
     @triton.jit
+    def code_bits_tile(ids, k, rows_ptr, mask_w, shift, CANONICAL: tl.constexpr):
+        """Code bits (0/1) of ids [T] at code positions k [W] -> [T, W]; shared with the fused
+        first-layer kernels so the code arithmetic exists once."""
+        if CANONICAL:
+            # A = I, b = 0: the code bit is the id bit itself.
+            return (ids[:, None] >> k[None, :]) & 1
+        row = tl.load(rows_ptr + k, mask=mask_w, other=0).to(tl.int32)
+        x = ids[:, None] & row[None, :]
+        # Parity by xor folding (same as codes._parity); x < 2**31 so 16 is the widest fold.
+        x = x ^ (x >> 16)
+        x = x ^ (x >> 8)
+        x = x ^ (x >> 4)
+        x = x ^ (x >> 2)
+        x = x ^ (x >> 1)
+        return (x & 1) ^ ((shift >> k) & 1)[None, :]
+
+    @triton.jit
     def _token_codes_kernel(ids_ptr, rows_ptr, out_ptr, n_tokens, width, shift, pos_pattern, neg_pattern,
                             BITS: tl.constexpr, CANONICAL: tl.constexpr,
                             BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -57,19 +74,7 @@ if HAVE_TRITON:
         # Truncating int64 ids to int32 keeps bits 0..31, all a <= 31-bit code ever looks at.
         ids = tl.load(ids_ptr + offs_t, mask=mask_t, other=0).to(tl.int32)
         k = offs_w % BITS  # code bit of each column: the code is tiled across the width
-        if CANONICAL:
-            # A = I, b = 0: the code bit is the id bit itself.
-            bit = (ids[:, None] >> k[None, :]) & 1
-        else:
-            row = tl.load(rows_ptr + k, mask=mask_w, other=0).to(tl.int32)
-            x = ids[:, None] & row[None, :]
-            # Parity by xor folding (same as codes._parity); x < 2**31 so 16 is the widest fold.
-            x = x ^ (x >> 16)
-            x = x ^ (x >> 8)
-            x = x ^ (x >> 4)
-            x = x ^ (x >> 2)
-            x = x ^ (x >> 1)
-            bit = (x & 1) ^ ((shift >> k) & 1)[None, :]
+        bit = code_bits_tile(ids, k, rows_ptr, mask_w, shift, CANONICAL)
         # Store the bit patterns of +scale / -scale that the host rounded with torch; out_ptr is the
         # output viewed as a same-width integer type, so no float rounding happens in here.
         val = tl.where(bit != 0, pos_pattern, neg_pattern)
