@@ -31,7 +31,7 @@ from megafixed.codes import FixedCode
 from .token_codes import HAVE_TRITON, _rows_on, _wants_kernel, kernel_is_interpreted, tl, triton
 
 if HAVE_TRITON:
-    from .token_codes import code_bits_tile
+    from .token_codes import code_bits_tile, parity
 
 if HAVE_TRITON:
 
@@ -41,13 +41,7 @@ if HAVE_TRITON:
         if CANONICAL:
             return (ids >> k) & 1
         row = tl.load(rows_ptr + k).to(tl.int32)
-        x = ids & row
-        x = x ^ (x >> 16)
-        x = x ^ (x >> 8)
-        x = x ^ (x >> 4)
-        x = x ^ (x >> 2)
-        x = x ^ (x >> 1)
-        return (x & 1) ^ ((shift >> k) & 1)
+        return parity(ids & row) ^ ((shift >> k) & 1)
 
     @triton.jit
     def _code_qkv_kernel(ids_ptr, rows_ptr, f_ptr, out_ptr, n_tokens, n_out, shift, alpha,

@@ -43,6 +43,17 @@ KERNEL_ID_DTYPES = (torch.int32, torch.int64)
 if HAVE_TRITON:
 
     @triton.jit
+    def parity(x):
+        """Parity (0/1) of each int32 of ``x`` by xor folding (as codes._parity); x < 2**31, so 16
+        is the widest fold. The one copy of the GF(2) dot product's last step for every kernel."""
+        x = x ^ (x >> 16)
+        x = x ^ (x >> 8)
+        x = x ^ (x >> 4)
+        x = x ^ (x >> 2)
+        x = x ^ (x >> 1)
+        return x & 1
+
+    @triton.jit
     def code_bits_tile(ids, k, rows_ptr, mask_w, shift, CANONICAL: tl.constexpr):
         """Code bits (0/1) of ids [T] at code positions k [W] -> [T, W]; shared with the fused
         first-layer kernels so the code arithmetic exists once."""
@@ -50,14 +61,7 @@ if HAVE_TRITON:
             # A = I, b = 0: the code bit is the id bit itself.
             return (ids[:, None] >> k[None, :]) & 1
         row = tl.load(rows_ptr + k, mask=mask_w, other=0).to(tl.int32)
-        x = ids[:, None] & row[None, :]
-        # Parity by xor folding (same as codes._parity); x < 2**31 so 16 is the widest fold.
-        x = x ^ (x >> 16)
-        x = x ^ (x >> 8)
-        x = x ^ (x >> 4)
-        x = x ^ (x >> 2)
-        x = x ^ (x >> 1)
-        return (x & 1) ^ ((shift >> k) & 1)[None, :]
+        return parity(ids[:, None] & row[None, :]) ^ ((shift >> k) & 1)[None, :]
 
     @triton.jit
     def _token_codes_kernel(ids_ptr, rows_ptr, out_ptr, n_tokens, width, shift, pos_pattern, neg_pattern,
