@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _env import launch_free_env
+
 CONF = """\
 ClusterName=megafixed-test
 SlurmctldHost=localhost
@@ -132,10 +134,7 @@ def start_cluster(root: Path) -> Cluster | str:
         (root / d).mkdir(exist_ok=True)
     conf = root / "slurm.conf"
     conf.write_text(CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port()))
-    # The jobs inherit this environment (sbatch/srun export it): without a launcher's rendezvous
-    # variables, which an in-process test of this pytest process may have set for its own 1-rank world.
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
-    env = {**{k: v for k, v in os.environ.items() if k not in drop}, "SLURM_CONF": str(conf)}
+    env = launch_free_env(SLURM_CONF=str(conf))  # the jobs inherit it (sbatch and srun export it)
     cluster = Cluster(root, env)
     if not _munge_works():
         Path("/run/munge").mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _slurm import start_cluster
 
+from _slurm import start_cluster
 from _train_data import tiny_overrides, write_shards
 
 ROOT = Path(__file__).resolve().parent.parent

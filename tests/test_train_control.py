@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _env import launch_free_env
 from _train_data import tiny_overrides, write_shards
 from megafixed.config import load_config
 from megafixed.train.stop import StopRequest
@@ -87,9 +87,8 @@ def test_sigusr1_stops_the_cli_with_exit_75_and_the_same_command_resumes(shards,
     cmd = [sys.executable, "-m", "megafixed.cli", "train", str(cfg),
            *tiny_overrides(shards, tmp_path / "run", "train.max_steps=400", "train.eval_interval=0",
                            "train.save_interval=1000")]
-    env = {k: v for k, v in os.environ.items() if k not in {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                          "LOCAL_RANK"}}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_free_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

@@ -3,7 +3,6 @@ losses, bit for bit, as an uninterrupted run (CPU, fp32)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from _env import launch_free_env
 from _train_data import tiny_overrides, write_shards
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,11 +28,7 @@ def cli(run_dir: Path, prefix: str) -> list[str]:
 
 
 def env() -> dict:
-    # Fresh single-process runs: drop the rendezvous variables an in-process test may have set
-    # (two children on the pytest process's MASTER_PORT would collide).
-    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
-    return {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1"}
+    return launch_free_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fresh single-process runs
 
 
 def losses(run_dir: Path) -> dict:
