@@ -8,8 +8,10 @@ exit code of ``megafixed.exit_codes``); argparse's complaints take the same path
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
+import re
 import sys
 
 from . import errors
@@ -31,7 +33,33 @@ class _Parser(argparse.ArgumentParser):
     line like every other bad input (sub-parsers inherit this class)."""
 
     def error(self, message):
+        if message.startswith("the following arguments are required:"):
+            message = self._missing(message)
         raise errors.UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+    def _missing(self, message: str) -> str:
+        """Name what is missing with its help and the usage line. Python < 3.13 also lists a
+        ``nargs="*"`` positional (``overrides``) as required when the one before it is absent: drop it."""
+        names = [n.strip() for n in message.split(":", 1)[1].split(",")]
+        optional = {a.dest for a in self._actions if a.nargs in ("*", "?")}
+        optional |= {a.metavar for a in self._actions if a.nargs in ("*", "?") and a.metavar}
+        names = [n for n in names if n not in optional] or names
+        by_name = {(a.metavar or a.dest): a for a in self._actions}
+        described = [f"{n} ({by_name[n].help})" if n in by_name and by_name[n].help else n for n in names]
+        usage = re.sub(r"\s+", " ", self.format_usage()).strip()
+        return f"the following arguments are required: {', '.join(described)}; {usage}"
+
+    def _check_value(self, action, value):
+        """A mistyped verb or sub-verb gets "did you mean" (argparse has it only from Python 3.14)."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError:
+            choices = [c for c in (action.choices or ()) if isinstance(c, str)]
+            close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+            if not close:
+                raise
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}; did you mean {close[0]!r}? (choose "
+                                                 f"from {', '.join(map(repr, choices))})") from None
 
 
 VERBS = {
@@ -78,8 +106,8 @@ def _take_launcher_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = _take_launcher_local_rank(sys.argv[1:] if argv is None else argv)
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The whole command line: the top parser and {verb: module} (tests walk it to run every --help)."""
     parser = _Parser(prog="megafixed", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
@@ -89,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(verb, help=getattr(mod, "HELP", help_text), description=getattr(mod, "HELP", help_text))
         mod.add_arguments(p)
         available[verb] = mod
+    return parser, available
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _take_launcher_local_rank(sys.argv[1:] if argv is None else argv)
+    parser, available = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
         # `megafixed train CFG --dry-run a.b=1`: argparse stops filling a nargs="*" positional at

@@ -19,7 +19,8 @@ def add_arguments(p):
             m = importlib.import_module(mod)
         except ModuleNotFoundError:
             continue
-        m.add_arguments(sub.add_parser(name, help=getattr(m, "HELP", name)))
+        # argparse %-formats help strings: a literal "%" (kernels: "% of peak") must reach it as "%%"
+        m.add_arguments(sub.add_parser(name, help=getattr(m, "HELP", name).replace("%", "%%")))
 
 
 def check_device(device) -> None:

@@ -21,7 +21,7 @@ HELP = "submit a (multi-node) Slurm training job: sbatch script, pre-timeout che
 
 
 def add_arguments(p):
-    p.add_argument("config", help="YAML run config (examples/configs/*.yaml)")
+    p.add_argument("config", metavar="CONFIG", help="a YAML run config (examples/configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, passed on to `megafixed train`")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, required=True,

@@ -22,7 +22,7 @@ HELP = "train a model (single process, torchrun or the deepspeed launcher); reru
 
 
 def add_arguments(p):
-    p.add_argument("config", help="YAML run config (examples/configs/*.yaml)")
+    p.add_argument("config", metavar="CONFIG", help="a YAML run config (examples/configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.max_steps=100")
     p.add_argument("--dry-run", action="store_true",
                    help="validate config, data paths and layout; print the resolved config and DeepSpeed JSON")
