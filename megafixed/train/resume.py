@@ -24,6 +24,9 @@ FROZEN_PREFIXES = ("model.",)
 FROZEN_KEYS = ("data.tokenizer", "data.prefixes", "data.weights", "data.seq_len", "data.split", "data.source",
                "data.source_json_key", "train.seed", "train.global_batch")
 
+# Resolved from other keys (model.input, model.code_seed, model.code_bits, model.code_affine) unless given.
+DERIVED_KEYS = ("model.code_rows", "model.code_shift")
+
 
 class ResumeError(CheckpointError):
     """A rerun whose config no longer fits the run's checkpoint."""
@@ -77,6 +80,9 @@ def check_resume(record: dict, cfg, topo, precision: str, zero_stage: int, tag_d
             old.pop(key, None), new.pop(key, None)
     run_dir = Path(tag_dir).parent.parent
     frozen = [k for k in sorted(set(old) | set(new)) if _frozen(k) and old.get(k) != new.get(k)]
+    # Lead with a key the user can have typed, the interface first (a code_seed matters only under gf2);
+    # the rows and shift follow from model.input/code_seed/... and come last.
+    frozen.sort(key=lambda k: (k in DERIVED_KEYS, k != "model.input"))
     if frozen:
         k = frozen[0]
         more = f" (and {', '.join(frozen[1:4])}{', ...' if len(frozen) > 4 else ''})" if len(frozen) > 1 else ""
