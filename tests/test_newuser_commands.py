@@ -58,3 +58,35 @@ def test_the_readme_gf2_example_has_a_run_dir_of_its_own():
     readme = (ROOT / "README.md").read_text()
     line = readme[readme.index("examples/configs/quickstart.yaml model.input=gf2"):].split("#")[0]
     assert "train.run_dir=" in line and "train.run_dir=runs/quickstart " not in line + " "
+
+
+# ------------------------------------------------------------------- output that reads as written by a person
+def test_counts_of_one_are_singular():
+    from megafixed.data.preprocess import PreprocessReport
+
+    line = PreprocessReport(outputs={"text": ["o"]}, documents=1, tokens=1, workers=1, seconds=1.0).summary()
+    assert "wrote 1 document, 1 token" in line and "1 worker)" in line
+    line = PreprocessReport(outputs={"text": ["o"]}, documents=2, tokens=1500, workers=3, seconds=1.0).summary()
+    assert "wrote 2 documents, 1,500 tokens" in line and "3 workers)" in line
+
+
+def test_a_batch_that_does_not_divide_gets_each_suggestion_once():
+    from megafixed.parallel.layout import LayoutError, batch_layout
+
+    cfg = load_config(None, ["train.global_batch=32", "train.micro_batch=16"])
+    with pytest.raises(LayoutError) as refused:
+        batch_layout(cfg.train, dp=32)
+    assert "(e.g. train.global_batch=512)" in str(refused.value)
+    with pytest.raises(LayoutError, match=r"e\.g\. train\.global_batch=8 or 16\)"):
+        batch_layout(load_config(None, ["train.global_batch=12", "train.micro_batch=8"]).train, dp=1)
+
+
+def test_data_inspect_prints_the_mean_length_to_one_decimal(tmp_path, capsys):
+    import re
+
+    from _train_data import write_shards
+
+    prefix = write_shards(tmp_path, docs=7)
+    assert main(["data", "inspect", prefix]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "tokens_per_doc" in ln)
+    assert re.fullmatch(r"\s*tokens_per_doc: mean [\d,]+\.\d, min \d+, max \d+", line), line

@@ -48,6 +48,8 @@ def run(args) -> int:
         print(json.dumps(stats, indent=1))
     else:
         for k, v in stats.items():
+            if k == "tokens_per_doc":  # a mean length to 1 decimal; --json keeps the full float
+                v = f"mean {v['mean']:,.1f}, min {v['min']:,}, max {v['max']:,}"
             print(f"{k:>15}: {v}")
     tok_spec = args.tokenizer or meta.get("tokenizer")
     if not shards[0].num_documents:

@@ -86,7 +86,10 @@ def run(args) -> int:
             out = perplexity(loaded.model, loaded.tokenizer, token_docs=shard_documents(args.prefix, args.max_docs),
                              batch_size=args.batch_size, progress=progress)
         out = {"source": args.text or args.prefix, **out}
-        print(f"{out['source']}: {out['documents']} documents, {out['tokens']:,} tokens, {out['bytes']:,} bytes\n"
+        from ..plural import count
+
+        print(f"{out['source']}: {count(out['documents'], 'document')}, {count(out['tokens'], 'token')}, "
+              f"{count(out['bytes'], 'byte')}\n"
               f"  perplexity (per token) {out['perplexity']:.3f}\n  bits per byte          {out['bits_per_byte']:.4f}")
     else:
         out = evaluate(loaded.model, loaded.tokenizer, args.tasks, limit=args.limit, batch_size=args.batch_size,

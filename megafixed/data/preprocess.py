@@ -23,6 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..atomic import atomic_write_text
+from ..plural import count
 from .errors import DataError, check_vocab_fits
 from .indexed import ShardWriter, bin_path, dtype_for_vocab, idx_path, meta_path
 from .readers import BAD_KINDS, Batch, decode_batch, expand_inputs, iter_batches
@@ -64,9 +65,9 @@ class PreprocessReport:
 
     def summary(self) -> str:
         secs = max(self.seconds, 1e-9)
-        lines = [f"wrote {self.documents} documents, {self.tokens} tokens ({self.dtype}) in {self.seconds:.1f}s "
-                 f"({self.tokens / secs:,.0f} tokens/s, {self.input_bytes / secs / 1e6:.1f} MB/s, "
-                 f"{self.workers} workers)"]
+        lines = [f"wrote {count(self.documents, 'document')}, {count(self.tokens, 'token')} ({self.dtype}) in "
+                 f"{self.seconds:.1f}s ({self.tokens / secs:,.0f} tokens/s, {self.input_bytes / secs / 1e6:.1f} MB/s, "
+                 f"{count(self.workers, 'worker')})"]
         for key, prefixes in self.outputs.items():
             more = f" ... {prefixes[-1]} ({len(prefixes)} shards)" if len(prefixes) > 1 else ""
             lines.append(f"  {key}: {prefixes[0]}{more}")

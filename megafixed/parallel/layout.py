@@ -45,7 +45,8 @@ def batch_layout(train, dp: int) -> BatchLayout:
         raise LayoutError(f"train.global_batch={g} and train.micro_batch={mb} must both be >= 1")
     if g % (mb * dp):
         lo = (g // (mb * dp)) * mb * dp
-        hint = f"e.g. train.global_batch={lo or mb * dp} or {lo + mb * dp}"
+        near = [b for b in (lo, lo + mb * dp) if b > 0]  # below g is 0 when g < mb * dp: one suggestion
+        hint = "e.g. train.global_batch=" + " or ".join(map(str, near))
         raise LayoutError(f"train.global_batch={g} is not divisible by train.micro_batch * data-parallel size "
                           f"= {mb} * {dp} = {mb * dp}; pick a global batch that is a multiple ({hint}) "
                           f"or change train.micro_batch")
