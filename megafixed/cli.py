@@ -79,7 +79,7 @@ VERBS = {
     "submit": "submit a (multi-node) Slurm training job: sbatch script, pre-timeout checkpoint, requeue",
     "eval": "benchmark a checkpoint as lm-evaluation-harness scores it; bits per byte on text",
     "export": "export a trained run as a Hugging Face transformers model (export hf)",
-    "import": "import a Hugging Face Llama model as a megafixed checkpoint (import hf)",
+    "import": "import a Hugging Face Llama or Arcee model as a megafixed checkpoint (import hf)",
     "generate": "generate text from a trained run (greedy or top-p, streamed)",
 }
 MODULES = {"import": "import_"}  # verbs whose module name differs (`import` is a Python keyword)

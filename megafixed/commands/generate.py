@@ -21,7 +21,8 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the run's latest)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the run's own)")
-    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-document token")
+    p.add_argument("--no-stop", action="store_true",
+                   help="do not stop at the end token (the model's eos_token_id if imported, else the tokenizer's EOD)")
 
 
 class TextStream:
@@ -60,7 +61,10 @@ def run(args) -> int:
     if tok is None:
         raise GenerationError(f"the run {src.run_dir} names no tokenizer; pass --tokenizer PATH")
     if not args.no_stop:
-        sampling.stop_id = tok.eod_id
+        from ..interop.hf_files import model_eos_ids
+
+        # an imported model's own eos_token_id(s) (as transformers' generate stops), else the tokenizer's EOD
+        sampling.stop_ids = tuple(model_eos_ids(src.run_dir)) or (tok.eod_id,)
     prompt = torch.tensor(tok.encode(args.prompt), dtype=torch.long)
     model = src.load_model()
     if torch.cuda.is_available():

@@ -30,11 +30,13 @@ A fixed-code model's embedding matrix is the materialized code ``code.encode(ara
 (exactly +-scale in fp32), saved as an ordinary embedding: any transformers stack loads it
 unchanged. Its README.md model card records the code (interface, bits, A, b, scale) and the run.
 
-IMPORT (transformers Llama -> megafixed learned interface)
-----------------------------------------------------------
-Exactly the inverse of the Llama row, for options megafixed can represent; anything else (RoPE
-scaling, a partial bias set, a sliding window, head_dim != hidden/heads, another activation, ...)
-is refused with the option named.
+IMPORT (transformers Llama or Arcee -> megafixed learned interface)
+------------------------------------------------------------------
+Exactly the inverse of the Llama and Arcee rows (Arcee: so megafixed's own RMSNorm + GELU exports
+come back), for options megafixed can represent; anything else (RoPE scaling, a partial bias set,
+a sliding window, head_dim != hidden/heads, another activation, ...) is refused with the option
+named. The tokenizer files and the generation config travel along (``hf_files.py``): generation
+stops at the model's own ``eos_token_id``.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import ModelConfig
+from .hf_files import copy_model_files
 
 
 class InteropError(ValueError):
@@ -288,11 +291,14 @@ def model_card(src, arch: Arch, dtype: str, tok_info: dict, model) -> str:
     """README.md: the interface, the code (bits, A, b, scale) and the run, so the export describes itself."""
     import yaml
 
+    from .. import __version__
+
     m = src.config.model
     lines = ["---", "library_name: transformers", "tags: [megafixed, causal-lm"
              + (", fixed-token-codes" if model.has_fixed_input else "") + "]", "---", "",
              f"# megafixed export: {src.run_dir.name} ({src.tag})", "",
-             f"A GPT trained with [megafixed](https://github.com/) and exported as a standard "
+             f"A GPT trained with megafixed {__version__} (fixed token codes instead of an input embedding "
+             f"table; study: arXiv 2610.04002) and exported as a standard "
              f"`{arch.class_name}` (`model_type: {arch.model_type}`). It loads with "
              f"`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`; no custom code.",
              "", "## Input interface", ""]
@@ -337,12 +343,20 @@ def _refuse(option: str, value, why: str) -> InteropError:
                         f"else, so it refuses rather than approximating")
 
 
-def llama_model_config(hf: dict) -> ModelConfig:
-    """The megafixed ``ModelConfig`` (learned interface) equal to a transformers Llama config."""
+# What import reads: model_type -> (megafixed mlp, the hidden_act it computes exactly). Llama is the
+# common checkpoint; Arcee is megafixed's own export of RMSNorm + GELU models (the paper backbone),
+# so every RMSNorm export round-trips.
+IMPORTABLE = {"llama": ("swiglu", "silu"), "arcee": ("gelu", "gelu")}
+
+
+def hf_model_config(hf: dict) -> ModelConfig:
+    """The megafixed ``ModelConfig`` (learned interface) equal to a transformers Llama or Arcee config."""
     arch = hf.get("model_type")
-    if arch != "llama":
-        raise InteropError(f"cannot import model_type {arch!r}: only Llama-architecture models (model_type 'llama', "
-                           f"LlamaForCausalLM) are imported")
+    if arch not in IMPORTABLE:
+        raise InteropError(f"cannot import model_type {arch!r}: import reads {' and '.join(map(repr, IMPORTABLE))} "
+                           f"models (LlamaForCausalLM, and ArceeForCausalLM as megafixed exports RMSNorm + GELU "
+                           f"models)")
+    mlp, act = IMPORTABLE[arch]
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
     rope = hf.get("rope_parameters") or {}
@@ -357,8 +371,9 @@ def llama_model_config(hf: dict) -> ModelConfig:
     head_dim = hf.get("head_dim") or hidden // heads
     if head_dim * heads != hidden:
         raise _refuse("head_dim", head_dim, f"differs from hidden_size/num_attention_heads = {hidden}/{heads}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _refuse("hidden_act", hf.get("hidden_act"), "is not SiLU (megafixed's SwiGLU uses silu)")
+    if hf.get("hidden_act", "silu" if arch == "llama" else None) != act:
+        raise _refuse("hidden_act", hf.get("hidden_act"), f"is not {act!r} (what megafixed's {mlp} MLP computes "
+                      f"for a {arch} model)")
     attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if attn_bias != mlp_bias:
         raise _refuse("attention_bias/mlp_bias", (attn_bias, mlp_bias), "is a partial bias set (megafixed's "
@@ -370,7 +385,7 @@ def llama_model_config(hf: dict) -> ModelConfig:
         raise _refuse("pretraining_tp", hf["pretraining_tp"], "splits matmuls (transformers' own Llama ignores it "
                       "only in some versions)")
     cfg = ModelConfig(vocab_size=hf["vocab_size"], d_model=hidden, n_layers=hf["num_hidden_layers"], n_heads=heads,
-                      n_kv_heads=kv if kv != heads else None, ffn_hidden=hf["intermediate_size"], mlp="swiglu",
+                      n_kv_heads=kv if kv != heads else None, ffn_hidden=hf["intermediate_size"], mlp=mlp,
                       norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), bias=attn_bias,
                       max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=float(theta),
                       init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0, input="learned",
@@ -380,6 +395,9 @@ def llama_model_config(hf: dict) -> ModelConfig:
     except ValueError as exc:
         raise InteropError(f"cannot import: the model does not fit megafixed's model config ({exc})") from None
     return cfg
+
+
+llama_model_config = hf_model_config  # the name before Arcee was importable
 
 
 def _read_safetensors(hf_dir: Path) -> dict:
@@ -399,9 +417,9 @@ def _read_safetensors(hf_dir: Path) -> dict:
     return sd
 
 
-def import_state_dict(hf_sd: dict, m: ModelConfig) -> dict:
-    """transformers Llama state dict -> plain megafixed GPT state dict (fp32)."""
-    arch = ARCHES["llama"]
+def import_state_dict(hf_sd: dict, m: ModelConfig, model_type: str = "llama") -> dict:
+    """transformers Llama/Arcee state dict -> plain megafixed GPT state dict (fp32)."""
+    arch = ARCHES[model_type]
     from ..model import GPT
 
     with torch.device("meta"):
@@ -414,14 +432,15 @@ def import_state_dict(hf_sd: dict, m: ModelConfig) -> dict:
         wanted.add(hf_key)
         if hf_key not in hf_sd:
             raise InteropError(f"the checkpoint has no {hf_key} (needed for megafixed {key}); is it a complete "
-                               f"LlamaForCausalLM?")
+                               f"{arch.class_name}?")
         out[key] = hf_sd[hf_key].float().contiguous()
     if m.tie_embeddings:
         out["head.proj.weight"] = out["input.embedding.weight"]
     extra = sorted(k for k in set(hf_sd) - wanted if not k.endswith("rotary_emb.inv_freq")
                    and not (m.tie_embeddings and k == "lm_head.weight"))
     if extra:
-        raise InteropError(f"the checkpoint has weights megafixed's Llama mapping does not use: {extra[:5]}")
+        raise InteropError(f"the checkpoint has weights megafixed's {arch.class_name} mapping does not use: "
+                           f"{extra[:5]}")
     return out
 
 
@@ -441,9 +460,9 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Callab
         hf = json.loads(cfg_path.read_text())
     except ValueError as exc:
         raise InteropError(f"{cfg_path} is not valid JSON ({exc})") from None
-    m = llama_model_config(hf)  # refuse before reading weights
+    m = hf_model_config(hf)  # refuse before reading weights
     claim_output([out_dir], overwrite=overwrite, inputs=[str(src)], what="import folder")
-    sd = import_state_dict(_read_safetensors(src), m)
+    sd = import_state_dict(_read_safetensors(src), m, hf["model_type"])
     cfg = Config(model=m)
     cfg.data.seq_len = min(cfg.data.seq_len, m.max_seq_len)
     out = Path(out_dir)
@@ -451,16 +470,16 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Callab
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
-        tok_file = src / "tokenizer.json"
-        if tok_file.is_file():
-            shutil.copy2(tok_file, out / "tokenizer.json")
-            cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
+        tokenizer = copy_model_files(src, out, hf)  # tokenizer files, generation_config.json (its EOS)
+        if tokenizer:
+            cfg.data.tokenizer = str(tokenizer.resolve())
         cfg.train.run_dir = str(out.resolve())
         cfg.validate()
         save_config(cfg, str(out / "config.yaml"))
         tag_dir = write_checkpoint(sd, out / "checkpoints", tp=1, pp=1, tag="imported")
         write_run_record(tag_dir, {"config": cfg.to_dict(), "imported_from": str(src.resolve()),
                                    "layout": {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0, "precision": "fp32"}})
-    log(f"imported {src} (LlamaForCausalLM, {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads / "
-        f"{m.kv_heads} kv) to {out}; continue training with `megafixed train CONFIG train.init_from={out}`")
+    log(f"imported {src} ({ARCHES[hf['model_type']].class_name}, {m.n_layers} layers, d_model {m.d_model}, "
+        f"{m.n_heads} heads / {m.kv_heads} kv) to {out}; continue training with `megafixed train CONFIG "
+        f"train.init_from={out}`")
     return out

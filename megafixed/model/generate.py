@@ -61,6 +61,7 @@ class SamplingConfig:
     top_p: float = 1.0
     seed: int = 0
     stop_id: Optional[int] = None  # end-of-document id: generation ends after emitting it
+    stop_ids: tuple = ()  # more ids that end it (a model's eos_token_id may be a list)
 
     def validate(self) -> "SamplingConfig":
         if self.max_new_tokens < 0:
@@ -114,7 +115,7 @@ def stream_tokens(model, prompt: torch.Tensor, cfg: SamplingConfig) -> Iterator[
             nxt = next_token(logits, cfg, gen)
             token = int(nxt[0])
             yield token
-            if token == cfg.stop_id or i == steps - 1:
+            if token == cfg.stop_id or token in cfg.stop_ids or i == steps - 1:
                 break
             ids = nxt.reshape(1, 1)
     finally:
