@@ -90,3 +90,83 @@ def test_data_inspect_prints_the_mean_length_to_one_decimal(tmp_path, capsys):
     assert main(["data", "inspect", prefix]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "tokens_per_doc" in ln)
     assert re.fullmatch(r"\s*tokens_per_doc: mean [\d,]+\.\d, min \d+, max \d+", line), line
+
+
+# ------------------------------------------------------------------- plots: optional, said up front
+def test_probe_plot_without_matplotlib_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    import megafixed.plotting
+    import megafixed.study.probe
+
+    monkeypatch.setattr(megafixed.plotting, "have_matplotlib", lambda: False)
+    monkeypatch.setattr(megafixed.study.probe, "probe_run", lambda *a, **k: pytest.fail("probed before refusing"))
+    assert main(["probe", str(tmp_path / "no-run"), "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--plot" in err[0] and "matplotlib" in err[0] and "megafixed[plot]" in err[0]
+
+
+def _fake_results():
+    return [{"interface": i, "seed": s, "point": "base", "checkpoint": "step_00000004", "steps": 4,
+             "trainable_params": 10, "input_params": 0, "final_val_loss": 5.0 + s, "test_loss": 5.0, "test_bpb": 1.0,
+             "val_curve": [[2, 6.0], [4, 5.0]], "tasks": {}} for i in ("learned", "canonical") for s in (0, 1)]
+
+
+def test_a_study_without_matplotlib_says_it_skips_the_pngs(tmp_path, monkeypatch, capsys):
+    import megafixed.plotting
+    import megafixed.study.runner
+
+    monkeypatch.setattr(megafixed.plotting, "have_matplotlib", lambda: False)
+    monkeypatch.setattr(megafixed.study.runner, "run_study", lambda *a, **k: _fake_results())
+    out = tmp_path / "study"
+    assert main(["study", "--interfaces", "learned,canonical", "--seeds", "0,1", "--eval-tasks", "",
+                 "--out", str(out), str(ROOT / "examples" / "configs" / "quickstart.yaml")]) == 0
+    said = capsys.readouterr().out
+    assert "matplotlib is not installed" in said and "no PNG" in said and "megafixed[plot]" in said
+    report = (out / "report.md").read_text()
+    assert "None: matplotlib is not installed" in report and not list(out.glob("*.png"))
+
+
+def test_a_study_without_a_grid_puts_its_runs_in_out_itself(tmp_path, capsys):
+    from megafixed.study.plan import plan_runs
+
+    runs = plan_runs(tmp_path, ["learned", "gf2"], [0], [])
+    assert [r.run_dir for r in runs] == [tmp_path / "learned-s0", tmp_path / "gf2-s0"]
+    gridded = plan_runs(tmp_path, ["gf2"], [0], [("model.n_layers", ["2", "4"])])
+    assert gridded[1].run_dir == tmp_path / "model.n_layers=4" / "gf2-s0"  # the README's probe path
+    (tmp_path / "base").mkdir()  # a study begun with the old layout keeps it (its runs are not retrained)
+    assert plan_runs(tmp_path, ["gf2"], [0], [])[0].run_dir == tmp_path / "base" / "gf2-s0"
+
+
+# ------------------------------------------------------------------- the probe's baseline is the majority class
+def test_the_probe_baseline_is_each_bits_majority_share():
+    import torch
+
+    from megafixed.study.probe import majority_baseline
+
+    gen = torch.Generator().manual_seed(0)
+    n = 4000
+    skewed = torch.where(torch.rand(n, generator=gen) < 0.7, 1.0, -1.0)  # 70 % of positions +1
+    rare = torch.where(torch.rand(n, generator=gen) < 0.1, 1.0, -1.0)  # 10 % +1
+    fair = torch.where(torch.rand(n, generator=gen) < 0.5, 1.0, -1.0)
+    base = majority_baseline(torch.stack([skewed, rare, fair], 1))
+    held = slice(int(n * 0.75), None)
+    assert base[0] == pytest.approx(float((skewed[held] > 0).double().mean()))
+    assert base[1] == pytest.approx(float((rare[held] < 0).double().mean()))
+    assert base[0] == pytest.approx(0.7, abs=0.04) and base[1] == pytest.approx(0.9, abs=0.03)
+    assert base[2] == pytest.approx(0.5, abs=0.05)
+
+
+# ------------------------------------------------------------------- submit --chain --dry-run shows the chain
+def test_submit_chain_dry_run_lists_every_job_and_turns_requeue_off(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    base = ["submit", PAPER_GF2, "--nodes", "4", "--gpus-per-node", "8", "--dry-run", "data.mock=true"]
+    assert main(base) == 0
+    single = capsys.readouterr()
+    assert "REQUEUE=${MEGAFIXED_REQUEUE:-1}" in single.out and "--chain" not in single.err
+    assert main([*base, "--chain", "3"]) == 0
+    chained = capsys.readouterr()
+    assert chained.out.startswith("#!/bin/bash") and "REQUEUE=${MEGAFIXED_REQUEUE:-0}" in chained.out
+    jobs = [ln for ln in chained.err.splitlines() if ln.startswith("#   job ")]
+    assert len(jobs) == 3 and "--dependency" not in jobs[0]
+    assert "--dependency=afterany:<job 1>" in jobs[1] and "--dependency=afterany:<job 2>" in jobs[2]
+    assert all(ln.endswith("/slurm/job-<time>.sbatch") for ln in jobs) and "requeue is off" in chained.err
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing

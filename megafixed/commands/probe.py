@@ -14,7 +14,8 @@ def add_arguments(p):
     p.add_argument("--layers", default="all", help="'all' or a comma list of layer indices (0 = the input)")
     p.add_argument("--tokens", type=int, default=4096, help="positions to fit and test the probes on")
     p.add_argument("--json", default=None, help="write the accuracies as JSON here")
-    p.add_argument("--plot", default=None, help="write a PNG of accuracy against depth here")
+    p.add_argument("--plot", default=None, help="write a PNG of accuracy against depth here (needs matplotlib: "
+                                                "pip install 'megafixed[plot]')")
 
 
 def run(args) -> int:
@@ -22,6 +23,10 @@ def run(args) -> int:
     from ..config import ConfigError
     from ..study.probe import probe_run
 
+    if args.plot:
+        from ..plotting import require_matplotlib
+
+        require_matplotlib(f"--plot {args.plot}")  # before minutes of probing, not after
     if args.tokens < 16:
         raise ConfigError(f"--tokens {args.tokens}: give at least 16 positions (a few thousand are better)")
     layers = None
@@ -34,10 +39,11 @@ def run(args) -> int:
     for run_dir in args.runs:
         res = probe_run(run_dir, layers, args.tokens)
         results.append(res)
-        print(f"{run_dir} ({res.interface}, {res.tokens} positions; chance 0.50)")
-        print("  layer  own bits  previous token's bits")
+        print(f"{run_dir} ({res.interface}, {res.tokens} positions; held-out accuracy beside the majority-class "
+              f"baseline: each bit's commoner sign, averaged over the bits)")
+        print("  layer  own bits  baseline  previous token's bits  baseline")
         for layer, own, prev in zip(res.layers, res.own, res.prev):
-            print(f"  {layer:5d}  {own:8.3f}  {prev:8.3f}")
+            print(f"  {layer:5d}  {own:8.3f}  {res.own_baseline:8.3f}  {prev:21.3f}  {res.prev_baseline:8.3f}")
     if args.json:
         atomic_write_text(args.json, json.dumps([asdict(r) for r in results], indent=1))
     if args.plot:
@@ -46,15 +52,15 @@ def run(args) -> int:
 
 
 def _plot(results, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plotting import pyplot
 
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         line, = ax.plot(r.layers, r.own, marker="o", label=f"{r.interface}: own bits")
         ax.plot(r.layers, r.prev, marker="x", ls="--", color=line.get_color(), label=f"{r.interface}: previous")
-    ax.axhline(0.5, color="grey", lw=0.8)
+        for base in (r.own_baseline, r.prev_baseline):  # majority-class baselines, not 0.5
+            ax.axhline(base, color=line.get_color(), lw=0.6, ls=":")
     ax.set_xlabel("layer (0 = input)")
     ax.set_ylabel("held-out probe accuracy")
     ax.set_ylim(0.4, 1.02)

@@ -55,6 +55,11 @@ def run(args) -> int:
         raise ConfigError(f"--eval-limit {args.eval_limit} must be >= 0 (0 = every item)")
     configs = [run_config(args.config, args.overrides, r) for r in runs]  # every config is valid before we start
     _claim_study_dir(out, args, grid)
+    if not args.dry_run and not args.submit:
+        from ..plotting import INSTALL, have_matplotlib
+
+        if not have_matplotlib():
+            print(f"note: matplotlib is not installed, so report.md gets its tables but no PNG curves ({INSTALL})")
     if args.submit:
         return _submit(args, runs, configs)
     if args.dry_run:

@@ -60,12 +60,17 @@ def run(args) -> int:
     spec = JobSpec(config=os.path.abspath(args.config), overrides=list(args.overrides), run_dir=run_dir,
                    nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpu=args.cpu,
                    cpus_per_task=args.cpus_per_task, partition=args.partition, account=args.account, qos=args.qos,
-                   time=args.time, signal_before=args.signal_before, requeue=not args.no_requeue,
+                   time=args.time, signal_before=args.signal_before,
+                   # A chained job must end at its limit: requeued, it would never end, and the job after it
+                   # (afterany) would wait until the whole run is done, then start with nothing left to do.
+                   requeue=not args.no_requeue and args.chain == 1,
                    job_name=args.job_name or os.path.basename(run_dir.rstrip(os.sep)) or "megafixed",
                    python=sys.executable, workdir=os.getcwd())
     text = render(spec)
     if args.dry_run:
         print(text, end="")
+        if args.chain > 1:
+            _describe_chain(spec, args.chain)
         return exit_codes.OK
     from ..atomic import atomic_write_text
 
@@ -98,6 +103,22 @@ def _check_plan(cfg, world: int, gpu: bool, data: bool) -> None:
         if data:
             raise
         print(f"warning: {exc}", file=sys.stderr)
+
+
+def _describe_chain(spec, k: int) -> None:
+    """What `--chain K` would submit: one script, K sbatch calls, each after the one before (to stderr,
+    so that stdout stays the script itself)."""
+    import shlex
+
+    from ..launch.sbatch import sbatch_command
+
+    script = os.path.join(spec.log_dir, "job-<time>.sbatch")
+    print(f"# --chain {k}: {k} jobs run this script one after another, each resuming from "
+          f"{os.path.join(spec.run_dir, 'checkpoints', 'latest')}; requeue is off (a chained job ends at its time "
+          f"limit and the next one continues)", file=sys.stderr)
+    for i in range(1, k + 1):
+        cmd = sbatch_command(script, f"<job {i - 1}>" if i > 1 else None)
+        print(f"#   job {i}: {' '.join(shlex.quote(c) if '<' not in c else c for c in cmd)}", file=sys.stderr)
 
 
 def _new_script_path(log_dir: str) -> str:

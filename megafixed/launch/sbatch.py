@@ -110,13 +110,17 @@ def git_revision(path: str | os.PathLike | None = None) -> Optional[str]:
         return None
 
 
+def sbatch_command(script: str, dependency: Optional[str] = None) -> list[str]:
+    """The sbatch command line of one job (``submit --dry-run`` prints it for every job of a chain)."""
+    return ["sbatch", "--parsable"] + ([f"--dependency=afterany:{dependency}"] if dependency else []) + [script]
+
+
 def sbatch(script: str, dependency: Optional[str] = None) -> str:
     """Submit ``script``; returns the job id. ``dependency``: a job id this one starts after (afterany)."""
     if shutil.which("sbatch") is None:
         raise LaunchError("sbatch is not on PATH: run `megafixed submit` on a Slurm login node (or use --dry-run "
                           "to print the script)")
-    cmd = ["sbatch", "--parsable"] + ([f"--dependency=afterany:{dependency}"] if dependency else []) + [script]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(sbatch_command(script, dependency), capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise LaunchError(f"sbatch refused the job ({out.stderr.strip() or out.stdout.strip()}); the script is "
                           f"{script}")

@@ -63,7 +63,11 @@ def plan_runs(out: Path, interfaces: list[str], seeds: list[int], grid: list[tup
     points = [tuple(zip([k for k, _ in grid], values)) for values in itertools.product(*[v for _, v in grid])]
     runs = []
     for point in points or [()]:
-        base = out / (",".join(f"{k}={v}" for k, v in point) or "base")
+        # With a grid, one folder per point (<out>/model.n_layers=4/gf2-s0); without one the runs sit in
+        # <out> itself (<out>/gf2-s0), as a user reading `--out runs/study` expects. A study started when
+        # they went to <out>/base keeps that folder, so its finished runs are not trained again.
+        legacy = out / "base"
+        base = out / ",".join(f"{k}={v}" for k, v in point) if point else (legacy if legacy.is_dir() else out)
         for interface in interfaces:
             for seed in seeds:
                 runs.append(StudyRun(interface, seed, point, base / f"{interface}-s{seed}"))

@@ -110,10 +110,15 @@ def write_report(out: Path, results: list[dict], command: str) -> Path:
                 cells = [fmt(*diffs[k].get((point, interface), (math.nan, math.nan))) for k, _ in METRICS]
                 lines.append(f"| {point} | {interface} | " + " | ".join(cells) + " |")
     plots = _plot_curves(out, results, points, interfaces)
-    if len(points) > 1:
+    if len(points) > 1 and plots:
         plots += _plot_gap(out, results, points, interfaces)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    else:
+        from ..plotting import INSTALL
+
+        lines += ["", "## Plots", "", f"None: matplotlib is not installed ({INSTALL}, then rerun the study: "
+                  f"finished runs are not retrained)."]
     path = out / "report.md"
     atomic_write_text(path, "\n".join(lines) + "\n")
     return path
@@ -123,12 +128,11 @@ COLOURS = {"learned": "tab:blue", "canonical": "tab:orange", "gf2": "tab:green"}
 
 
 def _plot_curves(out: Path, results, points, interfaces) -> list[Path]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # plots are a bonus; the tables carry the numbers
+    from ..plotting import have_matplotlib, pyplot
+
+    if not have_matplotlib():  # plots are a bonus; the tables carry the numbers (the study said so)
         return []
+    plt = pyplot()
     paths = []
     for point in points:
         fig, ax = plt.subplots(figsize=(6, 4))
