@@ -68,6 +68,15 @@ def test_counts_of_one_are_singular():
     assert "wrote 1 document, 1 token" in line and "1 worker)" in line
     line = PreprocessReport(outputs={"text": ["o"]}, documents=2, tokens=1500, workers=3, seconds=1.0).summary()
     assert "wrote 2 documents, 1,500 tokens" in line and "3 workers)" in line
+    from megafixed.plural import count
+
+    assert [count(1, "rank"), count(0, "step"), count(2, "node")] == ["1 rank", "0 steps", "2 nodes"]
+
+
+def test_a_one_rank_plan_says_1_rank(capsys):
+    assert main(["train", str(ROOT / "examples" / "configs" / "quickstart.yaml"), "--dry-run", "--world-size",
+                 "1", "--target", "cpu"]) == 0
+    assert "# plan: 1 rank = tp 1 x pp 1 x dp 1" in capsys.readouterr().out
 
 
 def test_a_batch_that_does_not_divide_gets_each_suggestion_once():

@@ -16,6 +16,7 @@ import sys
 
 from .. import exit_codes
 from ..config import load_config
+from ..plural import count
 
 HELP = "submit a (multi-node) Slurm training job: sbatch script, pre-timeout checkpoint, requeue"
 
@@ -83,7 +84,7 @@ def run(args) -> int:
         record(spec, script, job_id, previous)
         print(job_id)
         print(f"submitted job {job_id}" + (f" (after {previous})" if previous else "") +
-              f": {args.nodes} node(s) x {args.gpus_per_node} ranks; script {script}; log "
+              f": {count(args.nodes, 'node')} x {count(args.gpus_per_node, 'rank')}; script {script}; log "
               f"{os.path.join(spec.log_dir, job_id + '.out')}", file=sys.stderr)
         previous = job_id
     return exit_codes.OK

@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from .. import exit_codes
 from ..config import load_config
+from ..plural import count
 
 HELP = "train a model (single process, torchrun or the deepspeed launcher); rerunning resumes"
 
@@ -72,7 +73,7 @@ def _train(args) -> int:
     result = train(cfg, topo, stop=stop)
     if topo.is_main:
         ckpt = os.path.join(result.run_dir, "checkpoints", result.checkpoint or "")
-        print(f"{'stopped' if result.stopped else 'done'}: {result.step} steps; metrics "
+        print(f"{'stopped' if result.stopped else 'done'}: {count(result.step, 'step')}; metrics "
               f"{os.path.join(result.run_dir, 'metrics.jsonl')}, checkpoint {ckpt}")
     return exit_codes.STOPPED if result.stopped else exit_codes.OK
 
@@ -102,8 +103,8 @@ def dry_run(args) -> int:
     print(yaml.safe_dump(resolve_code(cfg).to_dict(), sort_keys=False).rstrip())
     print("# deepspeed config (written to <run_dir>/ds_config.json by a real run)")
     print(json.dumps(ds, indent=2))
-    print(f"# plan: {world} ranks = tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {layout.dp}; global batch "
-          f"{layout.global_batch} = micro {layout.micro_batch} x accum {layout.accum} x dp {layout.dp}; "
+    print(f"# plan: {count(world, 'rank')} = tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {layout.dp}; "
+          f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum {layout.accum} x dp {layout.dp}; "
           f"{precision} on {args.target}, backend {backend}; zero {cfg.zero.stage}. Nothing was started.")
     return exit_codes.OK
 
