@@ -156,9 +156,14 @@ def _merge_tp(shards: list[dict]) -> dict:
     return out
 
 
-def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None) -> dict:
-    """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of any layout."""
+def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None, verify: bool = True) -> dict:
+    """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of any layout.
+    Its model files are checked against the checkpoint's manifest first (``verify=False``: the
+    caller already did)."""
     tag_dir = resolve_tag_dir(ckpt, tag)
+    if verify:
+        from ..train.manifest import model_files, verify_for_reading
+        verify_for_reading(tag_dir, only=model_files)
     tp, pp = detect_layout(tag_dir)
     if pp == 1:
         shards = []
