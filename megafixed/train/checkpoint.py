@@ -112,7 +112,11 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, kee
     client_state = {**client_state, "rng": gather_rng_states()}
     if distributed:
         dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+
+    def failed(exc: BaseException, asynchronous: bool = False) -> BaseException:
+        # full disk / quota / permissions named; the partial tag removed; `latest` untouched
+        from .save_faults import named
+        return named(exc, Path(ckpt_dir), tag, is_main, writer.handed_bytes, asynchronous)
 
     def on_written(records: dict) -> None:
         mine = {os.path.relpath(path, tag_dir): rec for path, rec in records.items()}
@@ -120,7 +124,14 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, kee
         if is_main:
             _commit(Path(ckpt_dir), tag, world, keep, run_record, meta or {})
 
-    writer.finish(on_written)
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+        writer.finish(on_written, on_failed=lambda exc: failed(exc, asynchronous=True))
+    except Exception as exc:
+        err = failed(exc)
+        if err is exc:
+            raise
+        raise err from exc
     if distributed and not writer.async_save:
         dist.barrier()  # sync: when save returns on any rank, `latest` names this checkpoint
     return tag

@@ -80,13 +80,37 @@ def describe(cfg, layout: dict, step: int, consumed_samples: int) -> dict:
             "parameters": count_params(cfg.model).total, "git_revision": git_revision()}
 
 
+def derived(src_tag_dir: Path, layout: dict, **extra) -> tuple[dict, Optional[dict]]:
+    """Manifest meta and run record for a checkpoint made from ``src_tag_dir``'s weights on another
+    ``layout`` (``megafixed convert``): the source's step, tokens, code and config carry over, the
+    layout and git revision are the new ones. The run record is None when the source has none."""
+    from ..config import config_from_dict
+    from .checkpoint import tag_step
+    from .resume import read_run_record
+
+    src_tag_dir = Path(src_tag_dir)
+    src = read(src_tag_dir) or {}
+    record = read_run_record(src_tag_dir)
+    step = src.get("step", max(tag_step(src_tag_dir.name), 0))
+    consumed = src.get("consumed_samples", 0)
+    if record and record.get("config"):
+        meta = describe(config_from_dict(record["config"]), layout, step, consumed)
+        new_record = {**record, "layout": dict(layout), **extra}
+    else:
+        meta = {"format": FORMAT, "step": step, "layout": dict(layout), "git_revision": git_revision(),
+                **{k: src[k] for k in ("consumed_samples", "consumed_tokens", "code", "parameters") if k in src}}
+        new_record = None
+    return {**meta, **extra}, new_record
+
+
 def progress(step: int, consumed_samples: int, seq_len: int) -> dict:
     return {"step": step, "consumed_samples": consumed_samples, "consumed_tokens": consumed_samples * seq_len}
 
 
-def write(tag_dir: Path, meta: dict, files: dict[str, dict]) -> dict:
-    """``files``: name (relative to ``tag_dir``) -> {"size", "sha256"}."""
-    manifest = {**meta, "tag": Path(tag_dir).name,
+def write(tag_dir: Path, meta: dict, files: dict[str, dict], tag: Optional[str] = None) -> dict:
+    """``files``: name (relative to ``tag_dir``) -> {"size", "sha256"}; ``tag``: the name the directory
+    will have (default: its name now; a writer that renames a temporary directory into place says)."""
+    manifest = {**meta, "tag": tag or Path(tag_dir).name,
                 "files": [{"name": n, **files[n]} for n in sorted(files)]}
     atomic_write_text(Path(tag_dir) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -158,15 +182,17 @@ def verify(tag_dir: Path, rank: int = 0, world: int = 1, group=None,
     return manifest
 
 
-def _warn(line: str) -> None:
+def warn(line: str) -> None:
     if os.environ.get("RANK", "0") in ("", "0"):
         print(line, file=sys.stderr, flush=True)
 
 
 def verify_for_reading(tag_dir, *, only: Optional[Callable[[str], bool]] = None, rank: int = 0, world: int = 1,
-                       group=None, warn: Callable[[str], None] = _warn) -> Optional[dict]:
+                       group=None, warn: Callable[[str], None] = warn) -> Optional[dict]:
     """The check every reader runs before using a tensor of ``tag_dir`` (``only``: the files it will
-    open, e.g. ``model_files``). Returns the manifest, or None for a pre-manifest checkpoint."""
+    open, e.g. ``model_files``). Returns the manifest, or None for a pre-manifest checkpoint, after
+    passing its one-line warning to ``warn`` (readers pass a list's ``append`` and print it once the
+    files were read, so a failed read still ends in one ``error:`` line)."""
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
         raise CheckpointError(f"checkpoint {tag_dir} does not exist")
