@@ -195,25 +195,38 @@ class RunLock:
         self._thread.start()
 
 
+def _make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``; returns the directories it created, deepest last."""
+    made, p = [], Path(path)
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return made[::-1]
+
+
+def _remove_if_empty(dirs: list[Path]) -> None:
+    for d in reversed(dirs):
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only if empty: never anything of another writer's
+
+
 @contextlib.contextmanager
 def hold_run_dir(run_dir, is_main: bool):
     """The trainer's lock for its whole life: rank 0 takes ``<run_dir>/.megafixed.lock`` (creating
-    the directory if needed; removed again if the lock was refused and it is still empty) and every
-    rank learns whether it got it, so a refused start ends on every rank with the same line."""
+    the directory if needed, and removing it again at the end if nothing was written into it) and
+    every rank learns whether it got it, so a refused start ends on every rank with the same line."""
     from .run_dir import RunDirectory
 
     rd = RunDirectory(run_dir)
-    lock, refusal = rd.lock(), None
+    lock, refusal, made = rd.lock(), None, []
     if is_main:
-        created = not rd.path.exists()
-        rd.path.mkdir(parents=True, exist_ok=True)
+        made = _make_dirs(rd.path)
         try:
             lock.acquire()
         except RunDirectoryBusy as exc:
             refusal = str(exc)
-            if created:
-                with contextlib.suppress(OSError):
-                    rd.path.rmdir()  # only if empty: never anything of the holder's
+            _remove_if_empty(made)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -226,3 +239,4 @@ def hold_run_dir(run_dir, is_main: bool):
         yield lock
     finally:
         lock.release()
+        _remove_if_empty(made)  # a run that failed before writing anything leaves no directory behind
