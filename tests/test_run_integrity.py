@@ -254,6 +254,37 @@ def test_run_lock_is_stale_once_its_holder_is_gone(tmp_path):
         assert taken.info["pid"] == os.getpid()
 
 
+def test_under_slurm_a_lock_of_an_earlier_incarnation_or_an_ended_job_is_stale_at_once(tmp_path, monkeypatch):
+    from megafixed.train.run_lock import RunDirectoryBusy
+
+    lock = tmp_path / "run" / ".megafixed.lock"
+    lock.parent.mkdir()
+    held = {"host": "node-b", "pid": 4242, "start": "9", "since": "x", "slurm_job_id": "77", "slurm_restart": 0}
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    lock.write_text(json.dumps(held))  # the same incarnation (a second srun in the job): held
+    with pytest.raises(RunDirectoryBusy, match=r"pid 4242, Slurm job 77, since x"):
+        _lock(lock.parent).acquire()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued after a hard kill, on another node
+    with _lock(lock.parent) as taken:
+        assert taken.info["slurm_restart"] == 1
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    for state, stale in (("RUNNING", False), ("", True)):
+        squeue.write_text(f"#!/bin/sh\necho '{state}'\n")
+        squeue.chmod(0o755)
+        lock.write_text(json.dumps(held))  # job 77's, fresh mtime
+        if stale:
+            with _lock(lock.parent):
+                pass
+        else:
+            with pytest.raises(RunDirectoryBusy, match="Slurm job 77"):
+                _lock(lock.parent).acquire()
+
+
 def test_the_holder_heartbeat_keeps_its_lock_fresh(tmp_path):
     lock = tmp_path / ".megafixed.lock"
     with _lock(tmp_path, heartbeat_s=0.05):

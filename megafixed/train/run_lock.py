@@ -17,6 +17,10 @@ Lustre, GPFS) and leaves a file a person can read. What we rely on:
   as NTP keeps them; the mtime is set by the file server). A kill -9'd trainer on another node
   therefore blocks its run directory for up to ``STALE_S``; the refusal says so and names the file
   to delete by hand.
+* **Under Slurm** the record also names the job (``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``): Slurm runs one
+  incarnation of a job at a time, so a lock left by an earlier incarnation of *this* job (a requeue after
+  a hard kill, possibly on another node) is stale at once, and one held by another job is stale as soon as
+  ``squeue`` no longer lists that job as running -- no 10-minute wait on a cluster.
 * **Breaking a stale lock** renames it to a unique name first (atomic: of two processes that both
   judged it stale only one rename succeeds on the same file), re-reads what was renamed and puts
   it back if it was not the stale holder after all.
@@ -66,8 +70,31 @@ def _alive(pid: int, start: Optional[str]) -> bool:
     return start is None or now is None or now == start
 
 
+def _slurm_job() -> dict:
+    job = os.environ.get("SLURM_JOB_ID")
+    return {"slurm_job_id": job, "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0)} if job else {}
+
+
+def _slurm_job_running(job: str) -> Optional[bool]:
+    """Whether Slurm lists ``job`` as running/suspended (None: squeue is not available here)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("squeue") is None:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return False if "Invalid job id" in out.stderr else None  # long gone from the controller's memory
+    return any(state.strip() in ("RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "STOPPED")
+               for state in out.stdout.splitlines())
+
+
 def holder_text(info: dict) -> str:
-    return f"host {info.get('host', '?')}, pid {info.get('pid', '?')}, since {info.get('since', '?')}"
+    job = f", Slurm job {info['slurm_job_id']}" if info.get("slurm_job_id") else ""
+    return f"host {info.get('host', '?')}, pid {info.get('pid', '?')}{job}, since {info.get('since', '?')}"
 
 
 class RunLock:
@@ -83,7 +110,7 @@ class RunLock:
     # ---- taking and releasing
     def acquire(self) -> "RunLock":
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _proc_start(os.getpid()),
-              "since": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+              "since": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **_slurm_job()}
         for _ in range(3):  # a stale lock broken in between: try again
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -147,6 +174,14 @@ class RunLock:
             return "gone"
         if not held:
             return "empty" if self._age() > EMPTY_GRACE_S else None
+        job = held.get("slurm_job_id")
+        if job:
+            mine = _slurm_job()
+            earlier = int(held.get("slurm_restart", 0)) < int(mine.get("slurm_restart", 0))
+            if mine.get("slurm_job_id") == job and earlier:
+                return f"left by an earlier run of Slurm job {job}"
+            if mine.get("slurm_job_id") != job and _slurm_job_running(job) is False:
+                return f"Slurm job {job} is no longer running"
         if held.get("host") == socket.gethostname():
             pid = held.get("pid")
             if isinstance(pid, int) and not _alive(pid, held.get("start")):
