@@ -170,6 +170,20 @@ def test_a_genuinely_old_checkpoint_is_read_with_one_warning(ws, tmp_path, capsy
     assert len(warnings) == 1 and "no manifest.json" in warnings[0] and TAG4 in warnings[0], err
 
 
+def test_an_import_from_before_imports_wrote_manifests_is_read_with_a_warning(tmp_path):
+    from megafixed.train import manifest
+    from megafixed.train.checkpoint import CheckpointError
+
+    tag = tmp_path / "imported"
+    tag.mkdir()
+    (tag / "run.json").write_text(json.dumps({"config": {}, "imported_from": "/models/llama"}))
+    said = []
+    assert manifest.verify_for_reading(tag, warn=said.append) is None and "no manifest.json" in said[0]
+    (tag / "run.json").write_text(json.dumps({"config": {}, "imported_from": "/models/llama", "format": 1}))
+    with pytest.raises(CheckpointError, match="run record"):  # a current import always has its manifest
+        manifest.verify_for_reading(tag)
+
+
 def test_convert_writes_a_manifest_and_run_record_that_inspect_and_readers_verify(ws, tmp_path, capsys, monkeypatch):
     out = tmp_path / "converted"
     rc, _, err = _main(["convert", ws["run"] / "checkpoints", out], capsys, monkeypatch)

@@ -472,7 +472,8 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Callab
         save_config(cfg, str(out / "config.yaml"))
         layout = {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0, "precision": "fp32"}
         write_checkpoint(sd, out / "checkpoints", tp=1, pp=1, tag="imported",  # with its manifest: readers verify
-                         run_record={"config": cfg.to_dict(), "imported_from": str(src.resolve()), "layout": layout},
+                         run_record={"config": cfg.to_dict(), "imported_from": str(src.resolve()), "layout": layout,
+                                     "format": 1},
                          meta={**describe(cfg, layout, 0, 0), "imported_from": str(src.resolve())})
     log(f"imported {src} (LlamaForCausalLM, {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads / "
         f"{m.kv_heads} kv) to {out}; continue training with `megafixed train CONFIG train.init_from={out}`")

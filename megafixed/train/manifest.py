@@ -95,7 +95,7 @@ def derived(src_tag_dir: Path, layout: dict, **extra) -> tuple[dict, Optional[di
     consumed = src.get("consumed_samples", 0)
     if record and record.get("config"):
         meta = describe(config_from_dict(record["config"]), layout, step, consumed)
-        new_record = {**record, "layout": dict(layout), **extra}
+        new_record = {**record, "layout": dict(layout), "format": FORMAT, **extra}
     else:
         meta = {"format": FORMAT, "step": step, "layout": dict(layout), "git_revision": git_revision(),
                 **{k: src[k] for k in ("consumed_samples", "consumed_tokens", "code", "parameters") if k in src}}
@@ -187,6 +187,16 @@ def warn(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _old_import(tag_dir: Path) -> bool:
+    """A ``megafixed import hf`` output from before imports wrote manifests: a run record marked
+    ``imported_from`` without the ``format`` that current imports add."""
+    try:
+        record = json.loads((tag_dir / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "imported_from" in record and "format" not in record
+
+
 def verify_for_reading(tag_dir, *, only: Optional[Callable[[str], bool]] = None, rank: int = 0, world: int = 1,
                        group=None, warn: Callable[[str], None] = warn) -> Optional[dict]:
     """The check every reader runs before using a tensor of ``tag_dir`` (``only``: the files it will
@@ -198,7 +208,7 @@ def verify_for_reading(tag_dir, *, only: Optional[Callable[[str], bool]] = None,
         raise CheckpointError(f"checkpoint {tag_dir} does not exist")
     if (tag_dir / MANIFEST).exists():
         return verify(tag_dir, rank, world, group, only=only)
-    if (tag_dir / RUN_RECORD).exists():
+    if (tag_dir / RUN_RECORD).exists() and not _old_import(tag_dir):
         raise CheckpointError(f"checkpoint {tag_dir} has a run record ({RUN_RECORD}) but no {MANIFEST}: it was "
                               f"written by a megafixed that writes manifests, so its manifest was deleted or lost "
                               f"and its files cannot be checked. Restore {tag_dir / MANIFEST}, or point "
