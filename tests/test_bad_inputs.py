@@ -126,6 +126,22 @@ def _build(ws: Path) -> None:
     torch.save({"module": sd, "config": cfg.to_dict()}, ck / "step_00000001" / "mp_rank_00_model_states.pt")
     (ck / "latest").write_text("step_00000001\n")
     (ws / "run" / "config.yaml").write_text("{}\n")
+    from megafixed.train import manifest  # written as a current megafixed writes it: readers verify it
+
+    tag1 = ck / "step_00000001"
+    manifest.write(tag1, {"format": manifest.FORMAT, "step": 1},
+                   {p.name: manifest.record_existing(p) for p in tag1.iterdir() if p.is_file()})
+    # a run whose checkpoint has a run record but lost its manifest: refused by every reader
+    shutil.copytree(ws / "run", ws / "run_lost_manifest")
+    (ws / "run_lost_manifest" / "checkpoints" / "step_00000001" / "manifest.json").unlink()
+    (ws / "run_lost_manifest" / "checkpoints" / "step_00000001" / "run.json").write_text(
+        json.dumps({"config": cfg.to_dict()}))
+    # a Hugging Face folder whose model.safetensors was cut short by a failed download
+    (ws / "hf_trunc").mkdir()
+    (ws / "hf_trunc" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "intermediate_size": 64, "vocab_size": 300, "max_position_embeddings": 64}))
+    (ws / "hf_trunc" / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\":")
     for name, latest in (("ckpt_empty_latest", ""), ("ckpt_dangling", "step_00000009\n"), ("ckpt_trunc", None)):
         d = ws / name / "step_00000001"
         d.mkdir(parents=True)
@@ -337,8 +353,27 @@ CASES = [
     ("convert-plain-exists", ["convert", "run/checkpoints", "plain.pt", "--plain"], BAD, r"plain\.pt already exists"),
     ("convert-missing-tag", ["convert", "run/checkpoints", "out", "--tag", "step_9"], BAD,
      r"--tag step_9: no directory"),
+    ("convert-run-record-without-manifest", ["convert", "run_lost_manifest/checkpoints", "out"], BAD,
+     r"step_00000001 has a run record \(run\.json\) but no manifest\.json.*Restore"),
+    ("eval-run-record-without-manifest", ["eval", "run_lost_manifest", "--text", "docs.json", "--tokenizer",
+                                          "tok.json"], BAD, r"run record \(run\.json\) but no manifest\.json"),
+    ("eval-unknown-task", ["eval", "run", "--tasks", "piqa,bogus"], BAD, r"--tasks: unknown task 'bogus'"),
+    ("probe-layers-not-int", ["probe", "run", "--layers", "0,a"], BAD, r"--layers 0,a: 'a' is not a layer index"),
+    ("study-seeds-not-int", ["study", "config.yaml", "--seeds", "0,x", "--out", "st"], BAD,
+     r"--seeds 0,x: 'x' is not an integer; give a comma-separated list, e.g\. --seeds 0,1,2"),
+    ("study-grid-empty", ["study", "config.yaml", "--grid", "model.n_layers=,", "--out", "st"], BAD,
+     r"--grid model\.n_layers is empty"),
+    ("import-hf-truncated", ["import", "hf", "hf_trunc", "imported"], BAD,
+     r"hf_trunc/model\.safetensors cannot be read as safetensors .*truncated"),
+    ("submit-signal-after-time-limit", ["submit", "config.yaml", "--gpus-per-node", "1", "--cpu", "--time",
+                                        "00:02:00", "--signal-before", "600", "--dry-run"], BAD,
+     r"--signal-before 600 is not below --time 00:02:00 \(120 s\)"),
     # --- bench
     ("bench-unknown", ["bench", "bogus"], BAD, r"invalid choice: 'bogus'"),
+    ("bench-kernels-tokens-not-a-size", ["bench", "kernels", "--device", "cpu", "--tokens", "4k,lots"], BAD,
+     r"(--tokens 4k,lots: 'lots' is not a size.*e\.g\. --tokens 4k,16k|invalid choice: 'kernels')"),
+    ("bench-kernels-width-not-a-size", ["bench", "kernels", "--device", "cpu", "--width", "1024,wide"], BAD,
+     r"(--width 1024,wide: 'wide' is not a size|invalid choice: 'kernels')"),
     ("bench-workers-0", ["bench", "preprocess", "--input", "corpus.jsonl", "--tokenizer", "tok.json", "--workers",
                          "0"], BAD, r"--workers 0 must be >= 1"),
     ("bench-repeat-0", ["bench", "preprocess", "--input", "corpus.jsonl", "--tokenizer", "tok.json", "--repeat",
@@ -516,10 +551,11 @@ def test_convert_overwrite_replaces_an_earlier_layout_without_stale_shards(works
     monkeypatch.chdir(ws)
     assert cli.main(["convert", "run/checkpoints", "conv", "--tp", "2"]) == 0
     assert sorted(p.name for p in (ws / "conv" / "converted").iterdir()) == [
-        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+        "manifest.json", "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
     assert cli.main(["convert", "run/checkpoints", "conv", "--tp", "1"]) == BAD  # exists
     assert cli.main(["convert", "run/checkpoints", "conv", "--tp", "1", "--overwrite"]) == 0
-    assert sorted(p.name for p in (ws / "conv" / "converted").iterdir()) == ["mp_rank_00_model_states.pt"]
+    assert sorted(p.name for p in (ws / "conv" / "converted").iterdir()) == ["manifest.json",
+                                                                              "mp_rank_00_model_states.pt"]
     assert (ws / "conv" / "latest").read_text().strip() == "converted"
     assert not [p for p in (ws / "conv").iterdir() if p.name.startswith(".")]  # no temp dir left
 

@@ -253,14 +253,14 @@ def test_convert_verb_reshards_and_writes_a_plain_state_dict(tmp_path, capsys):
     assert torch.equal(fresh(ids), model(ids))
     assert cli_main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
     assert "error" in capsys.readouterr().err
-    # a truncated weights file (was a RuntimeError traceback) and a ZeRO-3 checkpoint (was "not a
-    # DeepSpeed checkpoint") are named with the fix
+    # a truncated weights file (was a RuntimeError traceback; now caught by the manifest `convert`
+    # wrote) and a ZeRO-3 checkpoint (was "not a DeepSpeed checkpoint") are named with the fix
     tag = next(p for p in (tmp_path / "tp1").iterdir() if p.is_dir())
     state = next(tag.glob("mp_rank_*_model_states.pt"))
     state.write_bytes(state.read_bytes()[:100])
     assert cli_main(["convert", str(tag), str(tmp_path / "y"), "--plain"]) == 2
     err = capsys.readouterr().err
-    assert f"{state} cannot be read" in err and "corrupt" in err and "Traceback" not in err
+    assert f"{state}: 100 bytes on disk" in err and "truncated" in err and "Traceback" not in err
     zero3 = tmp_path / "zero3"
     zero3.mkdir()
     (zero3 / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")

@@ -63,18 +63,10 @@ class BitMismatch(RuntimeError):
     """A fixed-code provider disagrees with ``FixedCode.encode``: its timings would mean nothing."""
 
 
-def _int_list(text: str) -> list[int]:
-    out = []
-    for part in str(text).split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        mult = 1
-        if part[-1] in "km":
-            mult = 1024 if part[-1] == "k" else 1024 * 1024
-            part = part[:-1]
-        out.append(int(float(part) * mult))
-    return out
+def _int_list(text: str, flag: str, example: str = "4k,16k") -> list[int]:
+    from ..arglists import parse_sizes
+
+    return parse_sizes(text, flag, example=example)
 
 
 def add_arguments(p):
@@ -259,9 +251,10 @@ def _resolve(args) -> dict:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     on_cuda = device.type == "cuda"
-    tokens = _int_list(args.tokens) if args.tokens else ([4096, 16384, 65536, 262144, 1048576] if on_cuda
+    tokens = _int_list(args.tokens, "--tokens") if args.tokens else ([4096, 16384, 65536, 262144, 1048576] if on_cuda
                                                           else [4096, 16384])
-    widths = _int_list(args.width) if args.width else ([1024, 2048, 4096, 8192] if on_cuda else [1024, 2048])
+    widths = (_int_list(args.width, "--width", "1024,2048") if args.width else
+              ([1024, 2048, 4096, 8192] if on_cuda else [1024, 2048]))
     dtypes = [d.strip() for d in (args.dtype or ("bfloat16" if on_cuda else "float32")).split(",") if d.strip()]
     modes = list(MODES) if args.mode in ("both", "all") else [m.strip() for m in args.mode.split(",") if m.strip()]
     avail = available_providers(device)

@@ -61,8 +61,14 @@ def run(args) -> int:
         print(f"{tag_dir} (TP {src[0]}, PP {src[1]}) -> plain state dict {args.out} ({len(sd)} tensors)")
         return 0
     check_target_layout(sd, args.tp, args.pp, recorded_model_config(tag_dir))
+    from ..train.manifest import derived
+    from ..train.resume import read_run_record
+
+    precision = ((read_run_record(tag_dir) or {}).get("layout") or {}).get("precision")
+    layout = {"tp": args.tp, "pp": args.pp, "dp": 1, "zero_stage": 0, **({"precision": precision} if precision else {})}
+    meta, record = derived(tag_dir, layout, converted_from=str(tag_dir.resolve()))
     with writing(dirs=[args.out]):
-        out = write_checkpoint(sd, args.out, tp=args.tp, pp=args.pp)
+        out = write_checkpoint(sd, args.out, tp=args.tp, pp=args.pp, run_record=record, meta=meta)
     print(f"{tag_dir} (TP {src[0]}, PP {src[1]}) -> {out} (TP {args.tp}, PP {args.pp}); load it with "
           f"engine.load_checkpoint('{args.out}', load_module_only=True)")
     return 0

@@ -31,10 +31,9 @@ def run(args) -> int:
         raise ConfigError(f"--tokens {args.tokens}: give at least 16 positions (a few thousand are better)")
     layers = None
     if args.layers != "all":
-        try:
-            layers = [int(v) for v in args.layers.split(",")]
-        except ValueError:
-            raise ConfigError(f"--layers {args.layers!r} must be 'all' or comma-separated integers") from None
+        from ..arglists import parse_list
+
+        layers = parse_list(args.layers, "--layers", int, kind="layer index (or 'all')", example="0,2,4")
     results = []
     for run_dir in args.runs:
         res = probe_run(run_dir, layers, args.tokens)

@@ -54,6 +54,9 @@ def run(args) -> int:
                              ("--signal-before", args.signal_before, 0)):
         if value < low:
             raise LaunchError(f"{flag} {value}: must be >= {low}")
+    from ..launch.preflight import check_signal_lead
+
+    check_signal_lead(args.signal_before, args.time)
     cfg = load_config(args.config, args.overrides)
     world = args.nodes * args.gpus_per_node
     _check_plan(cfg, world, gpu=not args.cpu, data=not args.dry_run)
@@ -91,13 +94,19 @@ def run(args) -> int:
 
 
 def _check_plan(cfg, world: int, gpu: bool, data: bool) -> None:
-    """What `megafixed train --dry-run --world-size N` checks: layout, precision, data paths. A dry run
-    only warns about missing data: scripts are often written where the shards are not (yet)."""
+    """What `megafixed train --dry-run --world-size N` checks (layout, precision, the DeepSpeed config,
+    data paths) and the resume check the job would make at its start against an existing run
+    directory. A dry run only warns about missing data: scripts are often written where the shards
+    are not (yet)."""
+    from ..launch.preflight import check_run_dir_takes
     from ..parallel.layout import validate_layout
-    from ..train.ds_config import resolve_precision
+    from ..train.ds_config import deepspeed_config, resolve_precision
     from .train import _check_data_paths
 
-    validate_layout(cfg, world, resolve_precision(cfg, gpu=gpu))
+    precision = resolve_precision(cfg, gpu=gpu)
+    layout = validate_layout(cfg, world, precision)
+    deepspeed_config(cfg, layout, precision, gpu=gpu)
+    check_run_dir_takes(cfg, world, precision, layout)
     try:
         _check_data_paths(cfg)
     except ValueError as exc:

@@ -181,7 +181,7 @@ def parse_tasks(spec: str | list[str]) -> list[str]:
         members = GROUPS.get(name, [name])
         for m in members:
             if m not in TASKS:
-                raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(DEFAULT_TASKS)} "
+                raise TaskError(f"--tasks: unknown task {name!r}; known tasks: {', '.join(DEFAULT_TASKS)} "
                                 f"(and mmlu_<subject>, e.g. mmlu_anatomy)")
             if m not in out:
                 out.append(m)

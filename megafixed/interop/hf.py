@@ -405,7 +405,11 @@ def _read_safetensors(hf_dir: Path) -> dict:
 
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InteropError(f"{index} is unreadable or not a safetensors index ({type(exc).__name__}: {exc}); "
+                               f"re-download it or save the model again with save_pretrained") from None
     elif (hf_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -413,7 +417,15 @@ def _read_safetensors(hf_dir: Path) -> dict:
                            f"the model with save_pretrained(safe_serialization=True)")
     sd = {}
     for name in files:
-        sd.update(load_file(str(hf_dir / name)))
+        path = hf_dir / name
+        if not path.is_file():
+            raise InteropError(f"{path} is missing (named by {index.name}); download every shard of the model")
+        try:
+            sd.update(load_file(str(path)))
+        except Exception as exc:  # noqa: BLE001 -- SafetensorError, OSError: a truncated/corrupt/unreadable file
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InteropError(f"{path} cannot be read as safetensors ({why}): it is truncated, corrupt or "
+                               f"unreadable; re-download it or save the model again with save_pretrained") from None
     return sd
 
 
@@ -450,7 +462,7 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Callab
     from ..config import Config, save_config
     from ..outputs import claim_output, writing
     from ..parallel.convert import write_checkpoint
-    from ..train.resume import write_run_record
+    from ..train.manifest import describe
 
     src = Path(hf_dir)
     cfg_path = src / "config.json"
@@ -476,9 +488,11 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Callab
         cfg.train.run_dir = str(out.resolve())
         cfg.validate()
         save_config(cfg, str(out / "config.yaml"))
-        tag_dir = write_checkpoint(sd, out / "checkpoints", tp=1, pp=1, tag="imported")
-        write_run_record(tag_dir, {"config": cfg.to_dict(), "imported_from": str(src.resolve()),
-                                   "layout": {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0, "precision": "fp32"}})
+        layout = {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0, "precision": "fp32"}
+        write_checkpoint(sd, out / "checkpoints", tp=1, pp=1, tag="imported",  # with its manifest: readers verify
+                         run_record={"config": cfg.to_dict(), "imported_from": str(src.resolve()), "layout": layout,
+                                     "format": 1},
+                         meta={**describe(cfg, layout, 0, 0), "imported_from": str(src.resolve())})
     log(f"imported {src} ({ARCHES[hf['model_type']].class_name}, {m.n_layers} layers, d_model {m.d_model}, "
         f"{m.n_heads} heads / {m.kv_heads} kv) to {out}; continue training with `megafixed train CONFIG "
         f"train.init_from={out}`")

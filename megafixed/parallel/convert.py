@@ -156,9 +156,23 @@ def _merge_tp(shards: list[dict]) -> dict:
     return out
 
 
-def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None) -> dict:
-    """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of any layout."""
+def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None, verify: bool = True) -> dict:
+    """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of any layout.
+    Its model files are checked against the checkpoint's manifest first (``verify=False``: the
+    caller already did)."""
     tag_dir = resolve_tag_dir(ckpt, tag)
+    unverified: list = []  # a pre-manifest checkpoint's warning, said once it has been read
+    if verify:
+        from ..train.manifest import model_files, verify_for_reading
+        verify_for_reading(tag_dir, only=model_files, warn=unverified.append)
+    sd = _gather(tag_dir)
+    if unverified:
+        from ..train.manifest import warn
+        warn(unverified[0])
+    return sd
+
+
+def _gather(tag_dir: Path) -> dict:
     tp, pp = detect_layout(tag_dir)
     if pp == 1:
         shards = []
@@ -224,12 +238,18 @@ def shard_state_dict(sd: dict, tp: int, pp: int) -> dict[str, dict]:
     return files
 
 
-def write_checkpoint(sd: dict, out: str | os.PathLike, tp: int, pp: int, tag: str = "converted") -> Path:
+def write_checkpoint(sd: dict, out: str | os.PathLike, tp: int, pp: int, tag: str = "converted",
+                     run_record: dict | None = None, meta: dict | None = None) -> Path:
     """Write ``sd`` as a module-only DeepSpeed checkpoint for (tp, pp) under ``out/tag`` and point
     ``out/latest`` at it. Load it with ``engine.load_checkpoint(out, load_module_only=True)``.
 
-    The tag is written under a temporary name and renamed into place, so files of an earlier
-    conversion to another layout (an extra ``mp_rank_03``) never mix with the new ones."""
+    Like a trainer checkpoint it gets a ``manifest.json`` (``meta`` + every file's size and sha256)
+    and, given ``run_record``, a ``run.json``, so every reader verifies it. The tag is written under
+    a temporary name and renamed into place, so files of an earlier conversion to another layout (an
+    extra ``mp_rank_03``) never mix with the new ones, and a crash never leaves a half tag."""
+    from ..train import manifest
+    from ..train.resume import write_run_record
+
     check_target_layout(sd, tp, pp)
     files = shard_state_dict(sd, tp, pp)
     tag_dir = Path(out) / tag
@@ -238,6 +258,12 @@ def write_checkpoint(sd: dict, out: str | os.PathLike, tp: int, pp: int, tag: st
     try:
         for name, payload in files.items():
             torch.save(payload, tmp_dir / name)
+        if run_record is not None:
+            write_run_record(tmp_dir, run_record)
+        records = {p.name: manifest.record_existing(p) for p in sorted(tmp_dir.iterdir()) if p.is_file()}
+        base = {"format": manifest.FORMAT, "layout": {"tp": tp, "pp": pp, "dp": 1, "zero_stage": 0},
+                "git_revision": manifest.git_revision()}
+        manifest.write(tmp_dir, {**base, **(meta or {})}, records, tag=tag)
         if tag_dir.exists():
             shutil.rmtree(tag_dir)
         os.replace(tmp_dir, tag_dir)

@@ -31,13 +31,10 @@ class StudyRun:
 
 
 def parse_list(text: str, what: str, cast=str) -> list:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ConfigError(f"{what} is empty; give a comma-separated list")
-    try:
-        return [cast(t) for t in items]
-    except ValueError:
-        raise ConfigError(f"{what}={text!r} must be a comma-separated list of {cast.__name__}s") from None
+    """``what`` is the flag (``--seeds``, ``--grid model.n_layers``): every error names it."""
+    from ..arglists import parse_list as parse
+
+    return parse(text, what, cast, example={int: "0,1,2"}.get(cast, "a,b"))
 
 
 def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:

@@ -90,12 +90,16 @@ class CheckpointWriter(TorchCheckpointEngine):
             self.zipfile_serialization = True  # torch.save's default
         self.async_save = async_save
         self.records: dict[str, dict] = {}  # path -> {"size", "sha256"} of the save being written
+        self.handed_bytes = 0  # tensor bytes handed over in this save (a failed save says what it needed)
         self._pending: list[tuple[object, str]] = []
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
     # ---- DeepSpeed's CheckpointEngine interface
     def save(self, state_dict, path: str):
+        from .save_faults import tensor_bytes
+
+        self.handed_bytes += tensor_bytes(state_dict)
         if self.async_save:
             self._pending.append((snapshot(state_dict), path))
         else:
@@ -105,11 +109,13 @@ class CheckpointWriter(TorchCheckpointEngine):
     def begin(self) -> None:
         """Start collecting a new save (after the previous one is complete)."""
         self.wait()
-        self.records, self._pending = {}, []
+        self.records, self._pending, self.handed_bytes = {}, [], 0
 
-    def finish(self, on_written: Callable[[dict], None]) -> None:
+    def finish(self, on_written: Callable[[dict], None],
+               on_failed: Optional[Callable[[BaseException], BaseException]] = None) -> None:
         """The engine has handed over every file of this save: write them (async: in the background),
-        then call ``on_written(records)``."""
+        then call ``on_written(records)``. A background failure is passed through ``on_failed``
+        (cleanup, naming the fault) and what it returns is raised by the next ``wait``."""
         if not self.async_save:
             on_written(self.records)
             return
@@ -123,7 +129,7 @@ class CheckpointWriter(TorchCheckpointEngine):
                 pending.clear()
                 on_written(self.records)
             except BaseException as exc:  # re-raised in the training thread by wait()
-                self._error = exc
+                self._error = on_failed(exc) if on_failed is not None else exc
 
         self._thread = threading.Thread(target=work, name="megafixed-checkpoint-writer", daemon=True)
         self._thread.start()

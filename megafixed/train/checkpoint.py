@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -25,13 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_write_text
-
-LATEST = "latest"
-TAG_RE = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from; the message says why and what to change."""
+from .run_dir import LATEST, TAG_RE, CheckpointError, read_latest  # noqa: F401 -- re-exported
 
 
 def tag_for(step: int) -> str:
@@ -43,27 +36,8 @@ def tag_step(tag: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def read_latest(ckpt_dir: str | os.PathLike) -> Optional[str]:
-    path = Path(ckpt_dir) / LATEST
-    if not path.exists():
-        return None
-    tag = path.read_text(errors="replace").strip()
-    if not tag:
-        raise CheckpointError(f"{path} is empty; write the tag to resume from into it (one of: "
-                              f"{', '.join(_tags(ckpt_dir)) or 'none found'}), or delete it to start from scratch")
-    if not (Path(ckpt_dir) / tag).is_dir():
-        raise CheckpointError(f"{path} points to '{tag}', which does not exist under {ckpt_dir}; "
-                              f"restore that directory or delete {path} to start from scratch")
-    return tag
-
-
 def write_latest(ckpt_dir: str | os.PathLike, tag: str) -> None:
     atomic_write_text(Path(ckpt_dir) / LATEST, tag + "\n")
-
-
-def _tags(ckpt_dir) -> list[str]:
-    root = Path(ckpt_dir)
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and TAG_RE.match(p.name)) if root.is_dir() else []
 
 
 def prune(ckpt_dir: str | os.PathLike, keep: int, protect: str) -> list[str]:
@@ -138,7 +112,11 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, kee
     client_state = {**client_state, "rng": gather_rng_states()}
     if distributed:
         dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+
+    def failed(exc: BaseException, asynchronous: bool = False) -> BaseException:
+        # full disk / quota / permissions named; the partial tag removed; `latest` untouched
+        from .save_faults import named
+        return named(exc, Path(ckpt_dir), tag, is_main, writer.handed_bytes, asynchronous)
 
     def on_written(records: dict) -> None:
         mine = {os.path.relpath(path, tag_dir): rec for path, rec in records.items()}
@@ -146,7 +124,14 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, kee
         if is_main:
             _commit(Path(ckpt_dir), tag, world, keep, run_record, meta or {})
 
-    writer.finish(on_written)
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+        writer.finish(on_written, on_failed=lambda exc: failed(exc, asynchronous=True))
+    except Exception as exc:
+        err = failed(exc)
+        if err is exc:
+            raise
+        raise err from exc
     if distributed and not writer.async_save:
         dist.barrier()  # sync: when save returns on any rank, `latest` names this checkpoint
     return tag
@@ -211,12 +196,14 @@ def _summarize(msg: str, keep: int = 3) -> str:
     return " ".join(lines[:keep]) + more
 
 
-def load(engine, ckpt_dir: str | os.PathLike, rank: int, universal: bool = False) -> Optional[dict]:
-    """Restore model, optimizer and RNG from ``latest``; returns the client state (None: nothing to load).
+def load(engine, ckpt_dir: str | os.PathLike, rank: int, universal: bool = False,
+         tag: Optional[str] = None) -> Optional[dict]:
+    """Restore model, optimizer and RNG from ``tag`` (default: ``latest``); returns the client state
+    (None: nothing to load). The trainer passes the tag it read (once) and verified.
 
     ``universal``: read ``<tag>/universal`` (``universal.prepare``) with an engine built with
     ``checkpoint.load_universal`` -- the resume on another layout."""
-    tag = read_latest(ckpt_dir)
+    tag = tag or read_latest(ckpt_dir)
     if tag is None:
         return None
     load_dir, load_tag = (Path(ckpt_dir) / tag, "universal") if universal else (Path(ckpt_dir), tag)

@@ -86,20 +86,34 @@ def trained_state_dict(ckpt_dir: str | os.PathLike, tag: str) -> dict:
     TP/PP shards (any ZeRO stage below 3) are gathered by ``megafixed.parallel.convert``; ZeRO-3
     partitions by DeepSpeed's own ``zero_to_fp32`` reader.
     """
-    from ..parallel.convert import ConvertError, gather_state_dict
+    from .manifest import model_files, verify_for_reading
 
     tag_dir = Path(ckpt_dir) / tag
     if not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir} does not exist; pass a tag that is under {ckpt_dir}")
-    if any(tag_dir.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")) and \
-            not any(tag_dir.glob("mp_rank_*_model_states.pt")):
+    zero3 = any(tag_dir.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")) and \
+        not any(tag_dir.glob("mp_rank_*_model_states.pt"))
+    # Before any tensor is read: ZeRO-3 keeps the weights in every rank's files, others in the model files.
+    unverified: list = []
+    verify_for_reading(tag_dir, only=None if zero3 else model_files, warn=unverified.append)
+    state = _read_state_dict(ckpt_dir, tag, tag_dir, zero3)
+    if unverified:
+        from .manifest import warn
+        warn(unverified[0])
+    return state
+
+
+def _read_state_dict(ckpt_dir, tag: str, tag_dir: Path, zero3: bool) -> dict:
+    from ..parallel.convert import ConvertError, gather_state_dict
+
+    if zero3:
         if any(tag_dir.glob("zero_pp_rank_*_mp_rank_01_model_states.pt")):
             raise CheckpointError(f"{tag_dir} is a ZeRO-3 checkpoint with tensor parallelism, which this loader "
                                   f"does not gather; resume it on its own layout with zero.stage=3 instead")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag))
     try:
-        return gather_state_dict(tag_dir)
+        return gather_state_dict(tag_dir, verify=False)
     except ConvertError as exc:
         raise CheckpointError(str(exc)) from None
 

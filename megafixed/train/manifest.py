@@ -7,8 +7,14 @@ input interface and its fixed code (A's rows and b for gf2), the parameter count
 revision of the megafixed source that trained it.
 
 ``verify`` re-reads the files (spread over the ranks) and names the first one that is missing,
-has the wrong size or the wrong checksum. A checkpoint without a manifest (written before
-manifests existed) is accepted as it is: DeepSpeed's own load errors then apply.
+has the wrong size or the wrong checksum. ``verify_for_reading`` is the check every reader runs
+before it uses a tensor (resume, eval, export, generate, probe, convert, ``init_from``, universal
+conversion, ``ckpt inspect``): a checkpoint with a run record but no manifest was written by a
+megafixed that writes manifests, so its manifest was lost and it is refused; one with neither
+(written before run records and manifests existed) is read with a one-line warning.
+
+Cost: hashing is streamed (8 MiB chunks) on a few threads (hashlib and file reads release the
+GIL); the measured rate and what it means for a 1.7B checkpoint are in docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -16,16 +22,25 @@ import functools
 import hashlib
 import json
 import os
+import re
 import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ..atomic import atomic_write_text
-from .checkpoint import LATEST, CheckpointError
+from .run_dir import LATEST, MANIFEST, RUN_RECORD, CheckpointError
 
-MANIFEST = "manifest.json"
 FORMAT = 1
 CHUNK = 8 << 20
+HASH_THREADS = 4
+# The files that hold the model weights of a ZeRO 0-2 checkpoint (all a weights-only reader opens).
+MODEL_FILE_RE = re.compile(r"^(mp_rank_\d+_model_states|layer_\d+-model_\d+-model_states)\.pt$")
+
+
+def model_files(name: str) -> bool:
+    return bool(MODEL_FILE_RE.match(name))
 
 
 def sha256_file(path: Path) -> str:
@@ -65,13 +80,37 @@ def describe(cfg, layout: dict, step: int, consumed_samples: int) -> dict:
             "parameters": count_params(cfg.model).total, "git_revision": git_revision()}
 
 
+def derived(src_tag_dir: Path, layout: dict, **extra) -> tuple[dict, Optional[dict]]:
+    """Manifest meta and run record for a checkpoint made from ``src_tag_dir``'s weights on another
+    ``layout`` (``megafixed convert``): the source's step, tokens, code and config carry over, the
+    layout and git revision are the new ones. The run record is None when the source has none."""
+    from ..config import config_from_dict
+    from .checkpoint import tag_step
+    from .resume import read_run_record
+
+    src_tag_dir = Path(src_tag_dir)
+    src = read(src_tag_dir) or {}
+    record = read_run_record(src_tag_dir)
+    step = src.get("step", max(tag_step(src_tag_dir.name), 0))
+    consumed = src.get("consumed_samples", 0)
+    if record and record.get("config"):
+        meta = describe(config_from_dict(record["config"]), layout, step, consumed)
+        new_record = {**record, "layout": dict(layout), "format": FORMAT, **extra}
+    else:
+        meta = {"format": FORMAT, "step": step, "layout": dict(layout), "git_revision": git_revision(),
+                **{k: src[k] for k in ("consumed_samples", "consumed_tokens", "code", "parameters") if k in src}}
+        new_record = None
+    return {**meta, **extra}, new_record
+
+
 def progress(step: int, consumed_samples: int, seq_len: int) -> dict:
     return {"step": step, "consumed_samples": consumed_samples, "consumed_tokens": consumed_samples * seq_len}
 
 
-def write(tag_dir: Path, meta: dict, files: dict[str, dict]) -> dict:
-    """``files``: name (relative to ``tag_dir``) -> {"size", "sha256"}."""
-    manifest = {**meta, "tag": Path(tag_dir).name,
+def write(tag_dir: Path, meta: dict, files: dict[str, dict], tag: Optional[str] = None) -> dict:
+    """``files``: name (relative to ``tag_dir``) -> {"size", "sha256"}; ``tag``: the name the directory
+    will have (default: its name now; a writer that renames a temporary directory into place says)."""
+    manifest = {**meta, "tag": tag or Path(tag_dir).name,
                 "files": [{"name": n, **files[n]} for n in sorted(files)]}
     atomic_write_text(Path(tag_dir) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -101,24 +140,30 @@ def check_file(tag_dir: Path, entry: dict, checksum: bool = True) -> Optional[st
     return None
 
 
-def problems(tag_dir: Path, manifest: dict, rank: int = 0, world: int = 1, checksum: bool = True) -> list:
-    """(index, name, why) for this rank's share of the files that fail their check."""
-    out = []
-    for i, entry in enumerate(manifest["files"]):
-        if i % world == rank:
-            why = check_file(tag_dir, entry, checksum)
-            if why:
-                out.append((i, entry["name"], why))
+def problems(tag_dir: Path, manifest: dict, rank: int = 0, world: int = 1, checksum: bool = True,
+             only: Optional[Callable[[str], bool]] = None) -> list:
+    """(index, name, why) for this rank's share of the files that fail their check (``only``: just
+    the files whose name it accepts; a file it accepts that is on disk but not in the manifest fails too)."""
+    mine = [(i, e) for i, e in enumerate(manifest["files"]) if i % world == rank and (only is None or only(e["name"]))]
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(mine)))) as pool:
+        whys = list(pool.map(lambda ie: check_file(tag_dir, ie[1], checksum), mine))
+    out = [(i, e["name"], why) for (i, e), why in zip(mine, whys) if why]
+    if only is not None and rank == 0:
+        listed = {e["name"] for e in manifest["files"]}
+        extra = sorted(p.name for p in Path(tag_dir).iterdir() if p.is_file() and only(p.name) and p.name not in listed)
+        out += [(len(listed) + k, name, "not listed in the manifest (added after the save)")
+                for k, name in enumerate(extra)]
     return out
 
 
-def verify(tag_dir: Path, rank: int = 0, world: int = 1, group=None) -> Optional[dict]:
+def verify(tag_dir: Path, rank: int = 0, world: int = 1, group=None,
+           only: Optional[Callable[[str], bool]] = None) -> Optional[dict]:
     """Raise ``CheckpointError`` naming the first bad file (all ranks together when ``world > 1``:
     each checks every ``world``-th file); return the manifest (None: a checkpoint without one)."""
     manifest = read(tag_dir)
     if manifest is None:
         return None
-    bad = problems(tag_dir, manifest, rank, world)
+    bad = problems(tag_dir, manifest, rank, world, only=only)
     if world > 1:
         import torch.distributed as dist
 
@@ -135,6 +180,42 @@ def verify(tag_dir: Path, rank: int = 0, world: int = 1, group=None) -> Optional
                               f"{Path(tag_dir).parent / LATEST} at an earlier tag (or delete it to start from "
                               f"scratch)")
     return manifest
+
+
+def warn(line: str) -> None:
+    if os.environ.get("RANK", "0") in ("", "0"):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _old_import(tag_dir: Path) -> bool:
+    """A ``megafixed import hf`` output from before imports wrote manifests: a run record marked
+    ``imported_from`` without the ``format`` that current imports add."""
+    try:
+        record = json.loads((tag_dir / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "imported_from" in record and "format" not in record
+
+
+def verify_for_reading(tag_dir, *, only: Optional[Callable[[str], bool]] = None, rank: int = 0, world: int = 1,
+                       group=None, warn: Callable[[str], None] = warn) -> Optional[dict]:
+    """The check every reader runs before using a tensor of ``tag_dir`` (``only``: the files it will
+    open, e.g. ``model_files``). Returns the manifest, or None for a pre-manifest checkpoint, after
+    passing its one-line warning to ``warn`` (readers pass a list's ``append`` and print it once the
+    files were read, so a failed read still ends in one ``error:`` line)."""
+    tag_dir = Path(tag_dir)
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"checkpoint {tag_dir} does not exist")
+    if (tag_dir / MANIFEST).exists():
+        return verify(tag_dir, rank, world, group, only=only)
+    if (tag_dir / RUN_RECORD).exists() and not _old_import(tag_dir):
+        raise CheckpointError(f"checkpoint {tag_dir} has a run record ({RUN_RECORD}) but no {MANIFEST}: it was "
+                              f"written by a megafixed that writes manifests, so its manifest was deleted or lost "
+                              f"and its files cannot be checked. Restore {tag_dir / MANIFEST}, or point "
+                              f"{tag_dir.parent / LATEST} at an earlier tag (--tag for the reading verbs)")
+    warn(f"warning: {tag_dir} has no {MANIFEST} (written before megafixed wrote manifests); its files are read "
+         f"without a checksum check")
+    return None
 
 
 def file_record(path: Path, size: int, digest: str) -> dict:

@@ -30,6 +30,7 @@ from .ds_config import deepspeed_config, resolve_precision
 from .engine import build_engine
 from .metrics import MetricsLog, flops_per_token, matmul_param_count, peak_flops_per_gpu, progress_line
 from .resume import check_resume, layout_changes, read_run_record, run_record
+from .run_lock import hold_run_dir
 from .schedule import LRSchedule
 from .step import train_step
 from .stop import StopRequest
@@ -61,7 +62,15 @@ def _due(step: int, interval: int, last: int) -> bool:
 
 def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[StopRequest] = None,
           log: Callable[[str], None] = print) -> TrainResult:
-    """Train (or resume) the run described by ``cfg`` on this rank of ``topo``."""
+    """Train (or resume) the run described by ``cfg`` on this rank of ``topo``, as the run
+    directory's only writer (``run_lock``: a second trainer is refused before it reads anything)."""
+    created_run_dir = not Path(cfg.train.run_dir).exists()
+    with hold_run_dir(cfg.train.run_dir, topo.is_main):
+        return _train(cfg, topo, created_run_dir, datasets=datasets, stop=stop, log=log)
+
+
+def _train(cfg: Config, topo, created_run_dir: bool, *, datasets: Optional[dict] = None,
+           stop: Optional[StopRequest] = None, log: Callable[[str], None] = print) -> TrainResult:
     say = log if topo.is_main else (lambda *_: None)
     stop = stop or StopRequest()
     precision = resolve_precision(cfg)
@@ -69,7 +78,6 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     ds_config = deepspeed_config(cfg, layout, precision)
     run_dir, max_steps = Path(cfg.train.run_dir), cfg.train.max_steps
     ckpt_dir = run_dir / "checkpoints"
-    created_run_dir = not run_dir.exists()
 
     # Resume point: its files verified against its manifest, then checked against the new config,
     # before anything in the run dir is touched. Another layout resumes through a universal checkpoint.
@@ -77,7 +85,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     changes: list = []
     relayout = False
     if resume_tag is not None:
-        manifest.verify(ckpt_dir / resume_tag, topo.rank, topo.world_size)
+        manifest.verify_for_reading(ckpt_dir / resume_tag, rank=topo.rank, world=topo.world_size)
         record = read_run_record(ckpt_dir / resume_tag)
         if record is not None:
             changes = check_resume(record, cfg, topo, precision, cfg.zero.stage, ckpt_dir / resume_tag)
@@ -100,7 +108,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     seed_everything(cfg.train.seed + 1 + topo.rank)  # dropout differs per rank; initial weights do not
     step = consumed = 0
     if resume_tag is not None:
-        client = checkpoint.load(engine, ckpt_dir, topo.rank, universal=relayout)
+        client = checkpoint.load(engine, ckpt_dir, topo.rank, universal=relayout, tag=resume_tag)
         step, consumed = int(client["step"]), int(client["consumed_samples"])
         say(f"resumed from {ckpt_dir / resume_tag} (step {step}, {consumed} samples consumed)"
             + (f"; changed: {', '.join(changes)}" if changes else ""))

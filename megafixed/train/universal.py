@@ -121,13 +121,18 @@ def is_converted(tag_dir: Path) -> bool:
     return (universal_dir(tag_dir) / DONE).exists()
 
 
-def to_universal(tag_dir: Path, model_cfg, out: Optional[Path] = None, log=print) -> Path:
+def to_universal(tag_dir: Path, model_cfg, out: Optional[Path] = None, log=print, verify: bool = True) -> Path:
     """Convert ``tag_dir`` (a DeepSpeed ZeRO-1/2 checkpoint with our client state) into a universal
-    checkpoint at ``out`` (default ``<tag_dir>/universal``) that loads on any layout."""
+    checkpoint at ``out`` (default ``<tag_dir>/universal``) that loads on any layout. Every file is
+    checked against the manifest first (``verify=False``: the caller, the resume, already did)."""
     from deepspeed.checkpoint import constants as C
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+    from .manifest import verify_for_reading
+
     tag_dir, out = Path(tag_dir), Path(out) if out else universal_dir(tag_dir)
+    if verify:
+        verify_for_reading(tag_dir)
     first = tag_dir / "mp_rank_00_model_states.pt"
     if not first.exists():
         raise CheckpointError(f"{tag_dir} has no mp_rank_00_model_states.pt; it is not a ZeRO-1/2 DeepSpeed "
@@ -214,7 +219,7 @@ def prepare(tag_dir: Path, model_cfg, is_main: bool, log=print) -> Path:
     error = None
     if is_main and not is_converted(tag_dir):
         try:
-            to_universal(tag_dir, model_cfg, log=log)
+            to_universal(tag_dir, model_cfg, log=log, verify=False)  # the resume verified it
         except Exception as exc:  # tell the other ranks instead of leaving them at the barrier
             error = exc
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,0 +1,113 @@
+"""``RunDirectory``: the one object that knows how a run directory is laid out.
+
+    <run_dir>/config.yaml            the resolved config of the latest (re)start
+    <run_dir>/ds_config.json         the DeepSpeed JSON it ran with
+    <run_dir>/metrics.jsonl          one JSON object per logged step
+    <run_dir>/.megafixed.lock        the writer's lock while a trainer runs (``run_lock.py``)
+    <run_dir>/checkpoints/latest     one line: the tag of the newest *complete* checkpoint
+    <run_dir>/checkpoints/<tag>/     DeepSpeed's files, ``run.json`` and ``manifest.json``
+
+Every name above is spelled here and nowhere else (callers still spelling them are being moved
+onto this object). It imports nothing heavy (no torch), so the CLI's cheap checks (``submit``,
+``ckpt``) can use it, and nothing of ``megafixed.train`` imports it back.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional, Union
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+CONFIG = "config.yaml"
+DS_CONFIG = "ds_config.json"
+METRICS = "metrics.jsonl"
+LOCK = ".megafixed.lock"
+MANIFEST = "manifest.json"
+RUN_RECORD = "run.json"
+TAG_RE = re.compile(r"^step_(\d+)$")  # a checkpoint tag: step_00000100
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says why and what to change."""
+
+
+class RunDirectory:
+    """A run directory (``train.run_dir``); nothing is created by constructing one."""
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDirectory({str(self.path)!r})"
+
+    # ---- where things are
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def latest_file(self) -> Path:
+        return self.checkpoints / LATEST
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def ds_config_file(self) -> Path:
+        return self.path / DS_CONFIG
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path / LOCK
+
+    def tag_dir(self, tag: str) -> Path:
+        return self.checkpoints / tag
+
+    def manifest_file(self, tag: str) -> Path:
+        return self.tag_dir(tag) / MANIFEST
+
+    def run_record_file(self, tag: str) -> Path:
+        return self.tag_dir(tag) / RUN_RECORD
+
+    # ---- what is there
+    def tags(self) -> list[str]:
+        return checkpoint_tags(self.checkpoints)
+
+    def read_latest(self) -> Optional[str]:
+        """The tag ``latest`` names (None: no checkpoint yet). Read it once per use: a caller that
+        reads it twice may see two tags if another process moves it in between."""
+        return read_latest(self.checkpoints)
+
+    def lock(self, **kwargs):
+        """The run's writer lock (``run_lock.RunLock``), not yet taken: ``with rd.lock(): ...``."""
+        from .run_lock import RunLock
+
+        return RunLock(self.lock_file, **kwargs)
+
+
+def checkpoint_tags(ckpt_dir: Union[str, os.PathLike]) -> list[str]:
+    root = Path(ckpt_dir)
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and TAG_RE.match(p.name)) if root.is_dir() else []
+
+
+def read_latest(ckpt_dir: Union[str, os.PathLike]) -> Optional[str]:
+    """The tag ``<ckpt_dir>/latest`` names, checked to exist; None when there is no ``latest``."""
+    path = Path(ckpt_dir) / LATEST
+    if not path.exists():
+        return None
+    tag = path.read_text(errors="replace").strip()
+    if not tag:
+        raise CheckpointError(f"{path} is empty; write the tag to resume from into it (one of: "
+                              f"{', '.join(checkpoint_tags(ckpt_dir)) or 'none found'}), or delete it to start "
+                              f"from scratch")
+    if not (Path(ckpt_dir) / tag).is_dir():
+        raise CheckpointError(f"{path} points to '{tag}', which does not exist under {ckpt_dir}; "
+                              f"restore that directory or delete {path} to start from scratch")
+    return tag
