@@ -255,7 +255,7 @@ class GPT(nn.Module):
     def _fused_first_block(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         from .fused import fused_first_block
 
-        args = (self.blocks[0], self.input.code, ids, cos, sin)
+        args = (self.blocks[0], self.input.code, ids, cos, sin, self.input.out_dtype)
         if self.activation_checkpointing and self.training:
             return torch.utils.checkpoint.checkpoint(fused_first_block, *args, use_reentrant=False)
         return fused_first_block(*args)
