@@ -50,8 +50,6 @@ FIXED = ("megafixed-canonical", "megafixed-gf2")
 PROVIDERS = (*FIXED, "torch-embedding", "liger-embedding", "torch-compile")
 LEARNED = ("torch-embedding", "liger-embedding")
 MODES = ("forward", "full")
-# Data-sheet HBM bandwidth, bytes/s (flash-attention's table; SXM parts).
-SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "H800": 3.35e12, "A100": 2.0e12, "B200": 8.0e12}
 # Liger-Kernel's benchmark CSV columns (benchmark/data/all_benchmark_data.csv), then ours.
 CSV_COLUMNS = ["kernel_name", "kernel_provider", "kernel_operation_mode", "metric_name", "metric_unit", "x_name",
                "x_label", "x_value", "y_value_50", "y_value_20", "y_value_80", "extra_benchmark_config_str",
@@ -158,8 +156,9 @@ def copy_peak(device: torch.device, nbytes: int, timer: Callable) -> dict:
 def spec_bandwidth(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).upper()
-    return next((bw for key, bw in SPEC_BANDWIDTH.items() if key in name), None)
+    from ..train.device_specs import hbm_bandwidth  # by exact device name: PCIe/NVL parts differ
+
+    return hbm_bandwidth(torch.cuda.get_device_name(device))
 
 
 # ----------------------------------------------------------------------------------- providers

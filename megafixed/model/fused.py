@@ -26,5 +26,6 @@ def fused_first_block(block, code, ids: torch.Tensor, cos: torch.Tensor, sin: to
     qkv = first_layer_qkv(ids, code, block.norm1.weight, block.norm1.eps, [m.weight for m in linears],
                           [m.bias for m in linears])
     y = block.drop(attn(None, cos, sin, qkv=qkv))
-    x = add_code(y, ids, code, code_dtype=code_dtype)  # the first residual add: x0 = code(ids) made in the add's epilogue
+    # the first residual add: x0 = code(ids) made in the add's epilogue
+    x = add_code(y, ids, code, code_dtype=code_dtype)
     return x + block.drop(block.mlp(block.norm2(x)))
