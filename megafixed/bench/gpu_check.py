@@ -102,9 +102,45 @@ def _fmt(x, spec=".1f", scale=1.0, suffix=""):
     return "n/a" if x is None else f"{x * scale:{spec}}{suffix}"
 
 
-def report(folder: Path) -> str:
-    parts = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json")) if p.name != "gpu_check.json"}
-    lines = [f"# GPU check ({time.strftime('%Y-%m-%d')})", ""]
+def _stages(folder: Path) -> list:
+    """``stages.tsv`` (written by tools/gpu_check.sh): name, result (ok/timeout/failed(rc)/cut), seconds, limit."""
+    f = folder / "stages.tsv"
+    rows = [line.split("\t") for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
+    return [{"stage": r[0], "result": r[1], "seconds": int(r[2]), "limit_s": int(r[3])} for r in rows if len(r) == 4]
+
+
+def _load(p: Path):
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError) as exc:  # a stage killed mid-write cannot leave this (atomic), a crash can
+        return {"unreadable": f"{type(exc).__name__}: {exc}"}
+
+
+def report(folder: Path, out: Path = None) -> str:
+    """Merge ``folder/*.json`` into ``out/gpu_check.json`` and a markdown summary ``out/gpu_check.md``."""
+    out = out or folder
+    parts = {p.stem: _load(p) for p in sorted(folder.glob("*.json")) if p.name != "gpu_check.json"}
+    stages = _stages(folder)
+    lines = [f"# GPU check ({time.strftime('%Y-%m-%d %H:%M')})", ""]
+    pre = parts.get("preflight")
+    if pre:
+        lines += [f"Preflight: python {pre.get('python')}, " + ", ".join(f"{k} {v}" for k, v in
+                  sorted(pre.get("versions", {}).items())) + f"; DeepSpeed accelerator "
+                  f"{pre.get('deepspeed_accelerator')}; device {pre.get('device_name', 'none')}"
+                  + (f"; problems: {'; '.join(pre['problems'])}" if pre.get("problems") else "") + ".", ""]
+    if stages:
+        bad = [s for s in stages if s["result"] != "ok"]
+        lines += ["| stage | result | seconds | limit |", "| --- | --- | --- | --- |"]
+        lines += [f"| {s['stage']} | {s['result']} | {s['seconds']} | {s['limit_s']} |" for s in stages]
+        lines += ["", ("All stages passed." if not bad else "Not passed: " + ", ".join(
+            f"{s['stage']} ({s['result']})" for s in bad) + ". A benchmark stopped at its limit keeps the rows "
+            "it measured (`complete: false` in its JSON)."), ""]
+    for name, part in parts.items():
+        if isinstance(part, dict) and part.get("complete") is False:
+            lines.append(f"`{name}` is partial: {len(part.get('rows', []))} rows measured before it stopped.")
+    for name in ("engine_bf16", "resume", "memcheck", "eval_generate"):
+        if name in parts:
+            lines += [f"**{name}**: " + json.dumps(parts[name].get("summary", parts[name]))[:1500], ""]
     v = parts.get("verify")
     if v:
         lines += [f"Device: {v['device_name']}; torch {v['torch']}.", "",
@@ -143,8 +179,11 @@ def report(folder: Path) -> str:
                                  f"{_fmt(t['overhead'], '+.1f', 100, '%') if loop == 'framework' else ''} |")
         lines.append("")
     md = "\n".join(lines) + "\n"
-    (folder / "gpu_check.json").write_text(json.dumps(parts, indent=2) + "\n")
-    (folder / "gpu_check.md").write_text(md)
+    from ..atomic import atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "gpu_check.json", json.dumps({"stages": stages, **parts}, indent=2) + "\n")
+    atomic_write_text(out / "gpu_check.md", md)
     return md
 
 
@@ -154,10 +193,18 @@ def main(argv: list) -> int:
         Path(argv[1]).write_text(json.dumps(res, indent=2) + "\n")
         print(f"verify: {res['cases_checked']} cases, {'ok' if res['ok'] else 'FAILED'}: {res['failures'][:5]}")
         return 0 if res["ok"] else 1
-    if len(argv) == 2 and argv[0] == "report":
-        print(report(Path(argv[1])))
+    if len(argv) in (2, 3) and argv[0] == "report":
+        print(report(Path(argv[1]), Path(argv[2]) if len(argv) == 3 else None))
         return 0
-    print("usage: python -m megafixed.bench.gpu_check verify OUT.json [cuda|cpu] | report DIR", file=sys.stderr)
+    if len(argv) == 2 and argv[0] == "preflight":
+        from .gpu_preflight import main as preflight_main
+        return preflight_main(argv[1])
+    if len(argv) >= 2 and argv[0] in ("engine", "resume", "memcheck", "eval_generate"):
+        from . import gpu_stages
+        return gpu_stages.main(argv[0], argv[1:])
+    print("usage: python -m megafixed.bench.gpu_check verify OUT.json [cuda|cpu] | preflight OUT.json | "
+          "engine OUT.json | resume OUT.json DIR | memcheck OUT.json | eval_generate OUT.json RUN | "
+          "report DIR [OUT_DIR]", file=sys.stderr)
     return 2
 
 
