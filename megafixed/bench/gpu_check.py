@@ -92,9 +92,85 @@ def verify(device: str = "cuda") -> dict:
         model[kind] = {"loss_plain": float(lp), "loss_fused": float(lf), "max_grad_rel_err": gerr}
         if abs(float(lp) - float(lf)) > 1e-4 * abs(float(lp)) or gerr > 1e-3:
             failures.append(f"fused model {kind}: loss {float(lf)} vs {float(lp)}, grad rel err {gerr:.2e}")
+    edge = edge_cases(dev, failures)
     return {"bench": "verify", "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda"
             else "cpu", "cases_checked": checked, "failures": failures, "ok": not failures, "code_qkv": qkv,
-            "fused_model_fp32": model, "torch": torch.__version__}
+            "fused_model_fp32": model, "edge_cases": edge, "torch": torch.__version__}
+
+
+def edge_cases(dev: torch.device, failures: list, big: bool = True) -> dict:
+    """What the first sweep does not reach: outputs beyond 2^31 elements (int64 offsets; spot-checked rows),
+    non-contiguous inputs, a code with shift 1, one token, and int32 ids through the whole model."""
+    from ..codes import FixedCode
+    from ..config import ModelConfig
+    from ..kernels import token_codes
+    from ..kernels.fused_first_layer import add_code, code_qkv, code_qkv_reference, fold, norm_alpha
+    from ..model import GPT
+
+    done = {}
+    gen = torch.Generator().manual_seed(5)
+    shift1 = FixedCode(bits=16, rows=tuple(1 << i for i in range(16)), shift=1, scale=1.0, kind="gf2")
+    codes = {"gf2_16": FixedCode.gf2(16, seed=3, scale=0.1), "shift1_16": shift1}
+    kernel = dev.type == "cuda"
+
+    def check(name: str, ok: bool, detail: str = "") -> None:
+        done[name] = bool(ok)
+        if not ok:
+            failures.append(f"{name} {detail}".strip())
+
+    for cname, code in codes.items():
+        ids = torch.randint(0, 1 << 16, (6, 50), generator=gen).to(dev)
+        for label, view in (("strided ids", ids[:, ::2]), ("one token", ids[:1, :1])):
+            got = token_codes(view, code, 40, torch.bfloat16, force_kernel=kernel)
+            check(f"token_codes {cname} {label}", _same_bits(got, code.encode(view, 40, torch.bfloat16)))
+            y = torch.randn(view.shape[1], view.shape[0], 40, generator=gen).to(dev, torch.bfloat16).transpose(0, 1)
+            check(f"add_code {cname} {label}, transposed y", _same_bits(add_code(y, view, code, force_kernel=kernel),
+                                                                         code.encode(view, 40, torch.bfloat16) + y))
+            folded = torch.randn(16, 96, generator=gen).to(dev).t()  # [96, 16] folded weights, non-contiguous
+            alpha = norm_alpha(code, 1e-5, torch.float32)
+            got = code_qkv(view, code, folded, alpha, force_kernel=kernel)
+            want = code_qkv_reference(view, code, folded, alpha)
+            check(f"code_qkv {cname} {label}", float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()))
+    if big and kernel:  # > 2^31 elements: the int64 offsets of both kernels, spot-checked rows
+        free = torch.cuda.mem_get_info(dev)[0]
+        width = 8192
+        n = (1 << 31) // width + 3
+        if free > 12 * n * width:
+            code = codes["gf2_16"]
+            ids = torch.randint(0, 1 << 16, (n,), generator=gen).to(dev)
+            rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device=dev)
+            out = token_codes(ids, code, width, torch.bfloat16, force_kernel=True)
+            check("token_codes > 2^31 elements", _same_bits(out[rows], code.encode(ids[rows], width, torch.bfloat16)))
+            del out
+            y = torch.ones(n, width, device=dev, dtype=torch.bfloat16)
+            out = add_code(y, ids, code, force_kernel=True)
+            check("add_code > 2^31 elements",
+                  _same_bits(out[rows], code.encode(ids[rows], width, torch.bfloat16) + y[rows]))
+            del out, y
+            n_out = 3 * 2048
+            nq = (1 << 31) // n_out + 3
+            folded = fold(torch.randn(n_out, 2048, generator=gen).to(dev, torch.bfloat16), 16)
+            alpha = norm_alpha(code, 1e-5, torch.bfloat16)
+            q = code_qkv(ids[:nq], code, folded, alpha, force_kernel=True)
+            rq = rows.clamp_max(nq - 1)
+            want = code_qkv_reference(ids[:nq][rq], code, folded, alpha)
+            check("code_qkv > 2^31 elements", float((q[rq].float() - want.float()).abs().max())
+                  <= 1e-2 * float(want.float().abs().max()))
+            del q, ids
+            torch.cuda.empty_cache()
+        else:
+            done["> 2^31 elements"] = f"skipped: {free / 2**30:.0f} GiB free"
+    for fused in (False, True):  # int32 ids and a single token through the whole model
+        cfg = ModelConfig(vocab_size=4096, d_model=256, n_layers=2, n_heads=4, code_bits=12, input="gf2",
+                          max_seq_len=64, fused_first_layer=fused)
+        model = GPT(cfg, seed=2).to(dev)
+        ids = torch.randint(0, 4096, (2, 64), generator=gen).to(dev)
+        with torch.no_grad():
+            l64, l32 = model(ids, ids), model(ids.int(), ids)
+            one = model(ids[:1, :1])
+        check(f"int32 ids (fused={fused})", torch.equal(l64, l32), f"{float(l64)} vs {float(l32)}")
+        check(f"one token (fused={fused})", one.shape == (1, 1, 4096) and bool(torch.isfinite(one).all()))
+    return done
 
 
 # ----------------------------------------------------------------------------------- report
