@@ -64,6 +64,9 @@ else
     echo "no wheels in $WHEELS: using what this python has (build them with tools/device_wheels.sh $WHEELS)"
 fi
 export PYTHONPATH="$SITE/pkg:$SITE/lib${PYTHONPATH:+:$PYTHONPATH}"
+# Not the working directory first on sys.path: from the repository root `megafixed` would resolve to the
+# source folder, which lacks megafixed.kernels (setup.py maps kernels/ there; the link folder above does too).
+export PYTHONSAFEPATH=1
 
 # ---- 2. preflight
 timeout 120 "$PY" -m megafixed.bench.gpu_check preflight "$RES/preflight.json" 2>&1 | tee "$RES/preflight.log"
@@ -107,7 +110,7 @@ SMALL=(data.mock=true train.tensorboard=false train.eval_interval=0 train.log_in
 
 stage verify 45 "${GC[@]}" verify "$RES/verify.json" cuda
 stage engine_bf16 40 "${GC[@]}" engine "$RES/engine_bf16.json"
-stage train_canonical 60 "${MF[@]}" bench train examples/configs/paper-1.7b-canonical.yaml data.mock=true \
+stage train_canonical 60 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1.7b-canonical.yaml data.mock=true \
     train.precision=bf16 train.activation_checkpointing=false train.compile=false train.micro_batch=4 \
     train.global_batch=8 "train.run_dir=$WORK/run_canonical" --steps 8 --warmup-steps 2 --json "$RES/train_canonical.json"
 stage resume 60 "${GC[@]}" resume "$RES/resume.json" "$WORK/resume"
@@ -115,12 +118,12 @@ stage kernels_forward 30 "${MF[@]}" bench kernels --device cuda --mode forward -
     --tokens 16k,256k,1m --width 2048,8192 --warmup 5 --rep 20 --json "$RES/kernels_forward.json" \
     --csv "$RES/kernels_forward.csv" --plot "$RES/kernels_forward.png"
 stage memcheck 30 "${GC[@]}" memcheck "$RES/memcheck.json"
-stage fp16 20 "${MF[@]}" train examples/configs/quickstart.yaml "${SMALL[@]}" train.precision=fp16 \
+stage fp16 20 "${MF[@]}" train "$REPO"/examples/configs/quickstart.yaml "${SMALL[@]}" train.precision=fp16 \
     train.max_steps=20 train.save_interval=1000 "train.run_dir=$WORK/run_fp16"
-stage train_learned 45 "${MF[@]}" bench train examples/configs/paper-1.7b-learned.yaml data.mock=true \
+stage train_learned 45 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1.7b-learned.yaml data.mock=true \
     train.precision=bf16 train.activation_checkpointing=false train.compile=false train.micro_batch=4 \
     train.global_batch=8 "train.run_dir=$WORK/run_learned" --steps 6 --warmup-steps 2 --json "$RES/train_learned.json"
-stage paper_settings 50 "${MF[@]}" bench train examples/configs/paper-1.7b-canonical.yaml data.mock=true \
+stage paper_settings 50 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1.7b-canonical.yaml data.mock=true \
     train.precision=bf16 train.activation_checkpointing=true train.compile=true train.micro_batch=4 \
     train.global_batch=8 "train.run_dir=$WORK/run_paper" --steps 4 --warmup-steps 2 --no-bare \
     --json "$RES/train_paper_settings.json"

@@ -252,7 +252,7 @@ def report(folder: Path, out: Path = None) -> str:
                                  f"{s['step_s_median'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} | "
                                  f"{_fmt(s['mfu'], '.1f', 100, '%')} | "
                                  f"{_fmt(s['peak_memory_bytes'], '.1f', 2 ** -30, ' GiB')} | "
-                                 f"{_fmt(t['overhead'], '+.1f', 100, '%') if loop == 'framework' else ''} |")
+                                 f"{_fmt(t.get('overhead'), '+.1f', 100, '%') if loop == 'framework' else ''} |")
         lines.append("")
     md = "\n".join(lines) + "\n"
     from ..atomic import atomic_write_text

@@ -43,14 +43,17 @@ def _train(overrides: list, *, mock: bool = True):
     return {r["step"]: r["loss"] for r in result.history if "loss" in r}, result
 
 
+PRECISION = os.environ.get("GPU_CHECK_PRECISION", "bf16")  # fp32 runs these stages' logic on a CPU
+
+
 def engine() -> dict:
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in (("canonical_unfused", ["model.input=canonical", "model.fused_first_layer=false"]),
                             ("canonical_fused", ["model.input=canonical", "model.fused_first_layer=true"]),
                             ("gf2_fused", ["model.input=gf2", "model.fused_first_layer=true"])):
-            losses, _ = _train(extra + ["train.precision=bf16", "train.max_steps=12", "train.save_interval=1000",
-                                        f"train.run_dir={tmp}/{name}"])
+            losses, _ = _train(extra + [f"train.precision={PRECISION}", "train.max_steps=12",
+                                        "train.save_interval=1000", f"train.run_dir={tmp}/{name}"])
             runs[name] = [losses[k] for k in sorted(losses)]
     a, b = runs["canonical_unfused"], runs["canonical_fused"]
     rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
@@ -65,7 +68,7 @@ def engine() -> dict:
 
 def resume(root: Path) -> dict:
     steps, cut = 16, 8
-    common = ["train.precision=bf16", f"train.save_interval={cut}", "model.fused_first_layer=true"]
+    common = [f"train.precision={PRECISION}", f"train.save_interval={cut}", "model.fused_first_layer=true"]
     ref, _ = _train(common + [f"train.max_steps={steps}", f"train.run_dir={root}/reference"], mock=False)
     out, failures = {"reference": ref}, []
     for mode in ("sync", "async"):

@@ -154,8 +154,12 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, datasets=None, log=print) -> dict:
-    """Run both loops on this rank and return the result dict (what ``--json`` writes)."""
+def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, datasets=None, log=print,
+            on_partial=None) -> dict:
+    """Run both loops on this rank and return the result dict (what ``--json`` writes).
+
+    ``on_partial(result)`` gets the result so far (``"complete": false``) after each loop's timed
+    steps, so a run stopped at a time limit (the 1.7B engine build) still reports the bare loop."""
     from ..model.gpt import init_draws_on
     from ..parallel.layout import validate_layout
     from ..train.ds_config import resolve_precision
@@ -178,6 +182,23 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), cfg.data.seq_len)
     per_round = max(1, steps // rounds)
 
+    def partial() -> dict:
+        out = dict(header, complete=False)
+        for loop in loops:
+            if loop.times:
+                out[loop.name] = _stats(loop, tokens_per_step, flops_tok, peak, topo.world_size)
+        return out
+
+    header = {"bench": "train", "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+              "precision": precision, "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+              "zero_stage": cfg.zero.stage, "input": cfg.model.input, "fused_first_layer": cfg.model.fused_first_layer,
+              "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile,
+              "global_batch": layout.global_batch, "micro_batch": layout.micro_batch, "accum": layout.accum,
+              "seq_len": cfg.data.seq_len, "tokens_per_step": tokens_per_step, "mock_data": cfg.data.mock,
+              "warmup_steps": warmup, "rounds": rounds, "flops_per_token": flops_tok,
+              "peak_flops_per_gpu": peak, "cpu_threads": None if on_cuda else torch.get_num_threads(),
+              "torch": torch.__version__}
     # On a GPU both models are drawn there (model.gpt.init_draws_on): a serial CPU draw of a 1.7B
     # model costs about a minute per build, and the step times do not depend on the values.
     draws = init_draws_on(device) if on_cuda else contextlib.nullcontext()
@@ -190,6 +211,8 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
             loops[-1].timed(steps)
             loops[-1].close()
             _free(device)
+            if on_partial is not None:
+                on_partial(partial())  # the bare loop's figures survive a stop in the engine's build
     rss_bare = _peak_rss_bytes()
     with init_draws_on(device) if on_cuda else contextlib.nullcontext():
         fw = FrameworkLoop(cfg, topo, layout, datasets, precision)
@@ -200,16 +223,9 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
             if rounds == 1 and loop.name == "bare":
                 continue
             loop.timed(per_round)
-    result = {"bench": "train", "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
-              "precision": precision, "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-              "zero_stage": cfg.zero.stage, "input": cfg.model.input, "fused_first_layer": cfg.model.fused_first_layer,
-              "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile,
-              "global_batch": layout.global_batch, "micro_batch": layout.micro_batch, "accum": layout.accum,
-              "seq_len": cfg.data.seq_len, "tokens_per_step": tokens_per_step, "mock_data": cfg.data.mock,
-              "warmup_steps": warmup, "rounds": rounds, "flops_per_token": flops_tok,
-              "peak_flops_per_gpu": peak, "cpu_threads": None if on_cuda else torch.get_num_threads(),
-              "torch": torch.__version__}
+            if on_partial is not None:
+                on_partial(partial())
+    result = dict(header, complete=True)
     for loop in loops:
         result[loop.name] = _stats(loop, tokens_per_step, flops_tok, peak, topo.world_size)
     if not on_cuda:
@@ -258,13 +274,19 @@ def run(args) -> int:
     cfg = prepare_data(cfg, is_main=topo.is_main)
     rounds = args.rounds or (1 if topo.device.type == "cuda" else 4)
     rounds = min(rounds, args.steps)
-    result = measure(cfg, topo, steps=args.steps, warmup=args.warmup_steps, rounds=rounds, bare=not args.no_bare)
+    from ..atomic import atomic_write_text
+
+    def save_partial(partial: dict) -> None:
+        if topo.is_main and args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(args.json, json.dumps(partial, indent=2) + "\n")
+
+    result = measure(cfg, topo, steps=args.steps, warmup=args.warmup_steps, rounds=rounds, bare=not args.no_bare,
+                     on_partial=save_partial)
     result["command"] = {"config": args.config, "overrides": list(args.overrides), "steps": args.steps}
     if topo.is_main:
         print("\n".join(report_lines(result)))
         if args.json is not None:
-            from ..atomic import atomic_write_text
-
             args.json.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
     return exit_codes.OK
