@@ -76,17 +76,17 @@ def _torch_closure() -> list:
 
 
 def _torch_only_venv(root: Path) -> Path:
-    """A virtualenv whose only packages are torch and its own dependencies (and pip, to install wheels).
+    """A virtualenv whose only packages are torch and its own dependencies, and pip (to install the wheels).
 
     Cheap by design: instead of reinstalling torch (a GB), the packages' top-level entries are linked into
     one directory and a ``.pth`` file puts just that directory on the venv's path; nothing else of this
     machine's site-packages is visible (no system site packages)."""
     venv = root / "venv"
-    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)], check=True,
-                   timeout=300, capture_output=True)
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
+                   check=True, timeout=300, capture_output=True)
     only = root / "torch_only"
     only.mkdir()
-    for dist in _torch_closure():
+    for dist in _torch_closure() + [md.distribution("pip")]:  # pip by link too: ensurepip costs ~10 s
         tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
         for top in tops:
             src = Path(dist.locate_file(top))

@@ -30,7 +30,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                        b.contiguous().view(INT_VIEW[b.dtype]))
 
 
-def verify(device: str = "cuda") -> dict:
+def verify(device: str = "cuda", save=None) -> dict:
     from ..codes import FixedCode
     from ..config import ModelConfig
     from ..kernels import token_codes
@@ -58,7 +58,16 @@ def verify(device: str = "cuda") -> dict:
         y = torch.randn(7, 301, width, generator=gen).to(dev, dtype)
         if not _same_bits(add_code(y, ids, code), code.encode(ids, width, dtype) + y):
             failures.append(f"add_code {cname} w{width} {dtype} {id_dtype}")
-    qkv = {}
+    qkv, model, edge = {}, {}, {}
+
+    def result(complete: bool) -> dict:
+        return {"bench": "verify", "device": str(dev), "device_name": torch.cuda.get_device_name(dev)
+                if dev.type == "cuda" else "cpu", "cases_checked": checked, "failures": failures,
+                "ok": not failures, "code_qkv": qkv, "fused_model_fp32": model, "edge_cases": edge,
+                "torch": torch.__version__, "complete": complete}
+
+    if save is not None:  # after each part: a stage stopped at its limit keeps what was checked
+        save(result(False))
     for cname, code in codes.items():
         ids = torch.randint(0, 1 << code.bits, (4, 513), generator=gen).to(dev)
         w = torch.randn(3 * 256, 2048, generator=gen).to(dev)
@@ -76,7 +85,8 @@ def verify(device: str = "cuda") -> dict:
         qkv[cname] = {"rel_err": err, "grad_rel_err": gerr}
         if err > 1e-5 or gerr > 1e-5:
             failures.append(f"code_qkv {cname}: rel err {err:.2e}, grad {gerr:.2e}")
-    model = {}
+    if save is not None:
+        save(result(False))
     for kind in ("canonical", "gf2"):
         cfg = ModelConfig(vocab_size=4096, d_model=512, n_layers=2, n_heads=8, code_bits=12, input=kind,
                           max_seq_len=256)
@@ -92,10 +102,10 @@ def verify(device: str = "cuda") -> dict:
         model[kind] = {"loss_plain": float(lp), "loss_fused": float(lf), "max_grad_rel_err": gerr}
         if abs(float(lp) - float(lf)) > 1e-4 * abs(float(lp)) or gerr > 1e-3:
             failures.append(f"fused model {kind}: loss {float(lf)} vs {float(lp)}, grad rel err {gerr:.2e}")
-    edge = edge_cases(dev, failures)
-    return {"bench": "verify", "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda"
-            else "cpu", "cases_checked": checked, "failures": failures, "ok": not failures, "code_qkv": qkv,
-            "fused_model_fp32": model, "edge_cases": edge, "torch": torch.__version__}
+    if save is not None:
+        save(result(False))
+    edge.update(edge_cases(dev, failures))
+    return result(True)
 
 
 def edge_cases(dev: torch.device, failures: list, big: bool = True) -> dict:
@@ -213,7 +223,8 @@ def report(folder: Path, out: Path = None) -> str:
             "it measured (`complete: false` in its JSON)."), ""]
     for name, part in parts.items():
         if isinstance(part, dict) and part.get("complete") is False:
-            lines.append(f"`{name}` is partial: {len(part.get('rows', []))} rows measured before it stopped.")
+            what = f"{len(part['rows'])} rows measured" if "rows" in part else "the parts checked are in its JSON"
+            lines.append(f"`{name}` is partial: {what} before it stopped.")
     for name in ("engine_bf16", "resume", "memcheck", "eval_generate"):
         if name in parts:
             lines += [f"**{name}**: " + json.dumps(parts[name].get("summary", parts[name]))[:1500], ""]
@@ -225,7 +236,9 @@ def report(folder: Path, out: Path = None) -> str:
                   f"{'all identical' if v['ok'] else 'FAILED: ' + '; '.join(v['failures'][:5])}.",
                   "Fused first layer, fp32: " + ", ".join(
                       f"{k} loss {m['loss_fused']:.6f} vs {m['loss_plain']:.6f}, max grad rel err "
-                      f"{m['max_grad_rel_err']:.1e}" for k, m in v["fused_model_fp32"].items()) + ".", ""]
+                      f"{m['max_grad_rel_err']:.1e}" for k, m in v["fused_model_fp32"].items()) + ".",
+                  "Edge cases: " + (", ".join(f"{k}: {'ok' if r is True else r}" for k, r in
+                                              v.get("edge_cases", {}).items()) or "not reached") + ".", ""]
     for name, k in parts.items():
         if k.get("bench") != "kernels":
             continue
@@ -265,8 +278,13 @@ def report(folder: Path, out: Path = None) -> str:
 
 def main(argv: list) -> int:
     if len(argv) >= 2 and argv[0] == "verify":
-        res = verify(argv[2] if len(argv) > 2 else "cuda")
-        Path(argv[1]).write_text(json.dumps(res, indent=2) + "\n")
+        from ..atomic import atomic_write_text
+
+        def save(res: dict) -> None:
+            atomic_write_text(Path(argv[1]), json.dumps(res, indent=2) + "\n")
+
+        res = verify(argv[2] if len(argv) > 2 else "cuda", save=save)
+        save(res)
         print(f"verify: {res['cases_checked']} cases, {'ok' if res['ok'] else 'FAILED'}: {res['failures'][:5]}")
         return 0 if res["ok"] else 1
     if len(argv) in (2, 3) and argv[0] == "report":
