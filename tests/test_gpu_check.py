@@ -204,7 +204,7 @@ def test_the_summary_names_cut_and_timed_out_stages_and_partial_benchmarks(tmp_p
     md = report(res, out)
     assert "Not passed: kernels_forward (timeout), fp16 (cut)" in md
     assert "`kernels_forward` is partial: 1 rows" in md and "| megafixed-gf2 | 0.0100 | 3000 | 91% | 62% |" in md
-    assert "| train_canonical | canonical | 16,384 | bare | 500.0 | 32,768 | n/a | 16.0 GiB |" in md
+    assert "| train_canonical | canonical | 16,384 | bare | 500.0 | 32,768 | unknown | 16.0 GiB |" in md
     merged = json.loads((out / "gpu_check.json").read_text())
     assert [s["result"] for s in merged["stages"]] == ["ok", "timeout", "cut"]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md"]

@@ -263,7 +263,7 @@ def report(folder: Path, out: Path = None) -> str:
                     s = t[loop]
                     lines.append(f"| {n} | {t['input']} | {t['tokens_per_step']:,} | {loop} | "
                                  f"{s['step_s_median'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} | "
-                                 f"{_fmt(s['mfu'], '.1f', 100, '%')} | "
+                                 f"{_fmt(s['mfu'], '.1f', 100, '%') if s['mfu'] is not None else 'unknown'} | "
                                  f"{_fmt(s['peak_memory_bytes'], '.1f', 2 ** -30, ' GiB')} | "
                                  f"{_fmt(t.get('overhead'), '+.1f', 100, '%') if loop == 'framework' else ''} |")
         lines.append("")

@@ -241,7 +241,9 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
 def report_lines(r: dict) -> list[str]:
     def one(name):
         s = r[name]
-        mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+        mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else (
+            "unknown (no data-sheet peak for this device; MEGAFIXED_PEAK_TFLOPS sets one)"
+            if r["device"].startswith("cuda") else "n/a")
         mem = "n/a" if s["peak_memory_bytes"] is None else f"{s['peak_memory_bytes'] / 2**30:.1f} GiB"
         return (f"{name:9s} step {s['step_s_median'] * 1e3:9.1f} ms (median of {s['steps_timed']})  "
                 f"{s['tokens_per_s']:12,.0f} tokens/s  MFU {mfu}  peak memory {mem}")
