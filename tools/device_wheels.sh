@@ -50,7 +50,9 @@ LEAVE_OUT="pyarrow tensorboard"
 if [ "$COMPLETE" = 1 ]; then PRESENT=$TORCH_DEPS; LEAVE_OUT=""; else PRESENT="$TORCH_DEPS $IMAGE_EXTRA"; fi
 
 echo "device wheels for CPython $PYV manylinux x86_64 -> $DIR ($([ "$COMPLETE" = 1 ] && echo "complete: all but torch" || echo "what the GPU image lacks"))"
-# DeepSpeed: build once (pure Python without ops, so one wheel serves every interpreter).
+# DeepSpeed: build once (pure Python without ops, so one wheel serves every interpreter). Built on a CPU box, its
+# metadata says accelerator_name='cpu' and no op installed: harmless, since at run time the accelerator is detected
+# afresh (cuda) and megafixed loads no DeepSpeed op (torch's AdamW); gpu_check.sh fails if one is ever JIT-built.
 if ! ls "$DIR"/deepspeed-0.19.8-*.whl >/dev/null 2>&1; then
     build=$(mktemp -d)
     trap 'rm -rf "$build"' EXIT

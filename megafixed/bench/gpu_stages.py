@@ -36,14 +36,17 @@ def _train(overrides: list, *, mock: bool = True):
     from ..parallel import setup_distributed
     from ..train.trainer import train
 
-    cfg = load_config(str(QUICKSTART), (["data.mock=true"] if mock else []) + QUIET + overrides)
+    cfg = load_config(str(QUICKSTART), (["data.mock=true"] if mock else []) + QUIET + overrides + EXTRA)
     topo = setup_distributed(cfg)
     cfg = prepare_data(cfg, is_main=True)
     result = train(cfg, topo, log=lambda *_: None)
     return {r["step"]: r["loss"] for r in result.history if "loss" in r}, result
 
 
-PRECISION = os.environ.get("GPU_CHECK_PRECISION", "bf16")  # fp32 runs these stages' logic on a CPU
+# A dry run of these stages' logic on a CPU: GPU_CHECK_PRECISION=fp32 and GPU_CHECK_EXTRA="model.d_model=64 ..."
+# (overrides appended to every run). Neither is set by tools/gpu_check.sh.
+PRECISION = os.environ.get("GPU_CHECK_PRECISION", "bf16")
+EXTRA = os.environ.get("GPU_CHECK_EXTRA", "").split()
 
 
 def engine() -> dict:
