@@ -3,7 +3,8 @@
 Each writes one JSON (``summary`` says what was compared and what came out) and exits 1 when a check fails:
 
 * ``engine OUT.json``: bf16 through the DeepSpeed engine, a small canonical model unfused and fused
-  (losses must agree to bf16 accuracy) and a gf2 model; every loss finite, the loss falling;
+  (losses must agree to bf16 accuracy) and a gf2 model; every loss finite (mock tokens are uniform, so
+  the loss stays near ln V: no learning is asked for);
 * ``resume OUT.json DIR``: on the bundled corpus, an uninterrupted run against one stopped at a checkpoint
   and resumed, with a sync and with an async checkpoint: the resumed loss curve must equal the
   uninterrupted one exactly (same kernels, same order, same data); DIR keeps the runs (eval/generate use one);
@@ -61,7 +62,6 @@ def engine() -> dict:
     a, b = runs["canonical_unfused"], runs["canonical_fused"]
     rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
     failures = [f"{n}: non-finite loss" for n, v in runs.items() if not all(math.isfinite(x) for x in v)]
-    failures += [f"{n}: loss did not fall ({v[0]:.3f} -> {v[-1]:.3f})" for n, v in runs.items() if v[-1] >= v[0]]
     if rel > 2e-2:
         failures.append(f"fused vs unfused bf16 losses differ by {rel:.2e} (relative) > 2e-2")
     return {"bench": "engine_bf16", "losses": runs, "fused_vs_unfused_max_rel": rel, "failures": failures,
@@ -71,7 +71,9 @@ def engine() -> dict:
 
 def resume(root: Path) -> dict:
     steps, cut = 16, 8
-    common = [f"train.precision={PRECISION}", f"train.save_interval={cut}", "model.fused_first_layer=true"]
+    # decay_steps fixed: otherwise the schedule follows train.max_steps, and the first half would differ
+    common = [f"train.precision={PRECISION}", f"train.save_interval={cut}", "model.fused_first_layer=true",
+              f"schedule.decay_steps={steps}", "schedule.warmup_steps=4"]
     ref, _ = _train(common + [f"train.max_steps={steps}", f"train.run_dir={root}/reference"], mock=False)
     out, failures = {"reference": ref}, []
     for mode in ("sync", "async"):
