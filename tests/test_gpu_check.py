@@ -188,7 +188,7 @@ def test_the_suite_needs_no_gpu():
 
 
 def test_the_summary_names_cut_and_timed_out_stages_and_partial_benchmarks(tmp_path):
-    from megafixed.bench.gpu_check import report
+    from megafixed.bench.gpu_report import report
 
     res, out = tmp_path / "res", tmp_path / "out"
     res.mkdir()

@@ -41,7 +41,7 @@ t_start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t_start )); }
 
 package() {  # the three files in $OUT, from what $RES holds now
-    "$PY" -m megafixed.bench.gpu_check report "$RES" "$OUT_DIR" > /dev/null 2>> "$RES/report.log" \
+    "$PY" "$REPO/megafixed/bench/gpu_report.py" "$RES" "$OUT_DIR" > /dev/null 2>> "$RES/report.log" \
         || echo "report failed: see report.log in the tarball"
     tar -czf "$OUT_DIR/gpu_check.tar.gz.tmp" -C "$WORK" gpu_check && mv -f "$OUT_DIR/gpu_check.tar.gz.tmp" "$OUT_DIR/gpu_check.tar.gz"
 }
