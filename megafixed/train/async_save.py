@@ -91,7 +91,9 @@ class HostCopier:
         cuda = t.is_cuda  # the CPU path is the same copy, without pinning or a stream
         if cuda and self.stream is None:
             index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-            self.stream = _SIDE_STREAMS.get(index) or _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(index))
+            if index not in _SIDE_STREAMS:
+                _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+            self.stream = _SIDE_STREAMS[index]
             # The state as of now: everything training queued so far (the last update) comes first.
             self.stream.wait_stream(torch.cuda.current_stream(index))
         dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)  # contiguous: views become tensors
