@@ -11,8 +11,9 @@
 # One version of each. The closure is checked at the end: every requirement of every wheel in DIR is met by a
 # wheel in DIR or by the image (IMAGE below), or the script names what is missing and exits 1.
 #   --python X.Y   target another interpreter (the CPU test builds for its own)
-#   --complete     carry every dependency but torch (and torch's own dependencies, which come with torch):
-#                  for a bare virtualenv that holds only torch, as the CPU test of gpu_check.sh uses
+#   --complete     carry every dependency but torch (and torch's own dependencies, which come with torch), the
+#                  ones the GPU check never imports included: for a bare virtualenv that holds only torch, as the
+#                  CPU test of gpu_check.sh uses
 set -euo pipefail
 usage() { echo "usage: tools/device_wheels.sh DIR [--python X.Y] [--complete]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
@@ -33,21 +34,20 @@ DIR=$(cd "$DIR" && pwd)
 PY=${PYTHON:-python3}
 DEEPSPEED=deepspeed==0.19.8
 MEGATRON=megatron-core==0.16.1
-# The GPU image (the H200 test machine): Python 3.12, torch 2.11.0 built for CUDA 13, triton 3.6.0, torch's own
-# dependencies (resolved for torch==2.11.0, cp312, manylinux_2_28_x86_64), and what issue 18 found it has of
-# DeepSpeed's dependencies (it lacks hjson, pydantic, pydantic-core, annotated-types, typing-inspection).
-# TORCH_DEPS are what a bare `pip install torch` brings, so --complete carries neither them nor torch.
-TORCH_DEPS="torch==2.11.0 triton==3.6.0 filelock==3.20.0 typing-extensions==4.15.0 setuptools==80.9.0
+# The GPU image (the H200 test machine): Python 3.12, torch 2.11.0 built for CUDA 13, triton 3.6.0 and torch's
+# own dependencies (versions as resolved for torch==2.11.0, cp312, manylinux_2_28_x86_64). Nothing else is
+# assumed: DeepSpeed's small dependencies that the image may well have (numpy, packaging, einops, msgpack, ninja,
+# psutil, py-cpuinfo, tqdm: 20 MiB) are carried anyway, since a missing one would cost a whole device attempt
+# and a carried one only shadows the image's copy. --complete carries neither torch nor these (they come with it).
+PRESENT="torch==2.11.0 triton==3.6.0 filelock==3.20.0 typing-extensions==4.15.0 setuptools==80.9.0
 sympy==1.14.0 mpmath==1.3.0 networkx==3.5 jinja2==3.1.6 markupsafe==3.0.3 fsspec==2025.9.0
 cuda-toolkit==13.0.2 cuda-bindings==13.0.3 nvidia-cudnn-cu13==9.19.0.56 nvidia-cusparselt-cu13==0.8.0
 nvidia-nccl-cu13==2.28.9 nvidia-nvshmem-cu13==3.4.5"
-IMAGE_EXTRA="numpy==2.3.4 packaging==25.0 einops==0.8.1 msgpack==1.1.2 ninja==1.13.0 psutil==7.1.2
-py-cpuinfo==9.0.0 tqdm==4.67.1"
 # Left out by default: megafixed requires them, the GPU check never imports them (parquet input to
 # `preprocess`; TensorBoard events, which the check's runs turn off), and with their dependencies they weigh
 # about 75 MiB of the 96: more than the device machine's carry limit (64 MiB for the whole tree).
 LEAVE_OUT="pyarrow tensorboard"
-if [ "$COMPLETE" = 1 ]; then PRESENT=$TORCH_DEPS; LEAVE_OUT=""; else PRESENT="$TORCH_DEPS $IMAGE_EXTRA"; fi
+[ "$COMPLETE" = 1 ] && LEAVE_OUT=""
 
 echo "device wheels for CPython $PYV manylinux x86_64 -> $DIR ($([ "$COMPLETE" = 1 ] && echo "complete: all but torch" || echo "what the GPU image lacks"))"
 # DeepSpeed: build once (pure Python without ops, so one wheel serves every interpreter). Built on a CPU box, its
