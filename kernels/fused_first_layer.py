@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Optional
 
 import torch
 
@@ -152,15 +153,21 @@ def code_qkv_kernel(ids: torch.Tensor, code: FixedCode, folded: torch.Tensor, al
     return out
 
 
-def add_code_kernel(y: torch.Tensor, ids: torch.Tensor, code: FixedCode) -> torch.Tensor:
-    """Triton ``y + code.encode(ids, width, y.dtype)`` without materialising the code."""
+def add_code_kernel(y: torch.Tensor, ids: torch.Tensor, code: FixedCode,
+                    code_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Triton ``code.encode(ids, width, code_dtype) + y`` without materialising the code.
+
+    The result has torch's promoted dtype of the two (as the unfused add does): the code's +-scale
+    is rounded to ``code_dtype`` first, then added to ``y`` in fp32 and rounded once to the result.
+    """
+    code_dtype = code_dtype or y.dtype
     width = y.shape[-1]
-    out = torch.empty_like(y, memory_format=torch.contiguous_format)
+    out = torch.empty(y.shape, dtype=torch.promote_types(code_dtype, y.dtype), device=y.device)
     n = ids.numel()
     if n == 0:
         return out
-    pos = float((torch.tensor(1.0) * code.scale).to(y.dtype).float())
-    neg = float((torch.tensor(-1.0) * code.scale).to(y.dtype).float())
+    pos = float((torch.tensor(1.0) * code.scale).to(code_dtype).float())
+    neg = float((torch.tensor(-1.0) * code.scale).to(code_dtype).float())
     block_w = min(512, triton.next_power_of_2(width))
     block_t = max(16, min(128, 8192 // block_w))
     grid = (triton.cdiv(n, block_t), triton.cdiv(width, block_w))
@@ -192,12 +199,13 @@ class _AddCode(torch.autograd.Function):
     """``y + code(ids)``: the code is a constant, so the gradient passes to ``y`` unchanged."""
 
     @staticmethod
-    def forward(ctx, y, ids, code):
-        return add_code_kernel(y, ids, code)
+    def forward(ctx, y, ids, code, code_dtype):
+        ctx.y_dtype = y.dtype
+        return add_code_kernel(y, ids, code, code_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad.to(ctx.y_dtype), None, None, None
 
 
 # ----------------------------------------------------------------------------------- entry points
@@ -209,13 +217,21 @@ def code_qkv(ids: torch.Tensor, code: FixedCode, folded: torch.Tensor, alpha: fl
     return code_qkv_reference(ids, code, folded, alpha)
 
 
-def add_code(y: torch.Tensor, ids: torch.Tensor, code: FixedCode, force_kernel: bool = False) -> torch.Tensor:
-    """The first residual add ``code(ids) + y``, bit-identical to ``code.encode(...) + y``."""
+def add_code(y: torch.Tensor, ids: torch.Tensor, code: FixedCode, force_kernel: bool = False,
+             code_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The first residual add ``code(ids) + y``, bit-identical to ``code.encode(ids, d, code_dtype) + y``.
+
+    ``code_dtype`` is the dtype the unfused input writes the code in (``FixedCodeInput.out_dtype``;
+    default ``y.dtype``). Under autocast ``y`` (an attention output) is bf16 while the unfused
+    model's code is fp32, so its residual stream is fp32 from block 0 on: the result here has the
+    same promoted dtype, so the fused and unfused models carry the same residual precision.
+    """
+    code_dtype = code_dtype or y.dtype
     # The kernel adds in fp32: exact-then-rounded for 16- and 32-bit floats, not for fp64.
-    if (y.dtype in _ADD_DTYPES and _wants_kernel(ids, y.dtype, force_kernel)
+    if (y.dtype in _ADD_DTYPES and code_dtype in _ADD_DTYPES and _wants_kernel(ids, y.dtype, force_kernel)
             and (ids.is_cuda or kernel_is_interpreted())):
-        return _AddCode.apply(y, ids, code)
-    return code.encode(ids, y.shape[-1], dtype=y.dtype, validate=False) + y
+        return _AddCode.apply(y, ids, code, code_dtype)
+    return code.encode(ids, y.shape[-1], dtype=code_dtype, validate=False) + y
 
 
 def first_layer_qkv(ids: torch.Tensor, code: FixedCode, norm_weight: torch.Tensor, norm_eps: float,

@@ -101,6 +101,25 @@ def test_fused_model_with_activation_checkpointing_and_checkpoint_interchange():
     assert torch.allclose(g1, plain.blocks[0].attn.wk.weight.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["canonical", "gf2"])
+def test_residual_dtype_under_autocast_is_the_same_fused_and_unfused(kind):
+    """Under bf16 autocast the unfused model adds a bf16 attention output to its fp32 code, so its
+    residual stream is fp32 from block 0 on; the fused block must hand block 1 the same dtype."""
+    from megafixed.model import GPT
+
+    cfg = _model_cfg(input=kind)
+    seen = {}
+    losses = {}
+    for fused in (False, True):
+        model = GPT(ModelConfig(**{**cfg.__dict__, "fused_first_layer": fused}), seed=3)
+        model.blocks[1].register_forward_pre_hook(lambda m, args, f=fused: seen.__setitem__(f, args[0].dtype))
+        ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[fused] = float(model(ids, ids).detach())
+    assert seen == {False: torch.float32, True: torch.float32}
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2)  # bf16 matmuls, same numerics up to order
+
+
 def test_configs_and_layouts_the_fused_layer_cannot_serve_are_refused():
     from megafixed.config import Config
     from megafixed.parallel.layout import LayoutError, validate_layout
@@ -119,6 +138,16 @@ def test_configs_and_layouts_the_fused_layer_cannot_serve_are_refused():
 
 
 # ============================================================================ Triton, interpreted
+def _mixed_add_matches(y: torch.Tensor, ids: torch.Tensor, code) -> bool:
+    from megafixed.kernels.fused_first_layer import add_code
+
+    y = y.requires_grad_(True)
+    got = add_code(y, ids, code, force_kernel=True, code_dtype=torch.float32)
+    got.sum().backward()
+    want = code.encode(ids, y.shape[-1], torch.float32) + y.detach()
+    return got.dtype == torch.float32 and y.grad.dtype == y.dtype and bool(torch.equal(got.detach(), want))
+
+
 def _worker() -> dict:
     from megafixed.kernels.fused_first_layer import add_code, code_qkv, code_qkv_reference, fold, norm_alpha
     from megafixed.kernels.token_codes import kernel_is_interpreted
@@ -144,6 +173,8 @@ def _worker() -> dict:
             "qkv_max_err": float((got - want).abs().max()), "qkv_scale": float(want.abs().max()),
             "grad_max_err": float((g_kernel - folded.grad).abs().max()), "grad_scale": float(folded.grad.abs().max()),
             "add_bit_identical": bool(torch.equal(added, code.encode(ids, 80, torch.float32) + y)),
+            # Autocast: a bf16 attention output plus the unfused input's fp32 code is an fp32 residual.
+            "add_mixed_bit_identical": _mixed_add_matches(y.bfloat16(), ids, code),
             # The interpreter truncates fp32 -> bf16 where a GPU rounds to nearest even, so bf16 is
             # checked to one bf16 ulp here and bit for bit by tools/gpu_check.sh on a GPU.
             "add_bf16_max_rel_err": float(((add_code(y.bfloat16(), ids, code, force_kernel=True).float()
@@ -169,6 +200,7 @@ def test_triton_kernels_match_torch_in_the_interpreter():
         assert c["qkv_max_err"] <= 1e-5 * max(1.0, c["qkv_scale"]), (name, c)
         assert c["grad_max_err"] <= 1e-4 * max(1.0, c["grad_scale"]), (name, c)
         assert c["add_bit_identical"], name
+        assert c["add_mixed_bit_identical"], name
         assert c["add_bf16_max_rel_err"] <= 2 ** -7, name
 
 

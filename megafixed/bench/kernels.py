@@ -50,8 +50,6 @@ FIXED = ("megafixed-canonical", "megafixed-gf2")
 PROVIDERS = (*FIXED, "torch-embedding", "liger-embedding", "torch-compile")
 LEARNED = ("torch-embedding", "liger-embedding")
 MODES = ("forward", "full")
-# Data-sheet HBM bandwidth, bytes/s (flash-attention's table; SXM parts).
-SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "H800": 3.35e12, "A100": 2.0e12, "B200": 8.0e12}
 # Liger-Kernel's benchmark CSV columns (benchmark/data/all_benchmark_data.csv), then ours.
 CSV_COLUMNS = ["kernel_name", "kernel_provider", "kernel_operation_mode", "metric_name", "metric_unit", "x_name",
                "x_label", "x_value", "y_value_50", "y_value_20", "y_value_80", "extra_benchmark_config_str",
@@ -150,8 +148,9 @@ def copy_peak(device: torch.device, nbytes: int, timer: Callable) -> dict:
 def spec_bandwidth(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).upper()
-    return next((bw for key, bw in SPEC_BANDWIDTH.items() if key in name), None)
+    from ..train.device_specs import hbm_bandwidth  # by exact device name: PCIe/NVL parts differ
+
+    return hbm_bandwidth(torch.cuda.get_device_name(device))
 
 
 # ----------------------------------------------------------------------------------- providers
@@ -278,8 +277,11 @@ def _resolve(args) -> dict:
 
 
 def sweep(device, tokens, widths, dtypes, modes, providers, *, vocab=49152, bits=16, seed=0, warmup=25, rep=100,
-          min_time=0.5, threads=1, log=print) -> dict:
-    """Check bit-identity, then time every (mode, dtype, width, tokens, provider); return the JSON dict."""
+          min_time=0.5, threads=1, log=print, on_row=None) -> dict:
+    """Check bit-identity, then time every (mode, dtype, width, tokens, provider); return the JSON dict.
+
+    ``on_row(result)`` is called after every row with the result so far (``"complete": false``), so a
+    sweep stopped at a time limit still leaves what it measured (``--json`` is rewritten each row)."""
     on_cuda = device.type == "cuda"
     timer = (lambda fn: _time_cuda(fn, warmup, rep)) if on_cuda else (lambda fn: _time_cpu(fn, min_time, threads))
     # The practical peak: a copy as large as the largest output of the sweep, clamped to 64 MiB..1 GiB
@@ -288,6 +290,11 @@ def sweep(device, tokens, widths, dtypes, modes, providers, *, vocab=49152, bits
     peak = copy_peak(device, min(max(largest, 64 << 20), 1 << 30), timer)
     spec = spec_bandwidth(device)
     rows, checks = [], []
+    result = {"bench": "kernels", "kernel_name": KERNEL_NAME, "device": str(device), "device_name": device_name(device),
+              "timer": "triton.testing.do_bench" if on_cuda else "torch.utils.benchmark.blocked_autorange",
+              "threads": None if on_cuda else threads,
+              "copy_peak": peak, "spec_bandwidth_Bps": spec, "bit_identity": checks, "rows": rows,
+              "torch": torch.__version__, "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False}
     for dname in dtypes:
         dtype = DTYPES[dname]
         elem = torch.empty((), dtype=dtype).element_size()
@@ -331,6 +338,8 @@ def sweep(device, tokens, widths, dtypes, modes, providers, *, vocab=49152, bits
                         if prov == "torch-embedding":
                             base[mode] = t.ms_50
                         rows.append(row)
+                        if on_row is not None:
+                            on_row(result)
                         log(f"{mode:7s} {dname:8s} d={width:5d} N={n:8d} {prov:20s} {t.ms_50:9.3f} ms "
                             f"{gbps:8.1f} GB/s {row['pct_copy_peak']:5.1f}% of copy")
                 for row in rows:
@@ -339,11 +348,8 @@ def sweep(device, tokens, widths, dtypes, modes, providers, *, vocab=49152, bits
                 del case
                 if on_cuda:
                     torch.cuda.empty_cache()
-    return {"bench": "kernels", "kernel_name": KERNEL_NAME, "device": str(device), "device_name": device_name(device),
-            "timer": "triton.testing.do_bench" if on_cuda else "torch.utils.benchmark.blocked_autorange",
-            "threads": None if on_cuda else threads,
-            "copy_peak": peak, "spec_bandwidth_Bps": spec, "bit_identity": checks, "rows": rows,
-            "torch": torch.__version__, "timestamp": time.strftime("%Y-%m-%d %H:%M:%S")}
+    result["complete"] = True
+    return result
 
 
 def device_name(device) -> str:
@@ -442,14 +448,19 @@ def run(args) -> int:
         claim_output(outs, overwrite=args.overwrite, what="benchmark output")
         for p in outs:
             p.parent.mkdir(parents=True, exist_ok=True)
+    from ..atomic import atomic_write_text
+
+    def save_partial(result: dict) -> None:  # every row: a sweep killed at its limit keeps its rows
+        atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
+
     try:
         result = sweep(spec["device"], spec["tokens"], spec["widths"], spec["dtypes"], spec["modes"],
                        spec["providers"], vocab=args.vocab, bits=args.bits, seed=args.seed, warmup=args.warmup,
-                       rep=args.rep, min_time=args.min_time, threads=args.threads)
+                       rep=args.rep, min_time=args.min_time, threads=args.threads,
+                       on_row=save_partial if args.json else None)
     except BitMismatch as exc:
         print(f"error: {exc}")
         return exit_codes.FAILED
-    from ..atomic import atomic_write_text
 
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")

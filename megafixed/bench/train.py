@@ -6,11 +6,10 @@ Two loops over the same batches (``data.mock=true`` gives synthetic ones without
 * **framework**: exactly what ``megafixed train`` runs per step: ``build_engine`` (DeepSpeed,
   ZeRO as configured) and ``train_step`` (host id check, forward/backward per micro batch, the
   boundary's clip + AdamW step, the loss all-reduce), minus logging, validation and checkpoints;
-* **bare**: the same ``GPT`` (same init, activation checkpointing and ``train.compile`` setting),
-  the same AdamW parameter groups (``build_optimizer``), gradient accumulation with ``backward``,
-  ``clip_grad_norm_`` and ``step``; no DeepSpeed. Under bf16 it is torch's own mixed-precision
-  recipe (fp32 weights, ``torch.autocast``), which does the same matmuls in bf16 as the engine's
-  bf16 weights with fp32 master copies.
+* **bare**: the engine's numerics in plain torch (``bare_loop.py``): the same model build,
+  activation checkpointing and ``train.compile`` setting, the same AdamW parameter groups,
+  gradient accumulation, ``clip_grad_norm_`` and ``step``; under bf16/fp16 16-bit weights with
+  fp32 masters and fp32 gradient accumulation, and fp16 with dynamic loss scaling; no DeepSpeed.
 
 ``overhead = framework step time / bare step time - 1`` (medians after warm-up steps). On a busy
 CPU the loops can alternate in rounds (``--rounds``, default 4 on CPU) so that both see the same
@@ -19,6 +18,7 @@ the engine is built, so that a 1.7B model does not have to fit twice.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import resource
@@ -118,44 +118,25 @@ class FrameworkLoop(_Loop):
 class BareLoop(_Loop):
     name = "bare"
 
-    def __init__(self, cfg, layout, datasets, precision: str, device: torch.device):
+    def __init__(self, cfg, topo, layout, datasets, precision: str):
         from ..data.gpt_dataset import micro_batches
-        from ..model import GPT
-        from ..train.optim import build_optimizer
+        from .bare_loop import BareLoopState
 
-        super().__init__(device)
-        self.model = GPT(cfg.model, seed=cfg.train.seed).to(device)
-        self.model.activation_checkpointing = cfg.train.activation_checkpointing
-        if cfg.train.compile:
-            for block in self.model.blocks:
-                block.compile()
-        self.model.train()
-        self.opt = build_optimizer(self.model, cfg.optimizer)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        super().__init__(topo.device)
+        self.state = BareLoopState(cfg, topo, precision)  # the engine's numerics in plain torch
         self.cfg, self.accum = cfg, layout.accum
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
-                                       enabled=precision in ("bf16", "fp16"))
         self.batches = micro_batches(datasets["train"], start_sample=0, micro_batch=layout.micro_batch, dp_rank=0,
                                      dp_size=1, num_workers=cfg.data.num_workers)
 
     def step(self) -> None:
         from ..train.step import split_tokens
 
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for _ in range(self.accum):
-            inputs, labels = split_tokens(next(self.batches), self.device, self.cfg.model.vocab_size)
-            with self.autocast:
-                loss = self.model(inputs, labels)
-            (loss / self.accum).backward()
-            total += loss.detach().double()
-        if self.cfg.optimizer.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optimizer.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        float(total)  # the loss reaches the host every step, as in train_step
+        self.state.step([split_tokens(next(self.batches), self.device, self.cfg.model.vocab_size)
+                         for _ in range(self.accum)])
 
     def close(self) -> None:
-        self.model = self.opt = self.params = self.batches = None
+        self.state.close()
+        self.state = self.batches = None
 
 
 def _stats(loop: _Loop, tokens_per_step: int, flops_tok: Optional[float], peak: Optional[float], world: int) -> dict:
@@ -173,8 +154,13 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, datasets=None, log=print) -> dict:
-    """Run both loops on this rank and return the result dict (what ``--json`` writes)."""
+def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, datasets=None, log=print,
+            on_partial=None) -> dict:
+    """Run both loops on this rank and return the result dict (what ``--json`` writes).
+
+    ``on_partial(result)`` gets the result so far (``"complete": false``) after each loop's timed
+    steps, so a run stopped at a time limit (the 1.7B engine build) still reports the bare loop."""
+    from ..model.gpt import init_draws_on
     from ..parallel.layout import validate_layout
     from ..train.ds_config import resolve_precision
     from ..train.metrics import flops_per_token, matmul_param_count, peak_flops_per_gpu
@@ -196,24 +182,14 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), cfg.data.seq_len)
     per_round = max(1, steps // rounds)
 
-    loops: list = []
-    if bare:
-        loops.append(BareLoop(cfg, layout, datasets, precision, device))
-        loops[-1].timed(warmup, record=False)
-        if rounds == 1:  # sequential: measure now and free it before the engine exists
-            loops[-1].timed(steps)
-            loops[-1].close()
-            _free(device)
-    rss_bare = _peak_rss_bytes()
-    fw = FrameworkLoop(cfg, topo, layout, datasets, precision)
-    fw.timed(warmup, record=False)
-    loops.append(fw)
-    for _ in range(rounds):
+    def partial() -> dict:
+        out = dict(header, complete=False)
         for loop in loops:
-            if rounds == 1 and loop.name == "bare":
-                continue
-            loop.timed(per_round)
-    result = {"bench": "train", "device": str(device),
+            if loop.times:
+                out[loop.name] = _stats(loop, tokens_per_step, flops_tok, peak, topo.world_size)
+        return out
+
+    header = {"bench": "train", "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
               "precision": precision, "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
               "zero_stage": cfg.zero.stage, "input": cfg.model.input, "fused_first_layer": cfg.model.fused_first_layer,
@@ -223,6 +199,33 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
               "warmup_steps": warmup, "rounds": rounds, "flops_per_token": flops_tok,
               "peak_flops_per_gpu": peak, "cpu_threads": None if on_cuda else torch.get_num_threads(),
               "torch": torch.__version__}
+    # On a GPU both models are drawn there (model.gpt.init_draws_on): a serial CPU draw of a 1.7B
+    # model costs about a minute per build, and the step times do not depend on the values.
+    draws = init_draws_on(device) if on_cuda else contextlib.nullcontext()
+    loops: list = []
+    if bare:
+        with draws:
+            loops.append(BareLoop(cfg, topo, layout, datasets, precision))
+        loops[-1].timed(warmup, record=False)
+        if rounds == 1:  # sequential: measure now and free it before the engine exists
+            loops[-1].timed(steps)
+            loops[-1].close()
+            _free(device)
+            if on_partial is not None:
+                on_partial(partial())  # the bare loop's figures survive a stop in the engine's build
+    rss_bare = _peak_rss_bytes()
+    with init_draws_on(device) if on_cuda else contextlib.nullcontext():
+        fw = FrameworkLoop(cfg, topo, layout, datasets, precision)
+    fw.timed(warmup, record=False)
+    loops.append(fw)
+    for _ in range(rounds):
+        for loop in loops:
+            if rounds == 1 and loop.name == "bare":
+                continue
+            loop.timed(per_round)
+            if on_partial is not None:
+                on_partial(partial())
+    result = dict(header, complete=True)
     for loop in loops:
         result[loop.name] = _stats(loop, tokens_per_step, flops_tok, peak, topo.world_size)
     if not on_cuda:
@@ -238,7 +241,9 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
 def report_lines(r: dict) -> list[str]:
     def one(name):
         s = r[name]
-        mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+        mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else (
+            "unknown (no data-sheet peak for this device; MEGAFIXED_PEAK_TFLOPS sets one)"
+            if r["device"].startswith("cuda") else "n/a")
         mem = "n/a" if s["peak_memory_bytes"] is None else f"{s['peak_memory_bytes'] / 2**30:.1f} GiB"
         return (f"{name:9s} step {s['step_s_median'] * 1e3:9.1f} ms (median of {s['steps_timed']})  "
                 f"{s['tokens_per_s']:12,.0f} tokens/s  MFU {mfu}  peak memory {mem}")
@@ -271,13 +276,19 @@ def run(args) -> int:
     cfg = prepare_data(cfg, is_main=topo.is_main)
     rounds = args.rounds or (1 if topo.device.type == "cuda" else 4)
     rounds = min(rounds, args.steps)
-    result = measure(cfg, topo, steps=args.steps, warmup=args.warmup_steps, rounds=rounds, bare=not args.no_bare)
+    from ..atomic import atomic_write_text
+
+    def save_partial(partial: dict) -> None:
+        if topo.is_main and args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(args.json, json.dumps(partial, indent=2) + "\n")
+
+    result = measure(cfg, topo, steps=args.steps, warmup=args.warmup_steps, rounds=rounds, bare=not args.no_bare,
+                     on_partial=save_partial)
     result["command"] = {"config": args.config, "overrides": list(args.overrides), "steps": args.steps}
     if topo.is_main:
         print("\n".join(report_lines(result)))
         if args.json is not None:
-            from ..atomic import atomic_write_text
-
             args.json.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
     return exit_codes.OK

@@ -13,8 +13,12 @@ from __future__ import annotations
 import torch
 
 
-def fused_first_block(block, code, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``block(code(ids), cos, sin)`` for an RMSNorm block, through the folded weights."""
+def fused_first_block(block, code, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      code_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``block(code(ids), cos, sin)`` for an RMSNorm block, through the folded weights.
+
+    ``code_dtype``: the dtype the unfused input would write the code in (``FixedCodeInput.out_dtype``),
+    so that the residual stream after this block has the unfused model's dtype (fp32 under autocast)."""
     from ..kernels.fused_first_layer import add_code, first_layer_qkv
 
     attn = block.attn
@@ -22,5 +26,6 @@ def fused_first_block(block, code, ids: torch.Tensor, cos: torch.Tensor, sin: to
     qkv = first_layer_qkv(ids, code, block.norm1.weight, block.norm1.eps, [m.weight for m in linears],
                           [m.bias for m in linears])
     y = block.drop(attn(None, cos, sin, qkv=qkv))
-    x = add_code(y, ids, code)  # the first residual add: x0 = code(ids) made in the add's epilogue
+    # the first residual add: x0 = code(ids) made in the add's epilogue
+    x = add_code(y, ids, code, code_dtype=code_dtype)
     return x + block.drop(block.mlp(block.norm2(x)))

@@ -9,9 +9,17 @@ Why not DeepSpeed's own async engines: ``DecoupledCheckpointEngine`` and ``FastC
 write through DeepSpeed's async-I/O op (libaio, a GPU-node build) and the decoupled one commits
 only at the *next* save; torch's ``distributed.checkpoint.async_save`` writes its own DCP format,
 which DeepSpeed's loader, ``ds_to_universal`` and our converter do not read. Ours is the same idea
-in plain torch: in async mode ``save`` takes a CPU copy of the state (the only time training waits,
-a memcpy) and a thread per rank serialises it with ``torch.save`` while training continues. The
-files are DeepSpeed's own, so every reader works unchanged.
+in plain torch: in async mode ``save`` takes a CPU copy of the state and a thread per rank
+serialises it with ``torch.save`` while training continues. The files are DeepSpeed's own, so
+every reader works unchanged.
+
+On CUDA the copy does not stall training either (about 24 GB at 1.7B with Adam): each tensor is
+copied into a pinned host buffer on a side stream that first waits for the training stream, so the
+copy sees the state as of the save. Two orderings keep it exact: the writer thread waits for the
+copy's event before it serialises (so the files, and therefore ``latest``, come after the copy),
+and the training stream waits for the same event before the next optimizer update (``fence``,
+called by ``train_step``), so no parameter or optimizer state changes under the copy. Forward and
+backward of the next step overlap it.
 
 Completion is agreed through files, not collectives (a collective from a background thread could
 interleave with the training step's): each rank, once its files are written and fsynced, writes
@@ -21,6 +29,7 @@ checks every file's size on disk, writes the run record and the manifest, and on
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -65,18 +74,58 @@ def write_file(obj, path: str, zipfile: bool = True) -> dict:
     return {"size": out.n, "sha256": out.h.hexdigest()}
 
 
-def snapshot(obj):
-    """A copy of ``obj`` that training can no longer change: tensors cloned to CPU (views of one
-    storage become separate tensors, which is also what DeepSpeed's own clone-before-save does)."""
+_SIDE_STREAMS: dict = {}  # device index -> the stream checkpoint copies run on
+
+
+class HostCopier:
+    """Device-to-host copies for a snapshot: CUDA tensors into pinned buffers on a side stream,
+    CPU tensors by a plain copy. ``event()`` marks the copies queued so far (None if there were none
+    on a GPU); nothing here blocks the host."""
+
+    def __init__(self):
+        self.stream = None
+        self.queued = False
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        cuda = t.is_cuda  # the CPU path is the same copy, without pinning or a stream
+        if cuda and self.stream is None:
+            index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            if index not in _SIDE_STREAMS:
+                _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+            self.stream = _SIDE_STREAMS[index]
+            # The state as of now: everything training queued so far (the last update) comes first.
+            self.stream.wait_stream(torch.cuda.current_stream(index))
+        dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)  # contiguous: views become tensors
+        with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
+            dst.copy_(t, non_blocking=cuda)
+        if cuda:
+            t.record_stream(self.stream)  # the allocator must not hand t's memory out before the copy ran
+            self.queued = True
+        return dst
+
+    def event(self):
+        if not self.queued:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+
+def snapshot(obj, copier: Optional[HostCopier] = None):
+    """A copy of ``obj`` that training can no longer change: tensors copied to the host (views of one
+    storage become separate tensors, which is also what DeepSpeed's own clone-before-save does).
+    With CUDA tensors the copies may still be in flight: wait for ``copier.event()`` before reading."""
+    copier = copier or HostCopier()
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return copier.copy(obj)
     if isinstance(obj, dict):
         out = obj.copy()  # keeps OrderedDict & co.
         for k, v in obj.items():
-            out[k] = snapshot(v)
+            out[k] = snapshot(v, copier)
         return out
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(snapshot(v) for v in obj)
+        return type(obj)(snapshot(v, copier) for v in obj)
     return obj  # ints, strings, configs, RNG states (already copies)
 
 
@@ -91,7 +140,8 @@ class CheckpointWriter(TorchCheckpointEngine):
         self.async_save = async_save
         self.records: dict[str, dict] = {}  # path -> {"size", "sha256"} of the save being written
         self.handed_bytes = 0  # tensor bytes handed over in this save (a failed save says what it needed)
-        self._pending: list[tuple[object, str]] = []
+        self._pending: list[tuple[object, str, object]] = []  # (host state, path, its copy's CUDA event)
+        self._unfenced: list = []  # copy events the training stream has not been ordered after yet
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
@@ -101,9 +151,21 @@ class CheckpointWriter(TorchCheckpointEngine):
 
         self.handed_bytes += tensor_bytes(state_dict)
         if self.async_save:
-            self._pending.append((snapshot(state_dict), path))
+            copier = HostCopier()
+            state = snapshot(state_dict, copier)
+            event = copier.event()
+            if event is not None:
+                self._unfenced.append(event)
+            self._pending.append((state, path, event))
         else:
             self.records[path] = write_file(state_dict, path, self.zipfile_serialization)
+
+    def fence(self) -> None:
+        """Order the training stream after the checkpoint copies in flight (a GPU-side wait; the host
+        does not block). ``train_step`` calls it before each optimizer update."""
+        events, self._unfenced = self._unfenced, []
+        for ev in events:
+            torch.cuda.current_stream().wait_event(ev)
 
     # ---- ours
     def begin(self) -> None:
@@ -123,7 +185,9 @@ class CheckpointWriter(TorchCheckpointEngine):
 
         def work():
             try:
-                for state, path in pending:
+                for state, path, event in pending:
+                    if event is not None:
+                        event.synchronize()  # the pinned copy is complete before a byte is written
                     self.records[path] = write_file(state, path, self.zipfile_serialization)
                     del state
                 pending.clear()

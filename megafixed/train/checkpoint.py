@@ -56,7 +56,9 @@ def prune(ckpt_dir: str | os.PathLike, keep: int, protect: str) -> list[str]:
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own device only: a state per visible GPU (get_rng_state_all) cannot be restored
+        # where fewer GPUs are visible (one per rank under Slurm/torchrun), and the others' are not ours.
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -65,7 +67,21 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = _own_cuda_state(state["cuda"], torch.cuda.current_device())
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
+
+
+def _own_cuda_state(saved, device_index: int):
+    """The CUDA generator state to restore on ``device_index``: a checkpoint holds this rank's one
+    state (a ByteTensor); older ones hold a list, one per GPU the rank could see. From such a list
+    take the same index, else (fewer GPUs seen at save) the first; an empty list restores nothing."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    saved = list(saved)
+    if not saved:
+        return None
+    return saved[device_index] if device_index < len(saved) else saved[0]
 
 
 def gather_rng_states() -> list[dict]:

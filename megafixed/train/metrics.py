@@ -12,23 +12,17 @@ import torch
 
 from ..atomic import atomic_write_text
 
-# Dense bf16 peak FLOP/s per GPU, from the vendors' data sheets (SXM parts). Only used for MFU;
-# set MEGAFIXED_PEAK_TFLOPS for a GPU that is not listed.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0,
-                    "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L40": 181.0, "A6000": 155.0,
-                    "4090": 165.0, "A10": 125.0, "V100": 125.0}
-
 
 def peak_flops_per_gpu() -> Optional[float]:
+    """Dense bf16 peak of this GPU by its exact name (``device_specs``), for MFU; None (MFU unknown)
+    for a device not in the table. ``MEGAFIXED_PEAK_TFLOPS`` sets it by hand."""
+    from .device_specs import peak_bf16_flops
+
     if os.environ.get("MEGAFIXED_PEAK_TFLOPS"):
-        return float(os.environ["MEGAFIXED_PEAK_TFLOPS"]) * 1e12
+        return peak_bf16_flops(None)
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name().upper()
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return tflops * 1e12
-    return None
+    return peak_bf16_flops(torch.cuda.get_device_name())
 
 
 def flops_per_token(model_cfg, matmul_params: int, seq_len: int) -> float:

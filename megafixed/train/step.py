@@ -49,10 +49,31 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: Optional[int]) -> None:
                               f"data.tokenizer and model.vocab_size")
 
 
+def pinned_for(tokens: torch.Tensor, device) -> torch.Tensor:
+    """``tokens`` in page-locked host memory when they are bound for a CUDA device.
+
+    A ``non_blocking`` copy from pageable memory is synchronous (the driver stages it through its
+    own pinned buffer while the host waits); from pinned memory it is a DMA queued on the stream.
+    Pinning a micro batch is a host memcpy of a few hundred KiB into torch's caching host allocator,
+    which also keeps the block alive until the copy that reads it has finished.
+    """
+    if torch.device(device).type != "cuda" or tokens.device.type != "cpu" or tokens.is_pinned():
+        return tokens
+    return tokens.pin_memory()
+
+
 def split_tokens(tokens: torch.Tensor, device, vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_token_ids(tokens, vocab_size)
-    tokens = tokens.to(device, non_blocking=True)
+    tokens = pinned_for(tokens, device).to(device, non_blocking=True)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def _fence_checkpoint_copies(engine) -> None:
+    """An async checkpoint's device-to-host copies run on a side stream; the update that follows
+    must not change the state under them (``megafixed.train.async_save.CheckpointWriter.fence``)."""
+    fence = getattr(getattr(engine, "checkpoint_engine", None), "fence", None)
+    if callable(fence):
+        fence()
 
 
 def is_pipeline_engine(engine) -> bool:
@@ -90,6 +111,7 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
     if is_pipeline_engine(engine):
         # Exactly `accum` pairs: the pipeline schedule pulls one per micro batch on its first/last stage.
         pairs = (split_tokens(next(batches), engine.device, vocab_size) for _ in range(accum))
+        _fence_checkpoint_copies(engine)  # train_batch ends in the update: no overlap to be had here
         loss = engine.train_batch(data_iter=pairs)  # already averaged over micro batches and DP
         value = float(loss)
         nonfinite = not torch.isfinite(torch.tensor(value))
@@ -118,6 +140,7 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
     grad_norm = None
     if not nonfinite and engine.zero_optimization_stage() == 0:
         grad_norm = _stage0_grad_norm(engine)
+    _fence_checkpoint_copies(engine)
     engine.step()
     optimizer.skip_next_step = False  # ZeRO may have skipped on its own without consuming the flag
     if grad_norm is None and not nonfinite:

@@ -1,0 +1,169 @@
+"""The GPU check's end-to-end stages (``tools/gpu_check.sh``; never part of the test suite, which has no GPU).
+
+Each writes one JSON (``summary`` says what was compared and what came out) and exits 1 when a check fails:
+
+* ``engine OUT.json``: bf16 through the DeepSpeed engine, a small canonical model unfused and fused
+  (losses must agree to bf16 accuracy) and a gf2 model; every loss finite (mock tokens are uniform, so
+  the loss stays near ln V: no learning is asked for);
+* ``resume OUT.json DIR``: on the bundled corpus, an uninterrupted run against one stopped at a checkpoint
+  and resumed, with a sync and with an async checkpoint: the resumed loss curve must equal the
+  uninterrupted one exactly (same kernels, same order, same data); DIR keeps the runs (eval/generate use one);
+* ``memcheck OUT.json``: ``compute-sanitizer --tool memcheck`` on the three Triton kernels (token codes,
+  the fused residual add, the fused QKV product) at a ragged shape; skipped, saying why, where the tool is
+  missing or the machine refuses it;
+* ``eval_generate OUT.json RUN``: ``megafixed eval`` (LAMBADA-style last-word accuracy on passages of the
+  bundled corpus: real text, no download) and ``megafixed generate`` on CUDA, from RUN's checkpoint.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "bundled" / "quickstart.yaml"
+QUIET = ["train.tensorboard=false", "train.eval_interval=0", "train.log_interval=1"]
+
+
+def _train(overrides: list, *, mock: bool = True):
+    """``megafixed train`` in this process (one DeepSpeed import for every run of a stage); its history."""
+    from ..config import load_config
+    from ..data.prepare import prepare_data
+    from ..parallel import setup_distributed
+    from ..train.trainer import train
+
+    cfg = load_config(str(QUICKSTART), (["data.mock=true"] if mock else []) + QUIET + overrides + EXTRA)
+    topo = setup_distributed(cfg)
+    cfg = prepare_data(cfg, is_main=True)
+    result = train(cfg, topo, log=lambda *_: None)
+    return {r["step"]: r["loss"] for r in result.history if "loss" in r}, result
+
+
+# A dry run of these stages' logic on a CPU: GPU_CHECK_PRECISION=fp32 and GPU_CHECK_EXTRA="model.d_model=64 ..."
+# (overrides appended to every run). Neither is set by tools/gpu_check.sh.
+PRECISION = os.environ.get("GPU_CHECK_PRECISION", "bf16")
+EXTRA = os.environ.get("GPU_CHECK_EXTRA", "").split()
+
+
+def engine() -> dict:
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("canonical_unfused", ["model.input=canonical", "model.fused_first_layer=false"]),
+                            ("canonical_fused", ["model.input=canonical", "model.fused_first_layer=true"]),
+                            ("gf2_fused", ["model.input=gf2", "model.fused_first_layer=true"])):
+            losses, _ = _train(extra + [f"train.precision={PRECISION}", "train.max_steps=12",
+                                        "train.save_interval=1000", f"train.run_dir={tmp}/{name}"])
+            runs[name] = [losses[k] for k in sorted(losses)]
+    a, b = runs["canonical_unfused"], runs["canonical_fused"]
+    rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    failures = [f"{n}: non-finite loss" for n, v in runs.items() if not all(math.isfinite(x) for x in v)]
+    if rel > 2e-2:
+        failures.append(f"fused vs unfused bf16 losses differ by {rel:.2e} (relative) > 2e-2")
+    return {"bench": "engine_bf16", "losses": runs, "fused_vs_unfused_max_rel": rel, "failures": failures,
+            "summary": {"fused_vs_unfused_max_rel": rel, "final": {n: v[-1] for n, v in runs.items()},
+                        "ok": not failures, "failures": failures}}
+
+
+def resume(root: Path) -> dict:
+    steps, cut = 16, 8
+    # decay_steps fixed: otherwise the schedule follows train.max_steps, and the first half would differ
+    common = [f"train.precision={PRECISION}", f"train.save_interval={cut}", "model.fused_first_layer=true",
+              f"schedule.decay_steps={steps}", "schedule.warmup_steps=4"]
+    ref, _ = _train(common + [f"train.max_steps={steps}", f"train.run_dir={root}/reference"], mock=False)
+    out, failures = {"reference": ref}, []
+    for mode in ("sync", "async"):
+        run = [*common, f"train.async_save={'true' if mode == 'async' else 'false'}", f"train.run_dir={root}/{mode}"]
+        first, _ = _train(run + [f"train.max_steps={cut}"], mock=False)
+        second, result = _train(run + [f"train.max_steps={steps}"], mock=False)
+        curve = {**first, **second}
+        diff = [k for k in range(1, steps + 1) if curve.get(k) != ref.get(k)]
+        out[mode] = {"resumed_from": result.resumed_from, "losses": curve, "steps_differing": diff}
+        if result.resumed_from is None:
+            failures.append(f"{mode}: the second run did not resume")
+        if diff:
+            failures.append(f"{mode}: the resumed loss curve differs from the uninterrupted one at steps {diff[:5]}")
+    return {"bench": "resume", **out, "failures": failures,
+            "summary": {"ok": not failures, "failures": failures, "steps": steps, "resumed_at": cut}}
+
+
+MEMCHECK_SCRIPT = """
+import torch
+from megafixed.codes import FixedCode
+from megafixed.kernels import token_codes
+from megafixed.kernels.fused_first_layer import add_code, code_qkv, fold, norm_alpha
+code = FixedCode.gf2(16, seed=3, scale=0.1)
+ids = torch.randint(0, 1 << 16, (3, 333), device="cuda")
+x = token_codes(ids, code, 1000, torch.bfloat16, force_kernel=True)
+y = add_code(torch.randn(3, 333, 1000, device="cuda", dtype=torch.bfloat16), ids, code, force_kernel=True)
+f = fold(torch.randn(300, 1000, device="cuda"), 16)
+q = code_qkv(ids, code, f, norm_alpha(code, 1e-5, torch.float32), force_kernel=True)
+torch.cuda.synchronize()
+print("kernels ran", x.shape, y.shape, q.shape)
+"""
+
+
+def memcheck() -> dict:
+    tool = shutil.which("compute-sanitizer") or next(
+        (str(p) for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "compute-sanitizer",)
+         if p.exists()), None)
+    if tool is None:
+        return {"bench": "memcheck", "skipped": "compute-sanitizer not found (CUDA toolkit not installed)",
+                "summary": {"skipped": "compute-sanitizer not found"}}
+    proc = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "9", sys.executable, "-c", MEMCHECK_SCRIPT],
+                          capture_output=True, text=True, timeout=240)
+    text = proc.stdout + proc.stderr
+    refused = proc.returncode not in (0, 9) and "kernels ran" not in text
+    res = {"bench": "memcheck", "tool": tool, "returncode": proc.returncode, "output_tail": text[-3000:]}
+    if refused:  # e.g. "Target application terminated before first instrumented API call", driver refusal
+        res["skipped"] = f"compute-sanitizer could not run here (exit {proc.returncode}): {text.strip()[-300:]}"
+    res["errors_found"] = proc.returncode == 9 or "ERROR SUMMARY: 0 errors" not in text and not refused
+    res["summary"] = {k: res[k] for k in ("returncode", "errors_found") } | (
+        {"skipped": res["skipped"]} if refused else {})
+    return res
+
+
+def eval_generate(run: Path) -> dict:
+    failures, out = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with gzip.open(QUICKSTART.parent / "wiki_vital_en.jsonl.gz", "rt") as fh:
+            texts = [json.loads(line)["text"] for _, line in zip(range(400), fh)]
+        passages = [" ".join(t.split()[:60]) for t in texts[-40:] if len(t.split()) >= 60]
+        (Path(tmp) / "lambada.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in passages))
+        ev = subprocess.run([sys.executable, "-m", "megafixed.cli", "eval", str(run), "--tasks", "lambada",
+                             "--data-dir", tmp, "--limit", "32", "--json", f"{tmp}/eval.json"],
+                            capture_output=True, text=True, timeout=240)
+        out["eval_returncode"] = ev.returncode
+        if ev.returncode == 0 and Path(f"{tmp}/eval.json").exists():
+            out["eval"] = json.loads(Path(f"{tmp}/eval.json").read_text())
+        else:
+            failures.append(f"megafixed eval exited {ev.returncode}: {(ev.stdout + ev.stderr).strip()[-400:]}")
+    gen = subprocess.run([sys.executable, "-m", "megafixed.cli", "generate", str(run), "--prompt",
+                          "The history of", "--max-new-tokens", "24"], capture_output=True, text=True, timeout=240)
+    out["generate_returncode"], out["generated"] = gen.returncode, gen.stdout.strip()[-500:]
+    if gen.returncode != 0 or not gen.stdout.strip():
+        failures.append(f"megafixed generate exited {gen.returncode}: {(gen.stdout + gen.stderr).strip()[-400:]}")
+    return {"bench": "eval_generate", **out, "failures": failures,
+            "summary": {"ok": not failures, "failures": failures, "generated": out["generated"][:200]}}
+
+
+def main(name: str, args: list) -> int:
+    from ..atomic import atomic_write_text
+
+    out = Path(args[0])
+    if name == "engine":
+        res = engine()
+    elif name == "resume":
+        res = resume(Path(args[1]))
+    elif name == "memcheck":
+        res = memcheck()
+    else:
+        res = eval_generate(Path(args[1]))
+    atomic_write_text(out, json.dumps(res, indent=2, default=str) + "\n")
+    print(json.dumps(res.get("summary", {}), default=str)[:2000])
+    bad = res.get("failures") or (name == "memcheck" and res.get("errors_found"))
+    return 1 if bad else 0

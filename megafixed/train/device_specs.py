@@ -1,0 +1,62 @@
+"""Data-sheet peaks of the GPUs we report MFU and bandwidth fractions against, by exact device name.
+
+Why exact names: the SXM, PCIe and NVL parts of one generation share a prefix but not a peak
+(H100 PCIe 756 vs SXM 989 dense bf16 TFLOP/s), so substring matching reports a PCIe card's MFU
+against the SXM peak. A device not in the table gets no peak, and its MFU is reported as unknown
+(``None``) rather than guessed; ``MEGAFIXED_PEAK_TFLOPS`` supplies one by hand.
+
+Keys are ``torch.cuda.get_device_name()`` as the driver reports it, without the ``NVIDIA `` prefix,
+upper case. Figures: dense (no sparsity) bf16 tensor-core TFLOP/s and HBM bandwidth in TB/s, from
+NVIDIA's H100/H200/A100/B200 data sheets (the sheets quote bf16 "with sparsity": dense is half).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+
+class DeviceSpec(NamedTuple):
+    part: str  # the data sheet's name of the part
+    bf16_tflops: float  # dense
+    hbm_tbps: float
+
+
+_H100_SXM = DeviceSpec("H100 SXM", 989.0, 3.35)
+_H200_SXM = DeviceSpec("H200 SXM", 989.0, 4.8)
+SPECS: dict[str, DeviceSpec] = {
+    "H100 80GB HBM3": _H100_SXM,
+    "H100 SXM5 80GB": _H100_SXM,
+    "H100 PCIE": DeviceSpec("H100 PCIe", 756.0, 2.0),
+    "H100 NVL": DeviceSpec("H100 NVL", 835.5, 3.9),
+    "H200": _H200_SXM,
+    "H200 NVL": DeviceSpec("H200 NVL", 835.5, 4.8),
+    "A100-SXM4-40GB": DeviceSpec("A100 40GB SXM", 312.0, 1.555),
+    "A100-SXM4-80GB": DeviceSpec("A100 80GB SXM", 312.0, 2.039),
+    "A100-PCIE-40GB": DeviceSpec("A100 40GB PCIe", 312.0, 1.555),
+    "A100 80GB PCIE": DeviceSpec("A100 80GB PCIe", 312.0, 1.935),
+    "B200": DeviceSpec("B200", 2250.0, 8.0),
+}
+
+
+def normalise(device_name: str) -> str:
+    name = " ".join(device_name.split()).upper()
+    return name[len("NVIDIA "):] if name.startswith("NVIDIA ") else name
+
+
+def spec_for(device_name: Optional[str]) -> Optional[DeviceSpec]:
+    """The data-sheet entry of exactly this device, or None."""
+    return SPECS.get(normalise(device_name)) if device_name else None
+
+
+def peak_bf16_flops(device_name: Optional[str]) -> Optional[float]:
+    """Dense bf16 FLOP/s of one such GPU (``MEGAFIXED_PEAK_TFLOPS`` overrides), or None if unknown."""
+    if os.environ.get("MEGAFIXED_PEAK_TFLOPS"):
+        return float(os.environ["MEGAFIXED_PEAK_TFLOPS"]) * 1e12
+    spec = spec_for(device_name)
+    return None if spec is None else spec.bf16_tflops * 1e12
+
+
+def hbm_bandwidth(device_name: Optional[str]) -> Optional[float]:
+    """Data-sheet memory bandwidth in bytes/s, or None if the device is not in the table."""
+    spec = spec_for(device_name)
+    return None if spec is None else spec.hbm_tbps * 1e12

@@ -1,0 +1,210 @@
+"""``tools/gpu_check.sh`` and ``tools/device_wheels.sh`` on CPU, and what keeps the suite free of a GPU.
+
+The GPU machine has torch, triton and torch's own dependencies and reaches no network. Here that is
+played by a fresh virtualenv that holds torch only (see ``_torch_only_venv``), ``PIP_NO_INDEX=1``, and
+the wheels ``tools/device_wheels.sh DIR --python <this one> --complete`` builds: the script must install
+them offline, pass its preflight, and stop with exit 3 ("no CUDA device"), leaving at most 8 files with
+valid names in ``$OUT``. The wheels are built once per content of the two scripts and setup.py and kept
+in the user cache (``$MEGAFIXED_CACHE_DIR``, else ``~/.cache/megafixed``), so reruns skip the download.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYV = f"{sys.version_info.major}.{sys.version_info.minor}"
+VALID_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _cache_root() -> Path:
+    """The user's cache: conftest points MEGAFIXED_CACHE_DIR at a throw-away folder unless it was set."""
+    base = os.environ.get("MEGAFIXED_CACHE_DIR")
+    if base and not Path(base).name.startswith("megafixed-test-cache-"):
+        return Path(base)
+    return Path.home() / ".cache" / "megafixed"
+
+
+def _device_wheels() -> Path:
+    """The --complete wheel set for this interpreter, built once per content of what decides it."""
+    h = hashlib.sha256()
+    for f in ("tools/device_wheels.sh", "setup.py"):
+        h.update((ROOT / f).read_bytes())
+    final = _cache_root() / "device_wheels" / f"{h.hexdigest()[:16]}-cp{PYV.replace('.', '')}-complete"
+    if (final / ".complete").exists():
+        return final
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    proc = subprocess.run(["bash", str(ROOT / "tools/device_wheels.sh"), str(tmp), "--python", PYV, "--complete"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "closure complete" in proc.stdout
+    (tmp / ".complete").write_text(proc.stdout)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def _torch_closure() -> list:
+    """torch and the distributions it requires (markers evaluated here, no extras), transitively."""
+    from packaging.requirements import Requirement
+
+    seen, todo = {}, ["torch"]
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        dist = md.distribution(name)
+        seen[key] = dist
+        for r in map(Requirement, dist.requires or []):
+            if r.marker is None or r.marker.evaluate({"extra": ""}):
+                todo.append(r.name)
+    return list(seen.values())
+
+
+def _torch_only_venv(root: Path) -> Path:
+    """A virtualenv whose only packages are torch and its own dependencies, and pip (to install the wheels).
+
+    Cheap by design: instead of reinstalling torch (a GB), the packages' top-level entries are linked into
+    one directory and a ``.pth`` file puts just that directory on the venv's path; nothing else of this
+    machine's site-packages is visible (no system site packages)."""
+    venv = root / "venv"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
+                   check=True, timeout=300, capture_output=True)
+    only = root / "torch_only"
+    only.mkdir()
+    for dist in _torch_closure() + [md.distribution("pip")]:  # pip by link too: ensurepip costs ~10 s
+        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops:
+            src = Path(dist.locate_file(top))
+            if src.exists() and not (only / top).exists() and top != "__pycache__" and not top.endswith(".pth"):
+                (only / top).symlink_to(src)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    (site / "torch_only.pth").write_text(str(only) + "\n")
+    return venv
+
+
+def _env(venv: Path, out: Path, wheels: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "DS_", "PIP_"))}
+    env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", PIP_NO_INDEX="1", OUT=str(out), GPU_CHECK_WHEELS=str(wheels),
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+@pytest.mark.slow
+def test_gpu_check_installs_offline_passes_its_preflight_and_exits_3_without_cuda(tmp_path):
+    wheels = _device_wheels()
+    venv = _torch_only_venv(tmp_path)
+    probe = subprocess.run([str(venv / "bin/python"), "-c", "import torch, sys; import deepspeed"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.returncode != 0 and "deepspeed" in probe.stderr  # the venv really holds torch only
+
+    # Without the wheels the preflight fails within seconds, naming what is missing.
+    empty = tmp_path / "no_wheels"
+    empty.mkdir()
+    t0 = time.monotonic()
+    failed = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh")], cwd=tmp_path,
+                            env=_env(venv, tmp_path / "out_failed", empty), capture_output=True, text=True,
+                            timeout=300)
+    assert failed.returncode == 2, failed.stdout[-3000:] + failed.stderr[-2000:]
+    assert "error: cannot import deepspeed" in failed.stdout and "preflight failed" in failed.stdout
+    assert time.monotonic() - t0 < 120
+
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh")], cwd=tmp_path, env=_env(venv, out, wheels),
+                          capture_output=True, text=True, timeout=600)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 3, text[-4000:]
+    assert "no CUDA device: preflight passed" in proc.stdout
+    files = sorted(p for p in out.rglob("*"))
+    assert 0 < len(files) <= 8 and all(p.is_file() and p.parent == out and VALID_NAME.match(p.name) for p in files)
+    assert {p.name for p in files} == {"gpu_check.md", "gpu_check.json", "gpu_check.tar.gz"}
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        names = tar.getnames()
+        pre = json.load(tar.extractfile("gpu_check/preflight.json"))
+    assert "gpu_check/preflight.log" in names
+    assert pre["problems"] == [] and pre["exit"] == 3 and pre["executable"].startswith(str(venv))
+    # the engines came from the carried wheels, megafixed from this checkout, not from this machine's site
+    assert pre["versions"]["deepspeed"] == "0.19.8" and pre["versions"]["megatron-core"].startswith("0.16.")
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["preflight"]["versions"] == pre["versions"]
+    assert "Preflight: python" in (out / "gpu_check.md").read_text()
+
+
+def test_a_sweep_stopped_by_sigterm_leaves_the_rows_measured_so_far(tmp_path):
+    out = tmp_path / "k.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megafixed.cli", "bench", "kernels", "--device", "cpu",
+                             "--mode", "forward", "--tokens", "64,128,256,512,1k,2k,4k,8k", "--width", "64,128,256",
+                             "--providers", "megafixed-canonical,torch-embedding", "--min-time", "0.05",
+                             "--threads", "1", "--json", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    rows = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists():
+            rows = json.loads(out.read_text())["rows"]
+            if len(rows) >= 3:
+                break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the sweep ended before it could be stopped: {proc.stderr.read()[-2000:]}"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    res = json.loads(out.read_text())  # whole JSON: each row is written atomically
+    assert res["complete"] is False and len(res["rows"]) >= len(rows) >= 3
+    assert len(res["rows"]) < 8 * 3 * 2  # stopped mid-way
+    assert all(r["ms_50"] > 0 and r["provider"] in ("megafixed-canonical", "torch-embedding") for r in res["rows"])
+
+
+GPU_ONLY_PACKAGES = ("cupy", "pynvml", "nvidia-ml-py", "apex", "transformer_engine", "transformer-engine",
+                     "flash_attn", "flash-attn", "nvidia-")
+
+
+def test_the_suite_needs_no_gpu():
+    """No test is skipped for want of a GPU (it would never run in CI, so never fail), none imports a
+    GPU-only package, and the test extra installs none."""
+    for f in sorted((ROOT / "tests").glob("*.py")):
+        text = f.read_text()
+        assert not re.search(r"skipif\([^)]*cuda", text), f"{f.name}: a test that only runs with a GPU"
+        assert not re.search(r"^\s*(import|from)\s+(cupy|pynvml|apex|transformer_engine|flash_attn)\b", text, re.M), \
+            f"{f.name} imports a GPU-only package"
+        assert ".cu" "da()" not in text, f"{f.name} moves tensors to a GPU"  # split: not to match itself
+    extra = re.search(r'"test":\s*\[(.*?)\]', (ROOT / "setup.py").read_text(), re.S).group(1)
+    assert not [p for p in GPU_ONLY_PACKAGES if p in extra]
+
+
+def test_the_summary_names_cut_and_timed_out_stages_and_partial_benchmarks(tmp_path):
+    from megafixed.bench.gpu_report import report
+
+    res, out = tmp_path / "res", tmp_path / "out"
+    res.mkdir()
+    (res / "stages.tsv").write_text("verify\tok\t12\t45\nkernels_forward\ttimeout\t30\t30\nfp16\tcut\t0\t20\n")
+    rows = [{"mode": "forward", "dtype": "bfloat16", "width": 2048, "n_tokens": 16384, "provider": "megafixed-gf2",
+             "ms_50": 0.01, "gbps": 3000.0, "pct_copy_peak": 91.0, "pct_spec_peak": 62.0}]
+    (res / "kernels_forward.json").write_text(json.dumps(
+        {"bench": "kernels", "complete": False, "copy_peak": {"gbps": 3300.0}, "spec_bandwidth_Bps": 4.8e12,
+         "rows": rows}))
+    (res / "train_canonical.json").write_text(json.dumps(
+        {"bench": "train", "complete": False, "input": "canonical", "tokens_per_step": 16384,
+         "bare": {"step_s_median": 0.5, "tokens_per_s": 32768.0, "mfu": None, "peak_memory_bytes": 2 ** 34}}))
+    md = report(res, out)
+    assert "Not passed: kernels_forward (timeout), fp16 (cut)" in md
+    assert "`kernels_forward` is partial: 1 rows" in md and "| megafixed-gf2 | 0.0100 | 3000 | 91% | 62% |" in md
+    assert "| train_canonical | canonical | 16,384 | bare | 500.0 | 32,768 | unknown | 16.0 GiB |" in md
+    merged = json.loads((out / "gpu_check.json").read_text())
+    assert [s["result"] for s in merged["stages"]] == ["ok", "timeout", "cut"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md"]
