@@ -269,8 +269,8 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
         raise DataError(f"--chunk-mb must be > 0, got {opts.chunk_mb}")
     encoder, note = select_backend(tok, _startup_sample(paths, keys, opts.text_split, opts.verify_chars)
                                    if opts.backend != "reference" else [], opts.backend, workers)
-    if opts.progress:
-        print(note, file=sys.stderr)
+    if opts.progress and encoder.name == "reference" and opts.backend != "reference":
+        print(note, flush=True)  # the fallback, said at once (stdout: stderr is for the one error line)
     report = PreprocessReport(outputs={}, dtype=str(dtype), workers=workers, backend=encoder.name, backend_note=note)
     bad: Counter = Counter()
     bar = _progress(opts.progress)
