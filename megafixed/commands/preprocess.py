@@ -39,6 +39,9 @@ def add_arguments(p):
     p.add_argument("--report", default=None, help="also write the report as JSON here")
     p.add_argument("--overwrite", action="store_true",
                    help="replace existing shards at --output-prefix (default: refuse to touch them)")
+    from .preprocess_submit import add_arguments as add_submit_arguments
+
+    add_submit_arguments(p)
 
 
 def _check_numbers(args) -> None:
@@ -72,6 +75,12 @@ def run(args) -> int:
     _check_numbers(args)
     check_prefix(args.output_prefix)
     inputs = expand_inputs(list(args.input))
+    if args.submit or args.dry_run:
+        from ..data.tokenizers import load_tokenizer
+        from .preprocess_submit import submit
+
+        load_tokenizer(args.tokenizer)  # a bad tokenizer fails here, not in every array task
+        return submit(args, inputs)
     outputs = output_files(args.output_prefix, args.json_keys) + ([args.report] if args.report else [])
     claim_output(outputs, overwrite=args.overwrite, inputs=[*inputs, args.tokenizer], what="output")
     with writing(files=outputs):  # ShardWriter makes the folder when the first document is written
