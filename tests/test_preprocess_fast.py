@@ -113,6 +113,8 @@ def test_gigatoken_ids_equal_the_reference_on_real_text(tokenizers, texts, kind)
     tok = load_tokenizer(tokenizers[kind])
     encoder, note = fb.select_backend(tok, [("doc", t) for t in texts[:50]], "auto")
     assert encoder.name == "gigatoken", note
+    if kind != "gpt2":  # the whole corpus for GPT-2; for the others its first 3000 documents (time budget)
+        texts = texts[:3000] + texts[-len(MULTILINGUAL) - 3:]
     flat, lengths = encoder.encode_flat(texts)
     docs = np.split(flat.astype(np.int64), np.cumsum(lengths)[:-1])
     # the reference, called directly (HF tokenizers / sentencepiece), document by document

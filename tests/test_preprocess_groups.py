@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +13,6 @@ from megafixed.data.errors import DataError
 from megafixed.data.gpt_dataset import resolve_prefix
 from megafixed.data.preprocess import PreprocessOptions, preprocess
 from megafixed.data.tokenizers import train_tokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_groups_are_contiguous_cover_every_file_and_balance_bytes(tmp_path):
@@ -89,23 +85,23 @@ def test_groups_then_manifest_equal_one_run_and_a_missing_group_is_named(corpus,
         resolve_prefix(str(tmp_path / "not.manifest.json"))
 
 
-def test_submit_dry_run_prints_both_scripts_and_writes_nothing(corpus, tmp_path):
+def test_submit_dry_run_prints_both_scripts_and_writes_nothing(corpus, tmp_path, capsys):
+    from megafixed import cli
+
     root, files, tok = corpus
     prefix = tmp_path / "out" / "c"
-    cmd = [sys.executable, "-m", "megafixed.cli", "preprocess", "--input", *files, "--tokenizer", tok,
-           "--output-prefix", str(prefix), "--submit", "--nodes", "2", "--groups", "3", "--partition", "cpu",
-           "--time", "01:00:00", "--dry-run"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "4 files in 3 groups" in out.stdout and "to run: [0, 1, 2]" in out.stdout
-    assert "#SBATCH --array=0,1,2%2" in out.stdout and "#SBATCH --partition=cpu" in out.stdout
-    assert "preprocess_submit group" in out.stdout and "preprocess_submit manifest" in out.stdout
+    argv = ["preprocess", "--input", *files, "--tokenizer", tok, "--output-prefix", str(prefix), "--submit",
+            "--nodes", "2", "--groups", "3", "--partition", "cpu", "--time", "01:00:00", "--dry-run"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4 files in 3 groups" in out and "to run: [0, 1, 2]" in out
+    assert "#SBATCH --array=0,1,2%2" in out and "#SBATCH --partition=cpu" in out
+    assert "preprocess_submit group" in out and "preprocess_submit manifest" in out
     assert not (tmp_path / "out").exists()
-    bad = subprocess.run(cmd[:-3] + ["--time", "soon", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: --time 'soon' is not a Slurm time limit")
+    assert cli.main(argv[:-3] + ["--time", "soon", "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith("error: --time 'soon' is not a Slurm time limit")
     prefix.parent.mkdir()
     Path(pg.manifest_path(str(prefix))).write_text("{}")
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "exists: this corpus is done; pass --overwrite" in done.stderr
+    assert cli.main(argv) != 0
+    assert "exists: this corpus is done; pass --overwrite" in capsys.readouterr().err
     assert sorted(os.listdir(prefix.parent)) == ["c.manifest.json"]  # nothing replaced, nothing added
