@@ -189,3 +189,12 @@ def test_shards_are_byte_identical_for_any_chunk_size_worker_count_and_backend(t
         got[name] = [open(f(p), "rb").read() for p in rep.outputs["text"] for f in (bin_path, idx_path)]
     first = next(iter(got.values()))
     assert all(v == first for v in got.values()), {k: len(v) for k, v in got.items()}
+
+
+def test_without_gigatoken_installed_preprocessing_falls_back_in_one_line(tokenizers, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gigatoken", None)  # what an environment without it looks like
+    encoder, note = fb.select_backend(load_tokenizer(tokenizers["train-bpe"]), [("doc", "some text")], "auto")
+    assert encoder.name == "reference" and note.endswith("gigatoken is not installed (pip install "
+                                                         "'gigatoken>=0.10,<0.11')")

@@ -92,7 +92,7 @@ def load_gigatoken(tok):
     try:
         import gigatoken
     except ImportError as exc:
-        raise DataError("gigatoken is not installed (pip install 'megafixed[fast]')") from exc
+        raise DataError("gigatoken is not installed (pip install 'gigatoken>=0.10,<0.11')") from exc
     try:
         if tok.kind == "sentencepiece":
             return gigatoken.Tokenizer.from_sentencepiece(tok.path)
