@@ -198,3 +198,17 @@ def test_without_gigatoken_installed_preprocessing_falls_back_in_one_line(tokeni
     encoder, note = fb.select_backend(load_tokenizer(tokenizers["train-bpe"]), [("doc", "some text")], "auto")
     assert encoder.name == "reference" and note.endswith("gigatoken is not installed (pip install "
                                                          "'gigatoken>=0.10,<0.11')")
+
+
+def test_the_streamed_index_has_the_bytes_of_the_in_memory_one(tmp_path):
+    """ShardWriter keeps lengths on disk and writes the .idx in chunks (flat memory): same bytes."""
+    from megafixed.data.indexed import _write_index, _write_index_streamed
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 5, 1000):
+        lengths = rng.integers(1, 300, n).astype(np.int32)
+        lengths.tofile(tmp_path / "len")
+        for dtype in (np.dtype(np.uint16), np.dtype(np.int32)):
+            _write_index(str(tmp_path / "a"), dtype, lengths, np.arange(n + 1))
+            _write_index_streamed(str(tmp_path / "b"), dtype, str(tmp_path / "len"), n, chunk=7)
+            assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes(), (n, dtype)
