@@ -87,18 +87,90 @@ class GigatokenEncoder:
         return np.concatenate(docs), lengths
 
 
-def load_gigatoken(tok):
-    """gigatoken's port of ``tok``, or raise :class:`DataError` saying why there is none."""
+def _gpt2_tokenizer_json(vocab_file: str, merges_file: str) -> str:
+    """GPT-2's vocab + merges as the tokenizer.json that :class:`~.tokenizers.GPT2Tokenizer` builds
+    (byte-level, ``<|endoftext|>`` special), so gigatoken loads without waiting for HF to."""
+    import json
+
+    from .tokenizers import EOD_TOKEN
+
+    with open(vocab_file, encoding="utf-8") as fh:
+        vocab = json.load(fh)
+    with open(merges_file, encoding="utf-8") as fh:
+        merges = [line.rstrip("\r\n").split(" ") for line in fh if line.strip() and not line.startswith("#version")]
+    byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": vocab[EOD_TOKEN], "content": EOD_TOKEN, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True}] if EOD_TOKEN in vocab else [],
+        "normalizer": None, "pre_tokenizer": {"type": "ByteLevel", **byte_level}, "post_processor": None,
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges}})
+
+
+def load_gigatoken(spec):
+    """gigatoken's port of a tokenizer (a loaded :class:`~.tokenizers.Tokenizer`, or the path it is
+    loaded from), or raise :class:`DataError` saying why there is none. From a path it reads the
+    files itself, so it can load while HF tokenizers does."""
     try:
         import gigatoken
     except ImportError as exc:
         raise DataError("gigatoken is not installed (pip install 'gigatoken>=0.10,<0.11')") from exc
+    from .tokenizers import Tokenizer, _gpt2_files
+
     try:
-        if tok.kind == "sentencepiece":
-            return gigatoken.Tokenizer.from_sentencepiece(tok.path)
-        return gigatoken.Tokenizer(tok._tok)  # HF / GPT-2: the very tokenizers object we would run
+        if isinstance(spec, Tokenizer):
+            if spec.kind == "sentencepiece":
+                return gigatoken.Tokenizer.from_sentencepiece(spec.path)
+            return gigatoken.Tokenizer(spec._tok)  # HF / GPT-2: the very tokenizers object we would run
+        path = os.fspath(spec)
+        if os.path.isdir(path):
+            files = _gpt2_files(path)
+            if files:
+                return gigatoken.Tokenizer.from_json(_gpt2_tokenizer_json(*files))
+            for name in ("tokenizer.json", "tokenizer.model"):
+                if os.path.isfile(os.path.join(path, name)):
+                    return load_gigatoken(os.path.join(path, name))
+        if path.endswith(".model"):
+            return gigatoken.Tokenizer.from_sentencepiece(path)
+        with open(path, "rb") as fh:
+            return gigatoken.Tokenizer.from_json(fh.read())
     except Exception as exc:  # gigatoken names the unsupported model type in its first line
         raise DataError(f"gigatoken cannot load it ({str(exc).splitlines()[0]})") from exc
+
+
+class PreparedFast:
+    """gigatoken loaded from the tokenizer's files and its sample ids computed on a thread (gigatoken
+    releases the GIL) while the caller loads the reference tokenizer: the start-up check then costs
+    little more than the reference's own load. ``error``: why gigatoken could not load."""
+
+    def __init__(self, spec, sample: list[tuple[str, str]]):
+        import threading
+
+        self.gt, self.error, self.ids = None, None, None
+        try:
+            self.gt = load_gigatoken(spec)
+        except DataError as exc:
+            self.error = exc
+            return
+        texts = [t for _, t in sample]
+        self._thread = threading.Thread(target=self._encode, args=(texts,), daemon=True)
+        self._thread.start()
+
+    def _encode(self, texts) -> None:
+        try:
+            self.ids = GigatokenEncoder(self.gt, 1).encode_flat(texts)
+        except Exception as exc:  # reported by the check, never lost in the thread
+            self.error = DataError(f"gigatoken failed on the sample ({exc})")
+
+    def result(self):
+        if self.gt is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.gt, self.ids
 
 
 def special_strings(tok) -> list[str]:
@@ -117,11 +189,12 @@ def special_probes(tok) -> list[str]:
     return [f"before{s}after {s} end" for s in special_strings(tok)[:16]]
 
 
-def first_mismatch(reference, fast, sample: list[tuple[str, str]]) -> Optional[str]:
-    """Encode ``sample`` ((where, text) pairs) with both; describe the first document that differs."""
+def first_mismatch(reference, fast, sample: list[tuple[str, str]], fast_ids=None) -> Optional[str]:
+    """Encode ``sample`` ((where, text) pairs) with both; describe the first document that differs.
+    ``fast_ids``: gigatoken's (flat, lengths) for the sample, when already computed."""
     texts = [t for _, t in sample]
     ref_flat, ref_len = reference.encode_flat(texts)
-    got_flat, got_len = fast.encode_flat(texts)
+    got_flat, got_len = fast_ids if fast_ids is not None else fast.encode_flat(texts)
     if np.array_equal(ref_len, got_len) and np.array_equal(ref_flat.astype(np.int64), got_flat.astype(np.int64)):
         return None
     ref_off = np.concatenate([[0], np.cumsum(ref_len)])
@@ -138,9 +211,11 @@ def first_mismatch(reference, fast, sample: list[tuple[str, str]]) -> Optional[s
     return "the token streams differ"  # unreachable unless lengths disagree without a differing doc
 
 
-def select_backend(tok, sample: list[tuple[str, str]], backend: str = "auto", threads: int = 1):
+def select_backend(tok, sample: list[tuple[str, str]], backend: str = "auto", threads: int = 1,
+                   prepared: Optional[PreparedFast] = None):
     """-> (encoder, note). ``auto``: gigatoken when exact on the sample, else the reference with a
-    one-line note why; ``gigatoken``: the same check, but a mismatch is an error; ``reference``."""
+    one-line note why; ``gigatoken``: the same check, but a mismatch is an error; ``reference``.
+    ``prepared``: gigatoken and its sample ids from :class:`PreparedFast` (started before ``tok`` loaded)."""
     if backend not in BACKENDS:
         raise DataError(f"--backend {backend!r} unknown; use one of {BACKENDS}")
     reference = ReferenceEncoder(tok)
@@ -151,10 +226,16 @@ def select_backend(tok, sample: list[tuple[str, str]], backend: str = "auto", th
             os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         # sentencepiece treats control-piece text as plain text; gigatoken's port does not
         reroute = special_strings(tok) if tok.kind == "sentencepiece" else ()
-        fast = GigatokenEncoder(load_gigatoken(tok), threads, reference, reroute)
+        gt, sample_ids = prepared.result() if prepared is not None else (load_gigatoken(tok), None)
+        fast = GigatokenEncoder(gt, threads, reference, reroute)
         probes = [(f"probe {i + 1} (built-in check text)", t) for i, t in enumerate(PROBES)]
         probes += [(f"probe {len(PROBES) + i + 1} (special-token text)", t) for i, t in enumerate(special_probes(tok))]
-        why = first_mismatch(reference, fast, list(sample) + probes)
+        why = None
+        if sample_ids is not None and reroute and any(s in t for _, t in sample for s in reroute):
+            sample_ids = None  # rerouted documents in the sample: let the full encoder (with reroute) redo it
+        if sample:
+            why = first_mismatch(reference, fast, list(sample), sample_ids)
+        why = why or first_mismatch(reference, fast, probes)
     except DataError as exc:
         why = str(exc)
     if why is None:

@@ -27,10 +27,10 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from .errors import DataError, check_vocab_fits
-from .fast_backend import ReferenceEncoder, select_backend
+from .fast_backend import PreparedFast, ReferenceEncoder, select_backend
 from .indexed import ShardWriter, bin_path, dtype_for_vocab, idx_path, meta_path
 from .readers import BAD_KINDS, Batch, decode_batch, expand_inputs, iter_batches
-from .tokenizers import load_tokenizer, tokenizer_sha256
+from .tokenizers import Tokenizer, load_tokenizer, tokenizer_sha256
 
 
 @dataclass
@@ -256,19 +256,23 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
     if opts.shard_size_mb is not None and opts.shard_size_mb <= 0:
         raise DataError(f"--shard-size-mb must be > 0, got {opts.shard_size_mb}")
     paths = expand_inputs(list(opts.inputs))
+    keys = list(opts.json_keys)
+    sample, prepared = [], None
+    if opts.backend != "reference":
+        sample = _startup_sample(paths, keys, opts.text_split, opts.verify_chars)
+        if not isinstance(opts.tokenizer, (dict, Tokenizer)):  # from the files: loads beside the reference
+            prepared = PreparedFast(opts.tokenizer, sample)
     tok = load_tokenizer(opts.tokenizer)
     if opts.code_bits is not None:
         check_vocab_fits(tok.vocab_size, code_bits=opts.code_bits, where=f"tokenizer {tok.path}")
     dtype = dtype_for_vocab(tok.vocab_size)
     workers = max(1, int(opts.workers))
     shard_bytes = int(opts.shard_size_mb * (1 << 20)) if opts.shard_size_mb else None
-    keys = list(opts.json_keys)
     outputs = {k: _ShardedOutput(opts.output_prefix if len(keys) == 1 else f"{opts.output_prefix}_{k}",
                                  dtype, shard_bytes) for k in keys}
     if opts.chunk_mb <= 0:
         raise DataError(f"--chunk-mb must be > 0, got {opts.chunk_mb}")
-    encoder, note = select_backend(tok, _startup_sample(paths, keys, opts.text_split, opts.verify_chars)
-                                   if opts.backend != "reference" else [], opts.backend, workers)
+    encoder, note = select_backend(tok, sample, opts.backend, workers, prepared)
     if opts.progress and encoder.name == "reference" and opts.backend != "reference":
         print(note, flush=True)  # the fallback, said at once (stdout: stderr is for the one error line)
     report = PreprocessReport(outputs={}, dtype=str(dtype), workers=workers, backend=encoder.name, backend_note=note)
