@@ -227,7 +227,9 @@ def select_backend(tok, sample: list[tuple[str, str]], backend: str = "auto", th
         # sentencepiece treats control-piece text as plain text; gigatoken's port does not
         reroute = special_strings(tok) if tok.kind == "sentencepiece" else ()
         gt, sample_ids = prepared.result() if prepared is not None else (load_gigatoken(tok), None)
-        fast = GigatokenEncoder(gt, threads, reference, reroute)
+        # the check runs on the calling thread (parallel=False): no thread pool exists yet when
+        # preprocessing forks its workers, which gigatoken needs (a pool does not survive a fork)
+        fast = GigatokenEncoder(gt, 1, reference, reroute)
         probes = [(f"probe {i + 1} (built-in check text)", t) for i, t in enumerate(PROBES)]
         probes += [(f"probe {len(PROBES) + i + 1} (special-token text)", t) for i, t in enumerate(special_probes(tok))]
         why = None
@@ -239,6 +241,7 @@ def select_backend(tok, sample: list[tuple[str, str]], backend: str = "auto", th
     except DataError as exc:
         why = str(exc)
     if why is None:
+        fast.parallel = threads > 1
         return fast, f"backend: gigatoken (ids equal the reference on {len(sample)} sampled documents + probes)"
     if backend == "gigatoken":
         raise DataError(f"--backend gigatoken does not reproduce tokenizer {tok.path}: {why}; use --backend auto")
