@@ -212,3 +212,21 @@ def test_the_streamed_index_has_the_bytes_of_the_in_memory_one(tmp_path):
             _write_index(str(tmp_path / "a"), dtype, lengths, np.arange(n + 1))
             _write_index_streamed(str(tmp_path / "b"), dtype, str(tmp_path / "len"), n, chunk=7)
             assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes(), (n, dtype)
+
+
+@pytest.mark.parametrize("keys", [["text"], ["text", "title"]])
+def test_orjson_decoding_gives_exactly_what_json_gives_on_odd_records(monkeypatch, keys):
+    from megafixed.data import readers
+
+    pytest.importorskip("orjson")
+    lines = [b'{"text": "plain", "title": "t"}', b'{"text": NaN}', b'{"text": 123456789012345678901234567890}',
+             b'{"text": "lone \\ud800 surrogate", "title": "t"}', b'\xef\xbb\xbf{"text": "bom"}', b'  \t ',
+             b'{"text": "\\u3000\\u2003 "}', b'{"text": "a", "text": "dup wins", "title": "x"}', b'[1, 2]', b'"str"',
+             b'{"text": "caf\xc3\xa9 \xf0\x9f\x9a\x80", "title": ""}', b'{"text": "bad \xff"}', b'{"text": null}',
+             b'{"text": ["x"]}', b'{"title": "only"}', b'{"text": "ctrl \x01 char"}', b'{"text": "  pad  "}']
+    batch = readers.Batch("odd.jsonl", 1, "jsonl", [line + b"\n" for line in lines])
+    fast = readers.decode_batch(batch, keys)
+    monkeypatch.setattr(readers, "_fast_loads", lambda: None)  # the reference: json alone
+    slow = readers.decode_batch(batch, keys)
+    assert (fast.texts, fast.bad, fast.examples, fast.blank) == (slow.texts, slow.bad, slow.examples, slow.blank)
+    assert fast.texts["text"][0] == "plain" and sum(fast.bad.values()) > 5  # the odd records did go the slow way
