@@ -28,6 +28,10 @@ setup(
         "tokenizers>=0.19",
         "pyarrow>=14",
         "zstandard>=0.22",
+        # preprocessing's fast path: gigatoken tokenizes (only where a start-up check shows it exact),
+        # orjson parses JSONL; without either it falls back to tokenizers/json, saying so.
+        "gigatoken>=0.10,<0.11",
+        "orjson>=3.8",
         "tensorboard>=2.14",
     ],
     extras_require={

@@ -106,13 +106,17 @@ def _take_launcher_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    """The whole command line: the top parser and {verb: module} (tests walk it to run every --help)."""
+def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, dict]:
+    """The command line: the top parser and {verb: module}; every verb's parser without ``argv``
+    (tests walk it to run every --help), else only the verb that ``argv`` names."""
     parser = _Parser(prog="megafixed", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     available = {}
-    for verb, help_text in VERBS.items():
+    # A named verb builds only its own parser: the others' imports (torch, DeepSpeed) would cost
+    # `megafixed preprocess` seconds of start-up for nothing.
+    chosen = {argv[0]: VERBS[argv[0]]} if argv and argv[0] in VERBS else VERBS
+    for verb, help_text in chosen.items():
         mod = _module(verb)
         p = sub.add_parser(verb, help=getattr(mod, "HELP", help_text), description=getattr(mod, "HELP", help_text))
         mod.add_arguments(p)
@@ -122,7 +126,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = _take_launcher_local_rank(sys.argv[1:] if argv is None else argv)
-    parser, available = build_parser()
+    parser, available = build_parser(argv)
     try:
         args, extra = parser.parse_known_args(argv)
         # `megafixed train CFG --dry-run a.b=1`: argparse stops filling a nargs="*" positional at

@@ -147,7 +147,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     tokenizer: Optional[str] = None  # .model / tokenizer.json / GPT-2 dir; None -> from the shards
-    prefixes: list = field(default_factory=list)  # Megatron .bin/.idx prefixes
+    prefixes: list = field(default_factory=list)  # Megatron .bin/.idx prefixes, or PREFIX.manifest.json files
     weights: Optional[list] = None  # blend weights, one per prefix; None -> proportional to size
     seq_len: int = 1024
     split: str = "98,1,1"  # train, valid, test shares of documents

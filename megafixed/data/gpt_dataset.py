@@ -44,7 +44,12 @@ CACHE_VERSION = 1
 
 
 def resolve_prefix(prefix: str) -> list[str]:
-    """A prefix names one shard (``P.bin/.idx``) or a set written with ``--shard-size-mb`` (``P_00000`` ...)."""
+    """A prefix names one shard (``P.bin/.idx``), a set written with ``--shard-size-mb`` (``P_00000`` ...),
+    or a ``P.manifest.json`` written by ``preprocess --submit`` (its shards, in order)."""
+    if prefix.endswith(".json") and os.path.isfile(prefix):
+        from .preprocess_groups import read_manifest
+
+        return read_manifest(prefix)
     if shard_exists(prefix):
         return [prefix]
     shards = sorted(p[: -len(".idx")] for p in glob.glob(glob.escape(prefix) + "_[0-9][0-9][0-9][0-9][0-9].idx"))

@@ -89,6 +89,29 @@ def _write_index(path: str, dtype: np.dtype, lengths: np.ndarray, doc_indices: n
         fh.write(np.ascontiguousarray(doc_indices, dtype=np.int64).tobytes(order="C"))
 
 
+def _write_index_streamed(path: str, dtype: np.dtype, lengths_file: str, n: int, chunk: int = 1 << 22) -> None:
+    """The same bytes as :func:`_write_index` for one sequence per document, from lengths kept on disk
+    (int32, ``n`` of them), a chunk at a time: memory stays flat however many documents a shard holds."""
+    lengths = np.memmap(lengths_file, mode="r", dtype=np.int32, shape=(n,)) if n else np.zeros(0, np.int32)
+    with open(path, "wb") as fh:
+        fh.write(MAGIC)
+        fh.write(struct.pack("<Q", VERSION))
+        fh.write(struct.pack("<B", CODE_BY_DTYPE[dtype]))
+        fh.write(struct.pack("<Q", n))
+        fh.write(struct.pack("<Q", n + 1))
+        for a in range(0, n, chunk):
+            fh.write(np.ascontiguousarray(lengths[a:a + chunk]).tobytes(order="C"))
+        start = 0  # byte pointers: the running sum of the lengths before each sequence
+        for a in range(0, n, chunk):
+            part = np.asarray(lengths[a:a + chunk], dtype=np.int64) * dtype.itemsize
+            ptr = np.cumsum(part) - part + start
+            fh.write(ptr.tobytes(order="C"))
+            start = int(ptr[-1] + part[-1])
+        for a in range(0, n + 1, chunk):
+            fh.write(np.arange(a, min(n + 1, a + chunk), dtype=np.int64).tobytes(order="C"))
+    del lengths
+
+
 def _commit(prefix: str, tmp_bin: str, tmp_idx: str, meta: Optional[dict]) -> None:
     """Rename into place: drop any old .idx first so an old index never pairs with a new .bin."""
     for stale in (idx_path(prefix), meta_path(prefix)):
@@ -114,8 +137,10 @@ class ShardWriter:
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._tmp_bin = f"{bin_path(prefix)}.tmp.{os.getpid()}"
         self._tmp_idx = f"{idx_path(prefix)}.tmp.{os.getpid()}"
+        self._tmp_len = f"{idx_path(prefix)}.lengths.tmp.{os.getpid()}"
         self._fh = open(self._tmp_bin, "wb")
-        self._lengths: list[np.ndarray] = []
+        # document lengths go to disk as they come (4 bytes a document would otherwise pile up in memory)
+        self._len_fh = open(self._tmp_len, "wb")
         self.num_docs = 0
         self.num_tokens = 0
         self._limit = np.iinfo(self.dtype).max
@@ -137,7 +162,7 @@ class ShardWriter:
             raise ShardError(f"{self.prefix}: a document of {int(lengths.max())} tokens exceeds the int32 "
                              f"length field of the .idx format; split it")
         self._fh.write(tokens.astype(self.dtype, copy=False).tobytes(order="C"))
-        self._lengths.append(lengths.astype(np.int32))
+        self._len_fh.write(lengths.astype(np.int32).tobytes(order="C"))
         self.num_docs += len(lengths)
         self.num_tokens += tokens.size
 
@@ -147,14 +172,16 @@ class ShardWriter:
 
     def finalize(self, meta: Optional[dict] = None) -> None:
         self._fh.close()
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
-        _write_index(self._tmp_idx, self.dtype, lengths, np.arange(len(lengths) + 1, dtype=np.int64))
+        self._len_fh.close()
+        _write_index_streamed(self._tmp_idx, self.dtype, self._tmp_len, self.num_docs)
+        os.remove(self._tmp_len)
         _commit(self.prefix, self._tmp_bin, self._tmp_idx, meta)
 
     def abort(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
-        for p in (self._tmp_bin, self._tmp_idx):
+        for fh in (self._fh, self._len_fh):
+            if not fh.closed:
+                fh.close()
+        for p in (self._tmp_bin, self._tmp_idx, self._tmp_len):
             if os.path.exists(p):
                 os.remove(p)
 

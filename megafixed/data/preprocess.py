@@ -1,8 +1,11 @@
-"""Tokenize raw corpora into Megatron ``.bin/.idx`` shards with worker processes.
+"""Tokenize raw corpora into Megatron ``.bin/.idx`` shards, streaming, in bounded memory.
 
-Order and output are deterministic for any worker count: the parent cuts the inputs into ordered
-batches (:mod:`readers`), workers decode + tokenize them, and the parent writes results strictly
-in batch order (at most ``4 * workers`` batches in flight, so memory stays flat on any corpus).
+Order and output are deterministic for any worker count, chunk size and backend: the inputs are
+cut into ordered batches (:mod:`readers`), each batch is decoded and tokenized, and results are
+written strictly in batch order with a fixed number of batches in flight, so memory stays flat on
+any corpus. Two backends (:mod:`fast_backend`): gigatoken, used when a start-up check shows it
+gives the reference tokenizer's ids exactly (batches decoded in this process, tokenized on
+gigatoken's threads), and the reference engine (HF tokenizers / sentencepiece) in worker processes.
 
 Shards appear atomically: everything is written under temporary names and renamed into place
 at the very end (``.bin`` first, ``.idx`` last), so an interrupted run leaves nothing that looks
@@ -11,12 +14,12 @@ complete, and stale shards from an earlier run with more shards are removed firs
 from __future__ import annotations
 
 import glob
-import itertools
 import multiprocessing as mp
 import os
 import sys
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -25,9 +28,10 @@ import numpy as np
 from ..atomic import atomic_write_text
 from ..plural import count
 from .errors import DataError, check_vocab_fits
+from .fast_backend import PreparedFast, ReferenceEncoder, select_backend
 from .indexed import ShardWriter, bin_path, dtype_for_vocab, idx_path, meta_path
 from .readers import BAD_KINDS, Batch, decode_batch, expand_inputs, iter_batches
-from .tokenizers import load_tokenizer, tokenizer_sha256
+from .tokenizers import Tokenizer, load_tokenizer, tokenizer_sha256
 
 
 @dataclass
@@ -42,7 +46,10 @@ class PreprocessOptions:
     strict: bool = False
     text_split: str = "paragraph"
     code_bits: Optional[int] = None  # refuse a vocab larger than 2**code_bits
-    batch_records: int = 256
+    batch_records: Optional[int] = None  # records per batch; None -> 256 (reference), 16384 (gigatoken)
+    chunk_mb: float = 4.0  # and at most this many MB of raw input per batch
+    backend: str = "auto"  # auto | gigatoken | reference (see fast_backend.select_backend)
+    verify_chars: int = 65536  # characters of input the start-up check compares the backends on
     progress: bool = True
     extra_meta: dict = field(default_factory=dict)  # stored in every shard's .meta.json
 
@@ -59,6 +66,8 @@ class PreprocessReport:
     blank_lines: int = 0
     dtype: str = ""
     workers: int = 1
+    backend: str = "reference"
+    backend_note: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +77,8 @@ class PreprocessReport:
         lines = [f"wrote {count(self.documents, 'document')}, {count(self.tokens, 'token')} ({self.dtype}) in "
                  f"{self.seconds:.1f}s ({self.tokens / secs:,.0f} tokens/s, {self.input_bytes / secs / 1e6:.1f} MB/s, "
                  f"{count(self.workers, 'worker')})"]
+        if self.backend_note:
+            lines.append(f"  {self.backend_note}")
         for key, prefixes in self.outputs.items():
             more = f" ... {prefixes[-1]} ({len(prefixes)} shards)" if len(prefixes) > 1 else ""
             lines.append(f"  {key}: {prefixes[0]}{more}")
@@ -84,34 +95,66 @@ _STATE: dict = {}
 
 def _init_worker(tok_desc: dict, json_keys: list, strict: bool, append_eod: bool, dtype: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; workers are the parallelism
-    _STATE.update(tok=load_tokenizer(tok_desc), keys=list(json_keys), strict=strict,
+    tok = load_tokenizer(tok_desc)
+    _STATE.update(encoder=ReferenceEncoder(tok), eod_id=tok.eod_id, keys=list(json_keys), strict=strict,
                   append_eod=append_eod, dtype=np.dtype(dtype))
 
 
-def _encode(batch: Batch):
-    """One batch -> per key (flat tokens, lengths), plus bad-record counts. Runs in a worker."""
-    tok, keys, strict = _STATE["tok"], _STATE["keys"], _STATE["strict"]
-    dec = decode_batch(batch, keys, strict)
+def _with_eod(flat: np.ndarray, lengths: np.ndarray, eod_id: int, dtype: np.dtype):
+    """Every document followed by ``eod_id``, as one flat array (no per-document Python work)."""
+    out = np.empty(flat.size + len(lengths), dtype)
+    ends = np.cumsum(lengths + 1) - 1
+    keep = np.ones(out.size, bool)
+    keep[ends] = False
+    out[ends] = eod_id
+    out[keep] = flat
+    return out, lengths + 1
+
+
+def _tokenize(batch: Batch, dec, state: dict):
+    """Decoded batch -> per key (flat tokens, lengths), plus bad-record counts."""
+    keys, strict, dtype = state["keys"], state["strict"], state["dtype"]
     out = {}
     for key in keys:
-        texts = dec.texts[key]
-        ids = tok.encode_batch(texts) if texts else []
-        if _STATE["append_eod"]:
-            for doc in ids:
-                doc.append(tok.eod_id)
-        keep = [d for d in ids if d]
-        if len(keep) != len(ids):  # text that tokenizes to nothing (and no EOD appended)
-            n = len(ids) - len(keep)
-            if strict:
-                last = batch.first_record + len(batch.records) - 1
-                raise DataError(f"{batch.path}: {n} document(s) in records {batch.first_record}..{last} tokenize "
-                                f"to zero tokens (bad input under --strict; use --append-eod or drop --strict)")
-            dec.bad["empty"] += n
-        lengths = np.fromiter((len(d) for d in keep), dtype=np.int64, count=len(keep))
-        total = int(lengths.sum())
-        tokens = np.fromiter(itertools.chain.from_iterable(keep), dtype=np.int64, count=total)
-        out[key] = (tokens.astype(_STATE["dtype"]), lengths)
+        flat, lengths = state["encoder"].encode_flat(dec.texts[key])
+        if state["append_eod"]:
+            tokens, lengths = _with_eod(flat, lengths, state["eod_id"], dtype)
+        else:
+            tokens = flat.astype(dtype)
+            empty = int(np.count_nonzero(lengths == 0))
+            if empty:  # text that tokenizes to nothing (and no EOD appended)
+                if strict:
+                    last = batch.first_record + len(batch.records) - 1
+                    raise DataError(f"{batch.path}: {empty} document(s) in records {batch.first_record}..{last} "
+                                    f"tokenize to zero tokens (bad input under --strict; use --append-eod or drop "
+                                    f"--strict)")
+                dec.bad["empty"] += empty
+                lengths = lengths[lengths > 0]
+        out[key] = (tokens, lengths)
     return out, dec.bad, dec.examples, dec.blank, batch.nbytes
+
+
+def _encode(batch: Batch):
+    """One batch -> what :func:`_tokenize` returns. Runs in a reference-backend worker."""
+    return _tokenize(batch, decode_batch(batch, _STATE["keys"], _STATE["strict"]), _STATE)
+
+
+def _startup_sample(paths: list, keys: list, text_split: str, max_chars: int, max_files: int = 4) -> list:
+    """(where, text) documents from the start of up to ``max_files`` inputs spread over the list."""
+    picks = sorted({round(i * (len(paths) - 1) / max(1, max_files - 1)) for i in range(min(max_files, len(paths)))})
+    budget = max(1, max_chars // len(picks))
+    sample = []
+    for p in picks:
+        seen = 0
+        for batch in iter_batches([paths[p]], keys, 1, text_split=text_split):
+            dec = decode_batch(batch, keys)
+            for k in keys:
+                for text in dec.texts[k]:
+                    sample.append((f"{batch.path}:{batch.first_record}", text))
+                    seen += len(text)
+            if seen >= budget:
+                break
+    return sample
 
 
 # ----------------------------------------------------------------------------------- output
@@ -185,6 +228,9 @@ class _ShardedOutput:
             for p in (bin_path(tmp), idx_path(tmp), meta_path(tmp)):
                 if os.path.exists(p):
                     os.remove(p)
+        # and a writer interrupted while opening (its file made, not yet ours to abort): every temp name
+        for p in glob.glob(glob.escape(self.tmp_base) + "*"):
+            os.remove(p)
 
 
 def _write_meta(prefix: str, meta: dict) -> None:
@@ -211,21 +257,34 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
     if opts.shard_size_mb is not None and opts.shard_size_mb <= 0:
         raise DataError(f"--shard-size-mb must be > 0, got {opts.shard_size_mb}")
     paths = expand_inputs(list(opts.inputs))
+    keys = list(opts.json_keys)
+    sample, prepared = [], None
+    if opts.backend != "reference":
+        sample = _startup_sample(paths, keys, opts.text_split, opts.verify_chars)
+        if not isinstance(opts.tokenizer, (dict, Tokenizer)):  # from the files: loads beside the reference
+            prepared = PreparedFast(opts.tokenizer, sample)
     tok = load_tokenizer(opts.tokenizer)
     if opts.code_bits is not None:
         check_vocab_fits(tok.vocab_size, code_bits=opts.code_bits, where=f"tokenizer {tok.path}")
     dtype = dtype_for_vocab(tok.vocab_size)
     workers = max(1, int(opts.workers))
     shard_bytes = int(opts.shard_size_mb * (1 << 20)) if opts.shard_size_mb else None
-    keys = list(opts.json_keys)
     outputs = {k: _ShardedOutput(opts.output_prefix if len(keys) == 1 else f"{opts.output_prefix}_{k}",
                                  dtype, shard_bytes) for k in keys}
-    report = PreprocessReport(outputs={}, dtype=str(dtype), workers=workers)
+    if opts.chunk_mb <= 0:
+        raise DataError(f"--chunk-mb must be > 0, got {opts.chunk_mb}")
+    encoder, note = select_backend(tok, sample, opts.backend, workers, prepared)
+    if opts.progress and encoder.name == "reference" and opts.backend != "reference":
+        print(note, flush=True)  # the fallback, said at once (stdout: stderr is for the one error line)
+    report = PreprocessReport(outputs={}, dtype=str(dtype), workers=workers, backend=encoder.name, backend_note=note)
     bad: Counter = Counter()
     bar = _progress(opts.progress)
     t0 = time.perf_counter()
     init_args = (tok.describe(), keys, opts.strict, opts.append_eod, str(dtype))
-    batches = iter_batches(paths, keys, opts.batch_records, text_split=opts.text_split)
+    fast = encoder.name != "reference"
+    batch_records = opts.batch_records or (16384 if fast else 256)
+    batches = iter_batches(paths, keys, batch_records, batch_bytes=int(opts.chunk_mb * (1 << 20)),
+                           text_split=opts.text_split)
 
     def consume(result) -> None:
         per_key, nbad, examples, blank, nbytes = result
@@ -244,7 +303,20 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
             bar.set_postfix_str(f"{report.tokens / dt:,.0f} tok/s, {report.input_bytes / dt / 1e6:.1f} MB/s")
 
     try:
-        if workers == 1:
+        if fast:
+            # Decode batch k+1 here while gigatoken (GIL released, its own threads) tokenizes batch k;
+            # two batches in flight bound the memory.
+            state = {"encoder": encoder, "eod_id": tok.eod_id, "keys": keys, "strict": opts.strict,
+                     "append_eod": opts.append_eod, "dtype": dtype}
+            with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as ex:
+                pending: deque = deque()
+                for batch in batches:
+                    pending.append(ex.submit(_tokenize, batch, decode_batch(batch, keys, opts.strict), state))
+                    if len(pending) >= 2:
+                        consume(pending.popleft().result())
+                while pending:
+                    consume(pending.popleft().result())
+        elif workers == 1:
             _init_worker(*init_args)
             for batch in batches:
                 consume(_encode(batch))
