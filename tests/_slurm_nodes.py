@@ -60,19 +60,23 @@ ReturnToService=2
 # A requeued job waits out its old credential (cred_expire) before it may start again.
 AuthInfo=cred_expire=10
 KillWait=15
-# A node whose link is cut is declared down after this long (Slurm's default is 300 s).
-SlurmdTimeout=30
+# A node whose link is cut is declared down after this long (Slurm's default is 300 s); its jobs requeue.
+SlurmdTimeout=15
+# 4 CPUs per node on a 2-core machine: two small jobs at once (one waits for a timeout while the other runs).
+SlurmdParameters=config_overrides
 MessageTimeout=5
 {nodes}
 PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
 
-# Runs before every task. A flag file per node makes that node's tasks stall (their task never
-# starts) or run another megafixed (exported to the task: PYTHONPATH).
+# Runs before every task. A flag file per node and job name makes that node's tasks stall (the task
+# does not start while the flag exists, at most 120 s) or run another megafixed (PYTHONPATH).
 PROLOG = """#!/bin/sh
-node=$(hostname)
-if [ -e {root}/stall-$node ]; then sleep 300; fi
-if [ -e {root}/pythonpath-$node ]; then echo "export PYTHONPATH=$(cat {root}/pythonpath-$node)"; fi
+flag={root}/$(hostname)-$SLURM_JOB_NAME
+i=0
+while [ -e $flag.stall ] && [ $i -lt 240 ]; do sleep 0.5; i=$((i + 1)); done
+# PYTHONSAFEPATH: `python -m` would otherwise import the working directory's megafixed first
+if [ -e $flag.pythonpath ]; then echo "export PYTHONPATH=$(cat $flag.pythonpath)"; echo "export PYTHONSAFEPATH=1"; fi
 exit 0
 """
 
@@ -109,13 +113,21 @@ class NodesCluster(Cluster):
         return out
 
     # --- faults a test injects ---
-    def stall(self, node: str, on: bool = True) -> None:
-        flag = self.root / f"stall-{node}"
+    def stall(self, node: str, job_name: str, on: bool = True) -> None:
+        """The tasks of job ``job_name`` on ``node`` do not start (while on; 120 s at most)."""
+        flag = self.root / f"{node}-{job_name}.stall"
         flag.touch() if on else flag.unlink(missing_ok=True)
 
-    def other_code(self, node: str, pythonpath: str | None) -> None:
-        flag = self.root / f"pythonpath-{node}"
-        flag.write_text(pythonpath) if pythonpath else flag.unlink(missing_ok=True)
+    def other_code(self, node: str, job_name: str, pythonpath: str) -> None:
+        """The tasks of job ``job_name`` on ``node`` import megafixed from ``pythonpath``."""
+        (self.root / f"{node}-{job_name}.pythonpath").write_text(pythonpath)
+
+    def signal_job(self, job_id: str, sig: int, nodes: list[str] | None = None) -> list[int]:
+        """Send ``sig`` to the job's training ranks on ``nodes`` (default all); returns their pids."""
+        pids = [p for node in (nodes or self.nodes) for p in self.task_pids(node, job_id)]
+        for pid in pids:
+            os.kill(pid, sig)
+        return pids
 
     def link(self, node: str, up: bool) -> None:
         """Cut (or restore) the node's only network link, on the bridge side."""
@@ -211,7 +223,7 @@ def start_cluster(root: Path, n_nodes: int = 2) -> NodesCluster | str:
     for d in ["state", *(f"spool-{n}" for n in nodes)]:
         (root / d).mkdir(exist_ok=True)
     conf = root / "slurm.conf"
-    node_lines = "\n".join(f"NodeName={n} NodeAddr={SUBNET}.1{i} CPUs=2" for i, n in enumerate(nodes, start=1))
+    node_lines = "\n".join(f"NodeName={n} NodeAddr={SUBNET}.1{i} CPUs=4" for i, n in enumerate(nodes, start=1))
     conf.write_text(CONF.format(root=root, ctl_addr=CTL_ADDR, nodes=node_lines, names=",".join(nodes)))
     prolog = root / "task_prolog.sh"
     prolog.write_text(PROLOG.format(root=root))

@@ -18,14 +18,15 @@ import json
 import math
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-
 from _slurm_nodes import start_cluster
+
 from _train_data import tiny_overrides, write_shards
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,16 +122,72 @@ def wait_for_step(run_dir, step: int, job, cluster, timeout: float = 180) -> Non
     raise AssertionError(f"step {step} not reached in {timeout}s: {cluster.job_state(job)}\n{job_log(run_dir, job)}")
 
 
+def errors(log: str) -> int:
+    """Our error lines (srun's own "srun: error: ..." lines are not ours)."""
+    return sum(line.startswith("error:") for line in log.splitlines())
+
+
+def wait_for_text(run_dir, job, text: str, cluster, timeout: float = 180) -> float:
+    """Wait until ``text`` is in the job's log; returns the time it was seen."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in job_log(run_dir, job):
+            return time.time()
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in the log of job {job} after {timeout}s: {cluster.job_state(job)}\n"
+                         f"{job_log(run_dir, job)[-4000:]}")
+
+
+def freeze(cluster, job) -> list[int]:
+    """SIGSTOP every rank of the job (all nodes): the fault lands mid-run however fast the steps are."""
+    pids = cluster.signal_job(job, signal.SIGSTOP)
+    assert len(pids) == 4, pids
+    return pids
+
+
+# The jobs that need no interaction are submitted together (Slurm runs them side by side where CPUs
+# allow: one waits out a timeout while another trains); each test then waits for its own.
+PASSIVE = {
+    "dp": dict(),
+    "tp": dict(extra=("parallel.tp=2",), env={"SLURM_DISTRIBUTION": "cyclic"}),  # ranks 0,2 on node1: TP pairs span
+    "pp": dict(extra=("parallel.tp=2", "parallel.pp=2")),  # block: stage 0 on node1, stage 1 on node2
+    "nostart": dict(per_node=1, env={"MEGAFIXED_RDZV_TIMEOUT": "15"}),
+    "otherrev": dict(per_node=1),
+}
+
+
+@pytest.fixture(scope="module")
+def passive(cluster, inputs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("passive")
+    cluster.stall("node2", "nostart")
+    other = root / "other-revision"
+    shutil.copytree(ROOT / "megafixed", other / "megafixed", ignore=shutil.ignore_patterns("__pycache__", "bundled"))
+    (other / "megafixed" / "bundled").symlink_to(ROOT / "megafixed" / "bundled")
+    with open(other / "megafixed" / "launch" / "head.py", "a") as f:
+        f.write("# another revision of megafixed\n")
+    cluster.other_code("node2", "otherrev", str(other))
+    jobs = {}
+    for name, how in PASSIVE.items():
+        jobs[name] = (submit(cluster, inputs, root / name, *how.get("extra", ()), per_node=how.get("per_node", 2),
+                             env=how.get("env")), root / name)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def dp_straight(cluster, passive):
+    """The uninterrupted 2 x 2 DP job: the bit-exact reference of every interrupted one."""
+    job, run_dir = passive["dp"]
+    finished(cluster, job, run_dir)
+    return losses(run_dir), job_log(run_dir, job)
+
+
 # --- 1 + 2: layouts across nodes, and the rendezvous address ---
 
-def test_dp_across_two_nodes_matches_one_process_and_meets_at_the_head_nodes_address(cluster, inputs, reference,
-                                                                                     tmp_path):
-    run_dir = tmp_path / "dp"
-    job = submit(cluster, inputs, run_dir)
-    finished(cluster, job, run_dir)
-    log = job_log(run_dir, job)
-    assert_same_losses(losses(run_dir), reference, "dp=4 on 2 nodes")
-    assert "dp 4" in log
+def test_dp_across_two_nodes_matches_one_process_and_meets_at_the_head_nodes_address(cluster, reference,
+                                                                                     dp_straight):
+    got, log = dp_straight
+    assert_same_losses(got, reference, "dp=4 on 2 nodes")
+    assert "micro 2 x accum 1 x dp 4, tp 1, pp 1" in log
     # node1's own name maps to 127.0.1.1 (Debian's /etc/hosts); megafixed.launch.head fell back to the
     # address of the route towards node2, and every rank met there
     assert "127.0.1.1 node1" in (cluster.root / "hosts-node1").read_text()
@@ -141,3 +198,139 @@ def test_dp_across_two_nodes_matches_one_process_and_meets_at_the_head_nodes_add
     assert "127.0.0.1:" not in log and "127.0.1.1:" not in log
     # gloo would have bound to 127.0.1.1 too (it uses the hostname's address): pinned to the node's interface
     assert "node2 resolves to loopback; gloo uses eth0 (GLOO_SOCKET_IFNAME)" in log
+
+
+@pytest.mark.parametrize("name, plan, spans", [
+    ("tp", "micro 2 x accum 2 x dp 2, tp 2, pp 1", ("rank 0 of 4 on node1", "rank 1 of 4 on node2")),
+    ("pp", "micro 2 x accum 4 x dp 1, tp 2, pp 2", ("rank 0 of 4 on node1", "rank 2 of 4 on node2")),
+])
+def test_tp_and_pp_across_nodes_match_one_process(cluster, reference, passive, name, plan, spans):
+    job, run_dir = passive[name]
+    finished(cluster, job, run_dir)
+    log = job_log(run_dir, job)
+    assert plan in log
+    # TP: ranks 0 and 1 (one TP group) on different nodes; PP: stage 0 (ranks 0-1) and stage 1 (2-3) apart
+    for where in spans:
+        assert where in log
+    assert_same_losses(losses(run_dir), reference, f"{name} across 2 nodes")
+
+
+# --- 5: a node that never starts its task, a node with other code ---
+
+def test_a_node_that_never_starts_its_task_is_named_within_the_rendezvous_timeout(cluster, passive):
+    job, run_dir = passive["nostart"]
+    started = wait_for_text(run_dir, job, "rank 0 of 2 on node1: rendezvous at", cluster)
+    refused = wait_for_text(run_dir, job, "\nerror:", cluster)
+    cluster.stall("node2", "nostart", on=False)  # let the stalled task go, so the job can end
+    assert refused - started < 15 + 5  # the rendezvous timeout of this job, plus polling
+    info = cluster.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
+    log = job_log(run_dir, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), log[-3000:]
+    assert "error: rendezvous timed out after 15s at MASTER_ADDR=" in log
+    assert "1 of 2 ranks never arrived: rank 1 on node node2 (Slurm's task layout); arrived: ranks 0 on node1" in log
+    assert errors(log) == 1 and "start 1," not in log  # refused once: no retry, no requeue
+    assert not losses(run_dir)
+
+
+def test_a_node_running_another_megafixed_revision_is_refused_naming_it(cluster, passive):
+    job, run_dir = passive["otherrev"]
+    info = cluster.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
+    log = job_log(run_dir, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), log[-3000:]
+    assert re.search(r"error: the ranks run different code \(ranks 0 on node1: megafixed \S+ code \w+, torch \S+; "
+                     r"ranks 1 on node2: megafixed \S+ code \w+, torch \S+\); node node2 differs", log), log[-3000:]
+    assert errors(log) == 1 and not losses(run_dir)
+
+
+# --- 3: the pre-timeout signal across nodes ---
+
+def test_usr1_stops_every_rank_at_one_step_checkpoints_once_requeues_and_finishes_identically(
+        cluster, inputs, dp_straight, tmp_path):
+    run_dir = tmp_path / "usr1"
+    job = submit(cluster, inputs, run_dir)
+    wait_for_step(run_dir, 3, job, cluster)
+    freeze(cluster, job)
+    cluster.run("scancel", "--signal=USR1", "--batch", job)
+    time.sleep(1)  # the batch shell forwards USR1 to srun, srun to every rank (pending while stopped)
+    cluster.signal_job(job, signal.SIGCONT)
+    info = cluster.wait_for(job, {"PENDING", "COMPLETED", "FAILED"})
+    first = job_log(run_dir, job)
+    assert info["JobState"] == "PENDING" and info["Restarts"] == "1", first[-4000:]
+    stopped_at = max(losses(run_dir))
+    assert 3 <= stopped_at < STEPS
+    # every rank stopped at that step: one "stopped" line, and one checkpoint holding all 4 ranks' files
+    assert first.count(f"stopped: {stopped_at} steps") == 1 and "requeueing job" in first
+    ckpt = run_dir / "checkpoints" / f"step_{stopped_at:08d}"
+    assert len(list(ckpt.glob(".files.rank*.json"))) == 4, sorted(p.name for p in ckpt.iterdir())
+    periodic = {f"step_{s:08d}" for s in range(2, stopped_at + 1, 2)}
+    assert {p.name for p in (run_dir / "checkpoints").glob("step_*")} == periodic | {ckpt.name}
+    requeued_at = time.time()
+    info = finished(cluster, job, run_dir)
+    log = job_log(run_dir, job)
+    assert f"resumed from {ckpt}" in log and "start 1," in log
+    assert losses(run_dir) == dp_straight[0]  # bit-identical, CPU fp32
+    print(f"requeue: the job restarted and finished {time.time() - requeued_at:.0f}s after its stop")
+
+
+# --- 4: a node dies mid-step ---
+
+def _resubmit_and_compare(cluster, inputs, run_dir, dp_straight, last_ckpt) -> None:
+    """The last checkpoint is loadable: a resubmitted job resumes from it with the uninterrupted losses."""
+    job = submit(cluster, inputs, run_dir)
+    finished(cluster, job, run_dir)
+    assert f"resumed from {last_ckpt}" in job_log(run_dir, job)
+    assert losses(run_dir) == dp_straight[0]
+
+
+def test_a_node_whose_ranks_are_killed_is_named_and_a_resubmitted_job_resumes_identically(
+        cluster, inputs, dp_straight, tmp_path):
+    run_dir = tmp_path / "killed"
+    job = submit(cluster, inputs, run_dir)
+    wait_for_step(run_dir, 3, job, cluster)
+    freeze(cluster, job)
+    killed = cluster.signal_job(job, signal.SIGKILL, ["node2"])
+    t0 = time.time()
+    cluster.signal_job(job, signal.SIGCONT, ["node1"])
+    seen = wait_for_text(run_dir, job, "error: lost", cluster, timeout=COLLECTIVE_TIMEOUT + 60)
+    info = finished(cluster, job, run_dir, state="FAILED")
+    log = job_log(run_dir, job)
+    assert len(killed) == 2 and info["ExitCode"].startswith("1:")
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    line = next(ln for ln in log.splitlines() if ln.startswith("error: lost"))
+    assert line.startswith(f"error: lost ranks 2-3 on node2 ({cluster.addr('node2')}): 2 of 4 ranks answered"), line
+    assert f"The last checkpoint, {run_dir / 'checkpoints' / latest}, is intact" in line
+    assert errors(log) == 1 and "Traceback" not in log
+    assert seen - t0 < COLLECTIVE_TIMEOUT + 5 + 10
+    print(f"dead ranks: named {seen - t0:.1f}s after the kill")
+    _resubmit_and_compare(cluster, inputs, run_dir, dp_straight, run_dir / "checkpoints" / latest)
+
+
+def test_a_node_whose_link_is_cut_is_named_within_the_collective_timeout_and_the_job_requeues(
+        cluster, inputs, dp_straight, tmp_path):
+    run_dir = tmp_path / "cut"
+    job = submit(cluster, inputs, run_dir)
+    wait_for_step(run_dir, 3, job, cluster)
+    freeze(cluster, job)
+    cluster.link("node2", up=False)
+    t0 = time.time()
+    try:
+        cluster.signal_job(job, signal.SIGCONT)
+        seen = wait_for_text(run_dir, job, "error: lost", cluster, timeout=COLLECTIVE_TIMEOUT + 60)
+        # Slurm itself notices the silent node (SlurmdTimeout) and requeues the job (#SBATCH --requeue)
+        info = cluster.wait_for(job, {"PENDING", "COMPLETED", "FAILED"}, timeout=120)
+        requeued = time.time()
+    finally:
+        cluster.link("node2", up=True)
+    log = job_log(run_dir, job)
+    line = next(ln for ln in log.splitlines() if ln.startswith("error: lost"))
+    assert line.startswith(f"error: lost ranks 2-3 on node2 ({cluster.addr('node2')}): 2 of 4 ranks answered"), line
+    assert f"Timed out waiting {COLLECTIVE_TIMEOUT * 1000}ms" in line  # the run's bound, not torch's 30 minutes
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert seen - t0 < COLLECTIVE_TIMEOUT + 5 + 10
+    assert info["JobState"] == "PENDING" and info["Restarts"] == "1", log[-3000:]
+    print(f"cut link: named {seen - t0:.1f}s after the cut; job requeued by Slurm {requeued - t0:.1f}s after it")
+    # the node comes back (ReturnToService=2 once its slurmd answers again); the requeued job resumes
+    cluster.run("scontrol", "update", "nodename=node2", "state=resume", check=False)
+    finished(cluster, job, run_dir)
+    assert f"resumed from {run_dir / 'checkpoints' / latest}" in job_log(run_dir, job)
+    assert losses(run_dir) == dp_straight[0]
