@@ -13,7 +13,7 @@ to the host's own network namespace, and no packet leaves them):
 munged is shared (a unix socket, which network namespaces do not separate). Ports, state, config and
 log paths are private to this cluster (under its temp root), so it never meets the one-node cluster
 of ``tests/_slurm.py``. A TaskProlog lets a test make one node stall before its task starts
-(``stall(node)``) or run another copy of megafixed (``other_code(node, path)``).
+(``stall(node, job_name)``) or run another copy of megafixed (``other_code(node, job_name, path)``).
 
 ``start_cluster`` returns a reason string where it cannot start (not root, packages missing); ``stop``
 removes every daemon and namespace even after a failure, and says if one stayed.

@@ -153,6 +153,7 @@ PASSIVE = {
     "pp": dict(extra=("parallel.tp=2", "parallel.pp=2")),  # block: stage 0 on node1, stage 1 on node2
     "nostart": dict(per_node=1, env={"MEGAFIXED_RDZV_TIMEOUT": "15"}),
     "otherrev": dict(per_node=1),
+    "interrupted": dict(per_node=1),
 }
 
 
@@ -160,6 +161,7 @@ PASSIVE = {
 def passive(cluster, inputs, tmp_path_factory):
     root = tmp_path_factory.mktemp("passive")
     cluster.stall("node2", "nostart")
+    cluster.stall("node2", "interrupted")
     other = root / "other-revision"
     shutil.copytree(ROOT / "megafixed", other / "megafixed", ignore=shutil.ignore_patterns("__pycache__", "bundled"))
     (other / "megafixed" / "bundled").symlink_to(ROOT / "megafixed" / "bundled")
@@ -232,13 +234,26 @@ def test_a_node_that_never_starts_its_task_is_named_within_the_rendezvous_timeou
     assert not losses(run_dir)
 
 
+def test_sigterm_during_the_rendezvous_ends_the_rank_at_once(cluster, passive):
+    job, run_dir = passive["interrupted"]
+    wait_for_text(run_dir, job, "rank 0 of 2 on node1: rendezvous at", cluster)
+    cluster.run("scancel", "--signal=TERM", job)  # to the job's tasks, as scancel/preemption would
+    t0 = time.time()
+    seen = wait_for_text(run_dir, job, "megafixed: SIGTERM during the rendezvous (rank 0 of 2): exiting now", cluster)
+    cluster.stall("node2", "interrupted", on=False)
+    assert seen - t0 < 5
+    info = cluster.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
+    assert info["JobState"] == "FAILED" and not losses(run_dir), job_log(run_dir, job)[-3000:]
+
+
 def test_a_node_running_another_megafixed_revision_is_refused_naming_it(cluster, passive):
     job, run_dir = passive["otherrev"]
     info = cluster.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
     log = job_log(run_dir, job)
     assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), log[-3000:]
     assert re.search(r"error: the ranks run different code \(ranks 0 on node1: megafixed \S+ code \w+, torch \S+; "
-                     r"ranks 1 on node2: megafixed \S+ code \w+, torch \S+\); node node2 differs", log), log[-3000:]
+                     r"ranks 1 on node2: megafixed \S+ code \w+, torch \S+\); "
+                     r"node2 runs other code than rank 0 \(node1\)", log), log[-3000:]
     assert errors(log) == 1 and not losses(run_dir)
 
 

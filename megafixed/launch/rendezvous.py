@@ -248,10 +248,12 @@ def _check_same_code(records: list[dict]) -> None:
         return
     seen = "; ".join(f"ranks {ranges([r['rank'] for r in recs])} on {', '.join(sorted({r['host'] for r in recs}))}: "
                      f"megafixed {key[0]} code {key[1]}, torch {key[2]}" for key, recs in groups.items())
-    odd = min(groups.values(), key=len)  # the minority is most likely the stale node
-    raise RendezvousError(f"the ranks run different code ({seen}); node {', '.join(sorted({r['host'] for r in odd}))} "
-                          f"differs: install the same megafixed revision and torch on every node (one shared "
-                          f"checkout or venv, or one container image) and resubmit")
+    base = next(key for key, recs in groups.items() if any(r["rank"] == 0 for r in recs))
+    odd = sorted({r["host"] for key, recs in groups.items() if key != base for r in recs})
+    head = sorted({r["host"] for r in groups[base]})
+    raise RendezvousError(f"the ranks run different code ({seen}); {', '.join(odd)} run{'s' if len(odd) == 1 else ''} "
+                          f"other code than rank 0 ({', '.join(head)}): install the same megafixed revision and torch "
+                          f"on every node (one shared checkout or venv, or one container image) and resubmit")
 
 
 def ranges(ranks: list[int]) -> str:
