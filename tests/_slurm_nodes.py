@@ -60,8 +60,9 @@ ReturnToService=2
 # A requeued job waits out its old credential (cred_expire) before it may start again.
 AuthInfo=cred_expire=10
 KillWait=15
-# A node whose link is cut is declared down after this long (Slurm's default is 300 s); its jobs requeue.
-SlurmdTimeout=15
+# A node whose link is cut is declared down after this long (Slurm's default is 300 s) and its jobs requeue;
+# longer than the runs' collective timeout (20 s) + roll call (5 s), so the survivors speak first.
+SlurmdTimeout=30
 # 4 CPUs per node on a 2-core machine: two small jobs at once (one waits for a timeout while the other runs).
 SlurmdParameters=config_overrides
 MessageTimeout=5
@@ -141,7 +142,7 @@ class NodesCluster(Cluster):
                 continue
             try:
                 cmd = (proc / "cmdline").read_bytes().split(b"\0")
-                if b"megafixed.cli" not in cmd or b"train" not in cmd:
+                if cmd[1:3] != [b"-m", b"megafixed.cli"] or b"train" not in cmd:  # a rank, not srun itself
                     continue
                 env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
             except (OSError, ValueError):
