@@ -4,8 +4,9 @@ When a node dies mid-step, the survivors' collective fails: at once if the peer'
 (its processes were killed), or after ``parallel.collective_timeout_s`` if the peer just went silent
 (a cut link, a hung node). The exception names at best an address, often a neighbour that itself only
 failed in turn. So the survivors take a roll call on the rendezvous store (rank 0's TCPStore, which
-outlives the broken process groups): each posts "alive", waits a few seconds for the others, and the
-ranks that never answer are the lost ones; their hosts come from the rendezvous records. Where the store
+outlives the broken process groups): every rank bumps a heartbeat counter there each second (a thread,
+``rendezvous.start_heartbeat``), a survivor watches the counters for a few seconds, and the ranks whose
+counter stands still are the lost ones; their hosts come from the rendezvous records. Where the store
 itself is gone, rank 0's node is the one lost (or unreachable from here).
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional
 
 from . import rendezvous
 
-ROLL_CALL_S = 5.0  # how long survivors wait for each other's answer: they fail within a few seconds of each other
+ROLL_CALL_S = 5.0  # how long a survivor watches the heartbeats (rendezvous.HEARTBEAT_S) before naming the silent
 # what gloo / NCCL / c10d say when a peer went away (their exceptions are plain RuntimeErrors)
 _MARKERS = ("connection closed by peer", "connection reset by peer", "timed out waiting", "broken pipe",
             "connection refused", "socket timeout", "nccl", "gloo", "timeout")
@@ -40,23 +41,37 @@ def is_comm_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _MARKERS)
 
 
+def _beats(store, size: int) -> list[str]:
+    return [v.decode() for v in store.multi_get([rendezvous.heartbeat_key(r) for r in range(size)])]
+
+
 def roll_call(wait: float = ROLL_CALL_S) -> tuple[Optional[list[int]], str]:
-    """(ranks that answered, or None if the store is unreachable; what went wrong with the store)."""
+    """(ranks alive, or None if the store is unreachable; what went wrong with the store).
+
+    Alive: its heartbeat advanced during ``wait`` seconds, or it already took this roll call (a survivor
+    that is about to exit stops beating). Independent of when the other survivors notice the failure."""
     import torch.distributed as dist
 
     store, size, rank = rendezvous.store(), dist.get_world_size(), dist.get_rank()
     if store is None:
         return None, "no rendezvous store"
-    key = f"{rendezvous.PREFIX}/alive/{{}}"
+    done = f"{rendezvous.PREFIX}/roll_call/{{}}"
     try:
         store.set_timeout(timedelta(seconds=wait))
-        store.set(key.format(rank), "1")
+        first = _beats(store, size)
         deadline = time.monotonic() + wait
         while True:
-            alive = [r for r in range(size) if store.check([key.format(r)])]
+            time.sleep(0.5)
+            now = _beats(store, size)
+            alive = [r for r in range(size) if now[r] != first[r] or r == rank or store.check([done.format(r)])]
             if len(alive) == size or time.monotonic() > deadline:
-                return alive, ""
-            time.sleep(0.25)
+                break
+        store.set(done.format(rank), "1")
+        if rank == 0:  # the store lives in this process: stay until the other survivors have answered
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and not all(store.check([done.format(r)]) for r in alive):
+                time.sleep(0.2)
+        return alive, ""
     except (RuntimeError, OSError) as exc:
         return None, str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
 

@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Optional
 from .world import LaunchError, World
 
 PREFIX = "megafixed/rdzv"
+HEARTBEAT_S = 1.0  # each rank bumps its counter in the store this often, for naming lost ranks later (lost.py)
 _PEERS: list[dict] = []  # every rank's record, once the rendezvous succeeded
 _STORE = None  # the rendezvous store, kept for diagnosing a lost peer later
 
@@ -302,3 +304,26 @@ def init_process_group(world: World, backend: str, collective_timeout_s: float =
     with signals_end_the_rendezvous(world.rank, world.size):
         dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=world.rank,
                                 world_size=world.size, timeout=timeout)
+    if world.size > 1:
+        start_heartbeat(store, world.rank)
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"{PREFIX}/heartbeat/{rank}"
+
+
+def start_heartbeat(store, rank: int) -> None:
+    """A daemon thread bumping this rank's counter every HEARTBEAT_S. A rank stuck in a collective still
+    beats (collectives release the GIL); a dead or cut-off rank stops: that is how survivors tell them apart.
+    One tiny store write per rank and second: nothing next to a training step."""
+    def beat():
+        n = 0
+        while True:
+            n += 1
+            try:
+                store.set(heartbeat_key(rank), str(n))
+            except Exception:  # noqa: BLE001 -- the store (rank 0) is gone: nothing left to tell
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="megafixed-heartbeat", daemon=True).start()
