@@ -19,7 +19,6 @@ from _env import launch_free_env
 from _train_data import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.multiprocess
 
 
 def _free_port() -> int:
@@ -50,6 +49,7 @@ def _wait_for_line(path: Path, text: str, timeout: float = 120) -> None:
     raise AssertionError(f"{text!r} never appeared in {path}: {path.read_text()[-2000:]}")
 
 
+@pytest.mark.multiprocess
 def test_a_lone_rank_gives_up_once_with_our_line_and_signals_end_the_wait_at_once(tmp_path):
     # four processes at once (start-up dominates): rank 1 alone, rank 0 alone, two that get a signal
     port = _free_port()  # nothing listens there
@@ -87,6 +87,7 @@ def test_a_lone_rank_gives_up_once_with_our_line_and_signals_end_the_wait_at_onc
     assert err.count("error:") == 1
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_meet_and_train(tmp_path):
     port = _free_port()
     # rank 1 first: it waits for the master
@@ -94,3 +95,48 @@ def test_two_ranks_meet_and_train(tmp_path):
     codes = [p.wait(timeout=300) for p in ranks]
     assert codes == [0, 0], [(tmp_path / f"r{r}.err").read_text()[-2000:] for r in (1, 0)]
     assert os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+class _BeatingStore:
+    """A rendezvous store whose heartbeats advance for ``alive`` ranks only (no network)."""
+
+    def __init__(self, alive):
+        self.alive, self.reads, self.keys = alive, 0, {}
+
+    def set_timeout(self, _t):
+        pass
+
+    def multi_get(self, keys):
+        self.reads += 1
+        return [str(self.reads if int(k.rsplit("/", 1)[1]) in self.alive else 0).encode() for k in keys]
+
+    def set(self, key, value):
+        self.keys[key] = value
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+
+def test_the_ranks_whose_heartbeat_stands_still_are_named_with_their_node(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    from megafixed.launch import lost, rendezvous
+
+    peers = [{"rank": r, "host": f"node{r // 2 + 1}", "addr": f"10.0.0.{r // 2 + 1}"} for r in range(4)]
+    monkeypatch.setattr(rendezvous, "_STORE", _BeatingStore(alive={0, 1}))
+    monkeypatch.setattr(rendezvous, "_PEERS", peers)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
+    monkeypatch.setattr(lost, "ROLL_CALL_S", 1.0)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000004\n")
+    err = lost.lost_peer_error(RuntimeError("[gloo/pair.cc:553] Connection closed by peer [10.0.0.2]:4242"),
+                               str(tmp_path), 20)
+    assert str(err).startswith("lost ranks 2-3 on node2 (10.0.0.2): 2 of 4 ranks answered after the failure")
+    assert f"The last checkpoint, {tmp_path / 'checkpoints' / 'step_00000004'}, is intact" in str(err)
+    assert not err.every_rank  # rank 0 is alive and reports; rank 1 stays silent
+    # not a lost peer: everyone beats, the original error stands
+    monkeypatch.setattr(rendezvous, "_STORE", _BeatingStore(alive={0, 1, 2, 3}))
+    assert lost.lost_peer_error(RuntimeError("gloo: Connection closed by peer"), str(tmp_path), 20) is None
+    assert lost.lost_peer_error(ValueError("bad shape"), str(tmp_path), 20) is None
