@@ -14,8 +14,8 @@ first collective, or every node training alone. Each case that the environment a
 refused here in seconds, naming the variable: a loopback master on a job spanning several nodes, a
 world size that disagrees with the job (``MEGAFIXED_EXPECTED_WORLD``, set by the sbatch script to
 nodes x GPUs, or the srun step's task count), torchrun agents that each formed their own world.
-The rendezvous waits ``MEGAFIXED_RDZV_TIMEOUT`` seconds (default 120) instead of torch's 30 minutes
-and says what to check. After it, the ranks compare notes (``check_agreement``): same Slurm job, same
+The rendezvous (``rendezvous.py``) waits ``MEGAFIXED_RDZV_TIMEOUT`` seconds (default 120) instead of
+torch's 30 minutes and says what to check. After it, the ranks compare notes (``check_agreement``): same Slurm job, same
 master, and as many nodes as the step has -- so several separate worlds can never train.
 """
 from __future__ import annotations
