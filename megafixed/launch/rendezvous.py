@@ -93,6 +93,9 @@ def signals_end_the_rendezvous(rank: int, size: int):
         sys.stdout.flush()
         os._exit(128 + signum)
 
+    if threading.current_thread() is not threading.main_thread():  # Python allows handlers in the main thread only
+        yield
+        return
     previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
