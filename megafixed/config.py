@@ -231,6 +231,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pp_partition: Literal["parameters", "uniform", "type:Block"] = "parameters"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    # A collective (any group) that waits this long for a peer fails, naming the lost rank/node, instead of
+    # hanging for torch's 30 minutes; long enough for the slowest checkpoint save or evaluation (Megatron: 10 min).
+    collective_timeout_s: float = 600
 
     def validate(self) -> None:
         _require_at_least("parallel", self, 1, ("tp", "pp"))

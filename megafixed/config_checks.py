@@ -106,6 +106,7 @@ RANGES: dict[str, Range] = {
     # parallel
     "parallel.tp": _at_least(1, "tensor-parallel size"),
     "parallel.pp": _at_least(1, "pipeline-parallel size"),
+    "parallel.collective_timeout_s": Range(1, 86400, why="seconds a collective waits for a lost peer before failing"),
     # zero
     "zero.stage": Range(0, 3, why="DeepSpeed ZeRO stages are 0, 1, 2 and 3"),
     "zero.reduce_bucket_size": _at_least(1, "elements per gradient-reduction bucket"),

@@ -158,6 +158,7 @@ def report(exc: BaseException, file=None) -> int:
     if found is None:
         raise exc
     code, line = found
-    if _is_rank0():
+    # every_rank: a failure that rank 0 may not see (it is the missing rank), e.g. an unreachable master
+    if _is_rank0() or getattr(exc, "every_rank", False):
         print(f"error: {line}", file=file or sys.stderr, flush=True)
     return code

@@ -70,7 +70,15 @@ def _train(args) -> int:
     topo = setup_distributed(cfg)  # the one Topology of this process
     cfg = prepare_data(cfg, is_main=topo.is_main)
     _barrier()  # other ranks read the shards rank 0 may just have written
-    result = train(cfg, topo, stop=stop)
+    try:
+        result = train(cfg, topo, stop=stop)
+    except Exception as exc:  # noqa: BLE001 -- a dead peer becomes one line naming it; anything else re-raises
+        from ..launch.lost import lost_peer_error
+
+        lost = lost_peer_error(exc, cfg.train.run_dir, cfg.parallel.collective_timeout_s)
+        if lost is None:
+            raise
+        raise lost from exc
     if topo.is_main:
         ckpt = os.path.join(result.run_dir, "checkpoints", result.checkpoint or "")
         print(f"{'stopped' if result.stopped else 'done'}: {count(result.step, 'step')}; metrics "

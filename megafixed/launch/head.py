@@ -56,6 +56,40 @@ def source_address(dest: str) -> str | None:
         return None
 
 
+def interface_of(addr: str) -> str | None:
+    """The name of the local network interface that holds ``addr`` (e.g. eth0), or None."""
+    import psutil  # a DeepSpeed dependency
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == addr for a in addrs):
+            return name
+    return None
+
+
+def pin_gloo_interface(master: str, env=None) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` to the interface that routes to ``master`` when gloo would pick loopback.
+
+    Without it gloo binds to the address of this node's *hostname*; with Debian's ``127.0.1.1 <hostname>``
+    line in /etc/hosts that is loopback, peers on other nodes are told to connect to 127.0.1.1 and the
+    first collective hangs. An explicit GLOO_SOCKET_IFNAME (or a hostname with a real address) is kept."""
+    import os
+
+    env = os.environ if env is None else env
+    if env.get("GLOO_SOCKET_IFNAME") or is_loopback(master):
+        return None
+    try:
+        own = addresses(socket.gethostname())
+    except LaunchError:
+        own = []
+    if any(not is_loopback(a) for a in own):
+        return None
+    src = source_address(master)
+    name = interface_of(src) if src and not is_loopback(src) else None
+    if name:
+        env["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
 def reachable_address(host: str, nnodes: int, peer: str | None = None) -> str:
     """An address of ``host`` that the job's other nodes can connect to; loopback only on one node."""
     found = addresses(host)

@@ -14,8 +14,8 @@ first collective, or every node training alone. Each case that the environment a
 refused here in seconds, naming the variable: a loopback master on a job spanning several nodes, a
 world size that disagrees with the job (``MEGAFIXED_EXPECTED_WORLD``, set by the sbatch script to
 nodes x GPUs, or the srun step's task count), torchrun agents that each formed their own world.
-The rendezvous waits ``MEGAFIXED_RDZV_TIMEOUT`` seconds (default 120) instead of torch's 30 minutes
-and says what to check. After it, the ranks compare notes (``check_agreement``): same Slurm job, same
+The rendezvous (``rendezvous.py``) waits ``MEGAFIXED_RDZV_TIMEOUT`` seconds (default 120) instead of
+torch's 30 minutes and says what to check. After it, the ranks compare notes (``check_agreement``): same Slurm job, same
 master, and as many nodes as the step has -- so several separate worlds can never train.
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Mapping, Optional
 
 RDZV_TIMEOUT_S = 120
@@ -160,36 +159,6 @@ def set_master_env(world: World, env=None) -> None:
     env.setdefault("WORLD_SIZE", str(world.size))
     env.setdefault("RANK", str(world.rank))
     env.setdefault("LOCAL_RANK", str(world.local_rank))
-
-
-def init_process_group(world: World, backend: str) -> None:
-    """``torch.distributed.init_process_group`` with a rendezvous that gives up after
-    ``MEGAFIXED_RDZV_TIMEOUT`` seconds (collectives keep torch's default timeout).
-
-    This is what ``init_process_group(init_method="env://")`` does inside (rendezvous, then a
-    ``default_pg`` PrefixStore), except that its one timeout would bound both the wait for the other
-    ranks and every later collective (a long checkpoint save or evaluation)."""
-    import torch.distributed as dist
-    from torch.distributed.constants import default_pg_timeout
-
-    wait = float(os.environ.get("MEGAFIXED_RDZV_TIMEOUT") or RDZV_TIMEOUT_S)
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    url = "env://"
-    if world.size == 1 and not addr:  # a lone process: a free loopback port, kept out of the environment
-        addr, port = "127.0.0.1", str(_free_port())
-        url = f"tcp://{addr}:{port}"
-    try:
-        store, rank, size = next(dist.rendezvous(url, world.rank, world.size, timeout=timedelta(seconds=wait)))
-    except (RuntimeError, OSError, ValueError) as exc:  # DistStoreError, DistNetworkError: RuntimeErrors
-        what = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise LaunchError(f"rendezvous failed: rank {world.rank} of {world.size} ({world.source}) could not meet the "
-                          f"others at MASTER_ADDR={addr}:{port} within {wait:g}s ({what}). Check that every rank was "
-                          f"started, that all got the same MASTER_ADDR/MASTER_PORT, that {addr} is reachable from "
-                          f"every node (not loopback), and that the port is free; MEGAFIXED_RDZV_TIMEOUT sets the "
-                          f"wait") from None
-    store.set_timeout(default_pg_timeout)
-    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=size)
 
 
 def check_agreement(world: World, env: Optional[Mapping[str, str]] = None) -> None:

@@ -114,8 +114,11 @@ def setup_distributed(cfg) -> Topology:
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        from ..launch import rendezvous
+
         launch.set_master_env(lw)  # a lone process gets a free loopback port, so two runs never collide
-        launch.init_process_group(lw, backend)  # gives up after MEGAFIXED_RDZV_TIMEOUT, saying what to check
+        # gives up after MEGAFIXED_RDZV_TIMEOUT, naming the missing ranks/nodes; collectives get their own bound
+        rendezvous.init_process_group(lw, backend, cfg.parallel.collective_timeout_s)
         launch.check_agreement(lw)  # same job, same master, every node of the step in this one world
     pp_rank, dp_rank, tp_rank = coords_of(rank, tp, dp)
     groups = {}
