@@ -12,7 +12,10 @@ import importlib
 import os
 import sys
 
-from . import errors
+from . import threads
+
+threads.set_wait_policy()  # before anything below imports torch (and with it OpenMP)
+from . import errors  # noqa: E402
 
 # What `megafixed --help` shows: written for users (the module docstring above is for developers).
 DESCRIPTION = """\

@@ -218,6 +218,9 @@ class TrainConfig:
     # `megafixed import hf`. Ignored once the run has its own checkpoint (it then resumes from that).
     init_from: Optional[str] = None
     async_save: bool = False  # write checkpoints in the background; `latest` moves once they are complete
+    # CPU intra-op threads per process; 0: OMP_NUM_THREADS if set, else this process's share of the
+    # usable cores (megafixed/threads.py). Printed once at the start of the run.
+    threads: int = 0
 
     def validate(self) -> None:
         _require_at_least("train", self, 1, ("global_batch", "micro_batch", "log_interval", "save_interval"))

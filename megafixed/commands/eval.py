@@ -69,6 +69,8 @@ def run(args) -> int:
     from ..outputs import claim_output, ensure_parent
 
     _check(args)
+    from ..threads import apply_thread_policy
+    apply_thread_policy(log=lambda m: print(m, file=sys.stderr))  # stdout carries the results
     if not (args.text or args.prefix):
         parse_tasks(args.tasks)  # an unknown name fails before the model loads
     if args.json:

@@ -52,6 +52,9 @@ def run(args) -> int:
 
     from ..interop.run_source import resolve_run, run_tokenizer
     from ..model.generate import GenerationError, SamplingConfig, generate
+    from ..threads import apply_thread_policy
+
+    apply_thread_policy(log=lambda m: print(m, file=sys.stderr))  # stdout carries the generated text
 
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed).validate()

@@ -21,6 +21,9 @@ def run(args) -> int:
     from ..atomic import atomic_write_text
     from ..config import ConfigError
     from ..study.probe import probe_run
+    from ..threads import apply_thread_policy
+
+    apply_thread_policy()
 
     if args.tokens < 16:
         raise ConfigError(f"--tokens {args.tokens}: give at least 16 positions (a few thousand are better)")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
-from ..paths import cache_dir
 from ..versions import check_engines
+from .ds_ops import extensions_dir
 
 # Library noise, filtered in this one place. Each entry is a message that fires on every run of ours
 # and tells the user nothing actionable; anything else from these libraries still gets through.
@@ -60,6 +60,7 @@ def prepare_runtime_env() -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # JIT-built ops go to the user cache (not the install tree), shared by all runs of this user.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
+    # JIT-built ops go to the user cache (not the install tree), one folder per environment and CPU
+    # kind, so that two environments never rebuild over each other (train/ds_ops.py).
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     quiet_library_noise()

@@ -25,6 +25,7 @@ import torch
 from ..atomic import atomic_write_text
 from ..config import Config, save_config
 from ..parallel.layout import validate_layout
+from ..threads import apply_thread_policy
 from . import checkpoint, manifest, universal
 from .ds_config import deepspeed_config, resolve_precision
 from .engine import build_engine
@@ -63,6 +64,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
           log: Callable[[str], None] = print) -> TrainResult:
     """Train (or resume) the run described by ``cfg`` on this rank of ``topo``."""
     say = log if topo.is_main else (lambda *_: None)
+    apply_thread_policy(cfg.train.threads or None, log=say)
     stop = stop or StopRequest()
     precision = resolve_precision(cfg)
     layout = validate_layout(cfg, topo.world_size, precision)
