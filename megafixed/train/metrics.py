@@ -96,6 +96,11 @@ class MetricsLog:
         self.fh = open(self.path, "a")
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
+            from .tb_resume import truncate_events_after
+
+            # As metrics.jsonl above: what an interrupted run logged past its checkpoint goes.
+            truncate_events_after(self.run_dir / "tensorboard", self.resume_step)
             self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self.resume_step + 1)
 
     def _truncate_after(self, step: int) -> None:

@@ -1,0 +1,54 @@
+"""After a resume, TensorBoard's event files hold each step once, with the values metrics.jsonl holds."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from _train_data import tiny_overrides, write_shards
+from megafixed.config import load_config
+
+
+def _train(prefix, run_dir, *extra):
+    from megafixed.parallel import setup_distributed
+    from megafixed.train.trainer import train
+
+    cfg = load_config(None, tiny_overrides(prefix, run_dir, "train.tensorboard=true", *extra))
+    return train(cfg, setup_distributed(cfg), log=lambda *_: None)
+
+
+def raw_scalars(tb_dir: Path) -> dict:
+    """Every scalar event in the files, as written (no TensorBoard purge logic applied)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    out = defaultdict(list)
+    for path in sorted(tb_dir.rglob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                v = float(tensor_util.make_ndarray(value.tensor)) if value.HasField("tensor") else value.simple_value
+                out[value.tag].append((event.step, v))
+    return out
+
+
+def test_a_resume_after_steps_logged_past_the_checkpoint_leaves_each_step_once(tmp_path):
+    prefix = write_shards(tmp_path / "shards")
+    run_dir = tmp_path / "run"
+    common = ("train.max_steps=4", "train.save_interval=2", "train.keep_checkpoints=0", "train.eval_interval=2")
+    _train(prefix, run_dir, *common)
+    # The run "died" after step 4's logs but before its checkpoint counted: latest still says step 2.
+    (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
+    before = raw_scalars(run_dir / "tensorboard")
+    assert [s for s, _ in before["train/loss"]] == [1, 2, 3, 4]
+    resumed = _train(prefix, run_dir, *common)
+    assert resumed.resumed_from == "step_00000002" and resumed.step == 4
+
+    scalars = raw_scalars(run_dir / "tensorboard")
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("valid/val_loss", "val_loss")):
+        steps = [s for s, _ in scalars[tag]]
+        assert steps == sorted(set(steps)), f"{tag}: duplicate or out-of-order steps {steps}"
+        want = [(r["step"], r[key]) for r in recs if key in r]
+        assert [s for s, _ in want] == steps
+        assert all(abs(v - w) <= 1e-6 * max(1.0, abs(w)) for (_, v), (_, w) in zip(scalars[tag], want))
+    assert [s for s, _ in scalars["valid/val_loss"]] == [0, 2, 4]
