@@ -35,6 +35,7 @@ from .schedule import LRSchedule
 from .step import train_step
 from .stop import StopRequest
 from .validation import Validator
+from .wandb_log import WandbLog
 
 
 @dataclass
@@ -118,7 +119,8 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     batches = micro_batches(datasets["train"], start_sample=consumed, micro_batch=layout.micro_batch,
                             dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
     schedule = LRSchedule.from_config(cfg.schedule, cfg.optimizer, max_steps)
-    metrics = MetricsLog(run_dir, enabled=topo.is_main, tensorboard=cfg.train.tensorboard, resume_step=step)
+    metrics = MetricsLog(run_dir, enabled=topo.is_main, tensorboard=cfg.train.tensorboard, resume_step=step,
+                         sinks=[WandbLog(cfg, run_dir)] if cfg.train.wandb and topo.is_main else [])
     validator = Validator(engine, datasets.get("valid"), layout, topo, cfg.train.eval_iters,
                           cfg.model.vocab_size, stop)
     validate = validator.enabled and cfg.train.eval_interval > 0

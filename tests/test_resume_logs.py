@@ -1,9 +1,12 @@
-"""After a resume, TensorBoard's event files hold each step once, with the values metrics.jsonl holds."""
+"""After a resume, TensorBoard's event files and the W&B run (offline) hold each step once, with the values
+metrics.jsonl holds; the restart continues the same W&B run."""
 from __future__ import annotations
 
 import json
 from collections import defaultdict
 from pathlib import Path
+
+from _wandb_offline import offline_history
 
 from _train_data import tiny_overrides, write_shards
 from megafixed.config import load_config
@@ -13,7 +16,9 @@ def _train(prefix, run_dir, *extra):
     from megafixed.parallel import setup_distributed
     from megafixed.train.trainer import train
 
-    cfg = load_config(None, tiny_overrides(prefix, run_dir, "train.tensorboard=true", *extra))
+    cfg = load_config(None, tiny_overrides(prefix, run_dir, "train.tensorboard=true", "train.wandb=true",
+                                           "train.wandb_mode=offline", "train.wandb_project=megafixed-tests",
+                                           "train.wandb_tags=[ci,resume]", *extra))
     return train(cfg, setup_distributed(cfg), log=lambda *_: None)
 
 
@@ -31,7 +36,9 @@ def raw_scalars(tb_dir: Path) -> dict:
     return out
 
 
-def test_a_resume_after_steps_logged_past_the_checkpoint_leaves_each_step_once(tmp_path):
+def test_a_resume_after_steps_logged_past_the_checkpoint_leaves_each_step_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: no network, whatever the config says
+    monkeypatch.setenv("WANDB_SILENT", "true")
     prefix = write_shards(tmp_path / "shards")
     run_dir = tmp_path / "run"
     common = ("train.max_steps=4", "train.save_interval=2", "train.keep_checkpoints=0", "train.eval_interval=2")
@@ -52,3 +59,11 @@ def test_a_resume_after_steps_logged_past_the_checkpoint_leaves_each_step_once(t
         assert [s for s, _ in want] == steps
         assert all(abs(v - w) <= 1e-6 * max(1.0, abs(w)) for (_, v), (_, w) in zip(scalars[tag], want))
     assert [s for s, _ in scalars["valid/val_loss"]] == [0, 2, 4]
+
+    # W&B: one run id for both segments; its history holds metrics.jsonl's values, each step once.
+    run_id = json.loads((run_dir / "wandb_run.json").read_text())["id"]
+    ids, rows = offline_history(run_dir / "wandb")
+    assert ids == {run_id} and len(list((run_dir / "wandb").glob("offline-run-*"))) == 2
+    logged = [(r["_step"], r["train/loss"]) for r in rows if "train/loss" in r]
+    assert logged == [(r["step"], r["loss"]) for r in recs if "loss" in r]
+    assert [r["_step"] for r in rows if "valid/val_loss" in r] == [0, 2, 4]
