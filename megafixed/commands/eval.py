@@ -77,7 +77,8 @@ def run(args) -> int:
         claim_output([args.json], overwrite=args.overwrite, inputs=[args.checkpoint], what="--json")
     loaded = load(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
     info = model_info(loaded)
-    progress = not args.no_progress and sys.stderr.isatty()
+    from ..progress_lines import progress_mode
+    progress = progress_mode(args.no_progress)  # a bar on a terminal, periodic plain lines in a log
     if args.text or args.prefix:
         from ..eval.perplexity import perplexity, read_texts, shard_documents
 

@@ -140,11 +140,14 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
         say(f"   sample: {s['prompt']!r} -> {s['completion']!r}")
     if zero_shot_items:
         summary["zero_shot"] = _zero_shot_slice(model, tok, zero_shot_items, say)
-        atomic_write_text(run_dir / "quickstart.json", json.dumps(summary, indent=2))
+    summary["total_seconds"] = time.perf_counter() - t_start  # the whole job, the zero-shot slice included
+    atomic_write_text(run_dir / "quickstart.json", json.dumps(summary, indent=2))
     say(f"\nmetrics     {summary['metrics']}\n"
         + (f"tensorboard {summary['tensorboard']}\n" if summary["tensorboard"] else "")
         + f"checkpoint  {summary['checkpoint']}\nsummary     {run_dir / 'quickstart.json'}\n"
-        f"done in {summary['total_seconds'] / 60:.1f} min (training {train_s / 60:.1f} min)")
+        f"done in {summary['total_seconds'] / 60:.1f} min (training {train_s / 60:.1f} min"
+        + (f", zero-shot slice {summary['zero_shot']['seconds'] / 60:.1f} min" if summary.get("zero_shot") else "")
+        + ")")
     return summary
 
 
@@ -167,7 +170,7 @@ def _zero_shot_slice(model, tok, items: int, say) -> dict | None:
     if package_root() is None:
         say(f"   skipped: the benchmark sets are not installed (`{INSTALL}`)")
         return None
-    out = evaluate(model, tok, ZERO_SHOT_TASKS, limit=items, progress=False)
+    out = evaluate(model, tok, ZERO_SHOT_TASKS, limit=items, progress="lines")  # a line every 30 s
     say("   " + format_table(out).replace("\n", "\n   "))
     say("   A 4-layer model trained for minutes on CPU scores near chance: this table shows the path (real\n"
         "   benchmark items, lm-evaluation-harness scoring), not capability. Full sets: `megafixed eval RUN`.\n"
