@@ -7,6 +7,8 @@ import struct
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 from _train_data import tiny_overrides, write_shards
 from megafixed.config import load_config
 
@@ -106,3 +108,16 @@ def test_a_resume_after_steps_logged_past_the_checkpoint_leaves_each_step_once(t
     logged = [(r["_step"], r["train/loss"]) for r in rows if "train/loss" in r]
     assert logged == [(r["step"], r["loss"]) for r in recs if "loss" in r]
     assert [r["_step"] for r in rows if "valid/val_loss" in r] == [0, 2, 4]
+
+
+def test_train_wandb_without_the_package_is_one_error_naming_the_extra(monkeypatch, tmp_path):
+    import importlib.util
+
+    from megafixed.config import ConfigError
+    from megafixed.train.wandb_log import WandbLog
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'megafixed\[wandb\]'"):
+        WandbLog(load_config(None, ["train.wandb=true"]), tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing written

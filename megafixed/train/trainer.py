@@ -73,6 +73,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     run_dir, max_steps = Path(cfg.train.run_dir), cfg.train.max_steps
     ckpt_dir = run_dir / "checkpoints"
     created_run_dir = not run_dir.exists()
+    sinks = [WandbLog(cfg, run_dir)] if cfg.train.wandb and topo.is_main else []  # no wandb: fails here
 
     # Resume point: its files verified against its manifest, then checked against the new config,
     # before anything in the run dir is touched. Another layout resumes through a universal checkpoint.
@@ -120,7 +121,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
                             dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
     schedule = LRSchedule.from_config(cfg.schedule, cfg.optimizer, max_steps)
     metrics = MetricsLog(run_dir, enabled=topo.is_main, tensorboard=cfg.train.tensorboard, resume_step=step,
-                         sinks=[WandbLog(cfg, run_dir)] if cfg.train.wandb and topo.is_main else [])
+                         sinks=sinks)
     validator = Validator(engine, datasets.get("valid"), layout, topo, cfg.train.eval_iters,
                           cfg.model.vocab_size, stop)
     validate = validator.enabled and cfg.train.eval_interval > 0

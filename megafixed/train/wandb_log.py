@@ -23,6 +23,7 @@ from ..atomic import atomic_write_text
 from ..config import ConfigError
 
 RUN_FILE = "wandb_run.json"
+NO_WANDB = "train.wandb=true needs the wandb package: pip install 'megafixed[wandb]' (or set train.wandb=false)"
 
 
 def scalar_name(key: str) -> str:
@@ -34,17 +35,17 @@ class WandbLog:
     """Rank 0's W&B sink; opened by the first record, like the other sinks."""
 
     def __init__(self, cfg, run_dir: str | Path):
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:  # before the first step, not at the first record
+            raise ConfigError(NO_WANDB)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run = None
         self.last_step = -1
 
     def _open(self) -> None:
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError("train.wandb=true needs the wandb package: pip install 'megafixed[wandb]' "
-                              "(or set train.wandb=false)") from None
+        import wandb
         t = self.cfg.train
         path = self.run_dir / RUN_FILE
         saved = json.loads(path.read_text()) if path.exists() else {}
