@@ -69,14 +69,15 @@ def run(args) -> int:
     from ..outputs import claim_output, ensure_parent
 
     _check(args)
-    from ..threads import apply_thread_policy
-    apply_thread_policy(log=lambda m: print(m, file=sys.stderr))  # stdout carries the results
     if not (args.text or args.prefix):
         parse_tasks(args.tasks)  # an unknown name fails before the model loads
     if args.json:
         claim_output([args.json], overwrite=args.overwrite, inputs=[args.checkpoint], what="--json")
     loaded = load(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
     info = model_info(loaded)
+    from ..threads import apply_thread_policy
+    # Once the inputs are known good (a bad one stays a single error line); stderr: stdout has the results.
+    apply_thread_policy(log=lambda m: print(m, file=sys.stderr))
     from ..progress_lines import progress_mode
     progress = progress_mode(args.no_progress)  # a bar on a terminal, periodic plain lines in a log
     if args.text or args.prefix:

@@ -54,8 +54,6 @@ def run(args) -> int:
     from ..model.generate import GenerationError, SamplingConfig, generate
     from ..threads import apply_thread_policy
 
-    apply_thread_policy(log=lambda m: print(m, file=sys.stderr))  # stdout carries the generated text
-
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed).validate()
     src = resolve_run(args.source, args.tag)
@@ -66,6 +64,8 @@ def run(args) -> int:
         sampling.stop_id = tok.eod_id
     prompt = torch.tensor(tok.encode(args.prompt), dtype=torch.long)
     model = src.load_model()
+    # Once the inputs are known good (a bad one stays a single error line); stderr: stdout is the text.
+    apply_thread_policy(log=lambda m: print(m, file=sys.stderr))
     if torch.cuda.is_available():
         model = model.cuda()
     sys.stdout.write(args.prompt)

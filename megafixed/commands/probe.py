@@ -23,8 +23,6 @@ def run(args) -> int:
     from ..study.probe import probe_run
     from ..threads import apply_thread_policy
 
-    apply_thread_policy()
-
     if args.tokens < 16:
         raise ConfigError(f"--tokens {args.tokens}: give at least 16 positions (a few thousand are better)")
     layers = None
@@ -33,6 +31,7 @@ def run(args) -> int:
             layers = [int(v) for v in args.layers.split(",")]
         except ValueError:
             raise ConfigError(f"--layers {args.layers!r} must be 'all' or comma-separated integers") from None
+    apply_thread_policy()  # after the flags are checked: a bad one stays a single error line
     results = []
     for run_dir in args.runs:
         res = probe_run(run_dir, layers, args.tokens)
