@@ -44,10 +44,10 @@ class ThreadChoice:
     threads: int
     source: str  # why this number, for the printed line
 
-    def line(self) -> str:
-        policy = os.environ.get("OMP_WAIT_POLICY", "torch's default (active)").lower()
-        return (f"cpu threads: {self.threads} intra-op ({self.source}; OpenMP wait policy {policy}); "
-                f"set train.threads=N or OMP_NUM_THREADS=N to change")
+    def line(self, knob: str = "train.threads=N or OMP_NUM_THREADS=N") -> str:
+        policy = os.environ.get("OMP_WAIT_POLICY") or "libgomp's default"
+        return (f"cpu threads: {self.threads} intra-op ({self.source}; OpenMP wait policy {policy.lower()}); "
+                f"set {knob} to change")
 
 
 def decide(requested: int | None = None, environ=os.environ) -> ThreadChoice:
@@ -64,7 +64,8 @@ def decide(requested: int | None = None, environ=os.environ) -> ThreadChoice:
     return ThreadChoice(share, f"default: {per}")
 
 
-def apply_thread_policy(requested: int | None = None, *, log=print, announce: bool = True) -> ThreadChoice:
+def apply_thread_policy(requested: int | None = None, *, log=print, announce: bool = True,
+                        knob: str = "train.threads=N or OMP_NUM_THREADS=N") -> ThreadChoice:
     """Set torch's intra-op threads by the policy above; print the choice the first time (and again only
     if a later call in the same process changes it)."""
     global _announced
@@ -75,7 +76,7 @@ def apply_thread_policy(requested: int | None = None, *, log=print, announce: bo
         torch.set_num_threads(choice.threads)
     key = (choice.threads, choice.source)
     if announce and _announced != key:
-        log(choice.line())
+        log(choice.line(knob))
         sys.stdout.flush()
     if announce:
         _announced = key

@@ -261,7 +261,7 @@ def run(args) -> int:
             args.threads is not None and args.threads < 1):
         raise ConfigError("--steps must be >= 1, --warmup-steps >= 0, --rounds >= 1 and --threads >= 1")
     from ..threads import apply_thread_policy
-    apply_thread_policy(args.threads)
+    apply_thread_policy(args.threads, knob="--threads N or OMP_NUM_THREADS=N")
     if args.json is not None:
         claim_output([args.json], overwrite=args.overwrite, what="benchmark output")
     prepare_runtime_env()

@@ -77,7 +77,7 @@ def run(args) -> int:
     info = model_info(loaded)
     from ..threads import apply_thread_policy
     # Once the inputs are known good (a bad one stays a single error line); stderr: stdout has the results.
-    apply_thread_policy(log=lambda m: print(m, file=sys.stderr))
+    apply_thread_policy(log=lambda m: print(m, file=sys.stderr), knob="OMP_NUM_THREADS=N")
     from ..progress_lines import progress_mode
     progress = progress_mode(args.no_progress)  # a bar on a terminal, periodic plain lines in a log
     if args.text or args.prefix:

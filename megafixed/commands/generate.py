@@ -65,7 +65,7 @@ def run(args) -> int:
     prompt = torch.tensor(tok.encode(args.prompt), dtype=torch.long)
     model = src.load_model()
     # Once the inputs are known good (a bad one stays a single error line); stderr: stdout is the text.
-    apply_thread_policy(log=lambda m: print(m, file=sys.stderr))
+    apply_thread_policy(log=lambda m: print(m, file=sys.stderr), knob="OMP_NUM_THREADS=N")
     if torch.cuda.is_available():
         model = model.cuda()
     sys.stdout.write(args.prompt)

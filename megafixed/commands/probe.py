@@ -31,7 +31,7 @@ def run(args) -> int:
             layers = [int(v) for v in args.layers.split(",")]
         except ValueError:
             raise ConfigError(f"--layers {args.layers!r} must be 'all' or comma-separated integers") from None
-    apply_thread_policy()  # after the flags are checked: a bad one stays a single error line
+    apply_thread_policy(knob="OMP_NUM_THREADS=N")  # after the flags are checked: a bad one stays a single error line
     results = []
     for run_dir in args.runs:
         res = probe_run(run_dir, layers, args.tokens)
