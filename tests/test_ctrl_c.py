@@ -74,3 +74,23 @@ def test_the_handler_is_installed_only_when_asked():
     finally:
         signal.signal(sig, before)
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def test_a_forked_worker_keeps_the_default_signal_action():
+    # Pool.terminate() SIGTERMs its workers; a worker that inherited the stop handler must still die.
+    import multiprocessing as mp
+    import os
+
+    stop = StopRequest()
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM), interrupt=True)
+        proc = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+        proc.start()
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(timeout=30)
+        assert proc.exitcode == -signal.SIGTERM and not stop.requested
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

@@ -59,14 +59,31 @@ class StopRequest:
     def install_signal_handlers(self, signals=(signal.SIGUSR1,), interrupt: bool = False) -> None:
         """Turn these signals into a stop request (main thread only, as Python requires). With
         ``interrupt``, SIGINT too: the first is a stop request, the second aborts the process."""
+        self._owner = os.getpid()
         for sig in signals:
-            signal.signal(sig, lambda signum, _frame: self.request(f"received {signal.Signals(signum).name}"))
+            signal.signal(sig, self._on_signal)
         if interrupt:
             signal.signal(signal.SIGINT, self._on_sigint)
 
-    def _on_sigint(self, _signum, _frame) -> None:
+    def _in_a_fork(self, signum) -> bool:
+        """A forked child (a data-preparation pool worker, a DataLoader worker) inherits these handlers;
+        there the signal must do what it normally does, or ``Pool.terminate()``'s SIGTERM is swallowed
+        and the parent waits for that worker forever."""
+        if os.getpid() == getattr(self, "_owner", os.getpid()):
+            return False
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return True
+
+    def _on_signal(self, signum, _frame) -> None:
+        if not self._in_a_fork(signum):
+            self.request(f"received {signal.Signals(signum).name}")
+
+    def _on_sigint(self, signum, _frame) -> None:
         from .. import exit_codes
 
+        if self._in_a_fork(signum):
+            return
         if self._sigint_seen:
             # Straight out: no unwinding through DeepSpeed or a collective that may be waiting on a peer.
             sys.stderr.write("\ninterrupted again: aborting now, without saving; the last complete checkpoint "
