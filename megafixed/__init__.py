@@ -2,7 +2,8 @@
 __version__ = "0.1.0"
 
 # Lazy (PEP 562): ``megafixed.codes`` imports torch (seconds), which verbs that never touch a model
-# -- preprocess, tokenizer, data -- should not pay at start-up.
+# -- preprocess, tokenizer, data -- should not pay at start-up, and the CLI sets OpenMP's wait policy
+# before torch loads OpenMP (megafixed/threads.py).
 _LAZY = {"CodeError": "codes", "FixedCode": "codes", "bits_needed": "codes"}
 
 

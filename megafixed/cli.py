@@ -14,7 +14,10 @@ import os
 import re
 import sys
 
-from . import errors
+from . import threads
+
+threads.set_wait_policy()  # before anything below imports torch (and with it OpenMP)
+from . import errors  # noqa: E402
 
 # What `megafixed --help` shows: written for users (the module docstring above is for developers).
 DESCRIPTION = """\

@@ -218,6 +218,18 @@ class TrainConfig:
     # `megafixed import hf`. Ignored once the run has its own checkpoint (it then resumes from that).
     init_from: Optional[str] = None
     async_save: bool = False  # write checkpoints in the background; `latest` moves once they are complete
+    # CPU intra-op threads per process; 0: OMP_NUM_THREADS if set, else this process's share of the
+    # usable cores (megafixed/threads.py). Printed once at the start of the run.
+    threads: int = 0
+    # Weights & Biases beside TensorBoard (pip install 'megafixed[wandb]'): the same records; a restart
+    # continues the same W&B run (its id is kept in <run_dir>/wandb_run.json). mode auto: WANDB_MODE,
+    # else online; offline writes under <run_dir>/wandb/ for a later `wandb sync`.
+    wandb: bool = False
+    wandb_project: str = "megafixed"
+    wandb_entity: Optional[str] = None
+    wandb_run_name: Optional[str] = None  # None: the run directory's name
+    wandb_tags: list = field(default_factory=list)
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
 
     def validate(self) -> None:
         _require_at_least("train", self, 1, ("global_batch", "micro_batch", "log_interval", "save_interval"))

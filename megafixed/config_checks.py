@@ -102,6 +102,7 @@ RANGES: dict[str, Range] = {
     "train.eval_iters": _at_least(0, "batches per evaluation"),
     "train.save_interval": _at_least(1, "checkpoint every N steps"),
     "train.seed": Range(0, 2 ** 32 - 1, why="numpy and torch seeds are 32-bit unsigned"),
+    "train.threads": Range(0, 4096, why="0: OMP_NUM_THREADS, else this process's share of the cores"),
     "train.keep_checkpoints": Range(None, None, why="<= 0 keeps every checkpoint"),
     # parallel
     "parallel.tp": _at_least(1, "tensor-parallel size"),

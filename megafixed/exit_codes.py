@@ -8,8 +8,12 @@ Schedulers and wrappers branch on these, so they never change meaning:
   Nothing the user had was changed.
 * ``STOPPED`` (75, ``EX_TEMPFAIL``): a stop was requested (a signal, a time limit); the run saved a
   checkpoint at a safe point and the same command resumes it. Slurm requeue logic keys on it.
+* ``INTERRUPTED`` (130, 128 + SIGINT as shells report it): Ctrl-C. ``train`` treats the first one like
+  ``STOPPED`` (finishes the step, saves, the same command resumes) but exits 130 so that a script or a
+  scheduler does not requeue what a person stopped; a second Ctrl-C aborts at once with 130 too.
 """
 OK = 0
 FAILED = 1
 BAD_INPUT = 2
 STOPPED = 75
+INTERRUPTED = 130

@@ -154,7 +154,9 @@ def test_runtime_env_defaults_extensions_dir_to_the_user_cache(tmp_path, monkeyp
     monkeypatch.setenv("MEGAFIXED_CACHE_DIR", str(tmp_path / "mf"))
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     prepare_runtime_env()
-    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mf" / "torch_extensions")
+    # One folder per environment (python, torch, DeepSpeed, compiler flags, CPU): train/ds_ops.py.
+    from megafixed.train.ds_ops import build_key
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mf" / "torch_extensions" / build_key())
     assert not (tmp_path / "mf").exists()
 
 

@@ -43,8 +43,7 @@ def add_arguments(p):
                    help="alternate the two loops in this many rounds (default 4 on CPU, 1 on GPU: sequential)")
     p.add_argument("--no-bare", action="store_true", help="skip the bare torch loop (no overhead figure)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's). On a shared CPU box use 1: measured 8x slower steps "
-                        "with 2 OpenMP threads on 2 busy cores")
+                   help="torch CPU threads (default: megafixed's CPU thread policy, megafixed/threads.py)")
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
 
@@ -266,8 +265,8 @@ def run(args) -> int:
     if args.steps < 1 or args.warmup_steps < 0 or (args.rounds is not None and args.rounds < 1) or (
             args.threads is not None and args.threads < 1):
         raise ConfigError("--steps must be >= 1, --warmup-steps >= 0, --rounds >= 1 and --threads >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from ..threads import apply_thread_policy
+    apply_thread_policy(args.threads, knob="--threads N or OMP_NUM_THREADS=N")
     if args.json is not None:
         claim_output([args.json], overwrite=args.overwrite, what="benchmark output")
     prepare_runtime_env()

@@ -75,7 +75,11 @@ def run(args) -> int:
         claim_output([args.json], overwrite=args.overwrite, inputs=[args.checkpoint], what="--json")
     loaded = load(args.checkpoint, tag=args.tag, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
     info = model_info(loaded)
-    progress = not args.no_progress and sys.stderr.isatty()
+    from ..threads import apply_thread_policy
+    # Once the inputs are known good (a bad one stays a single error line); stderr: stdout has the results.
+    apply_thread_policy(log=lambda m: print(m, file=sys.stderr), knob="OMP_NUM_THREADS=N")
+    from ..progress_lines import progress_mode
+    progress = progress_mode(args.no_progress)  # a bar on a terminal, periodic plain lines in a log
     if args.text or args.prefix:
         from ..eval.perplexity import perplexity, read_texts, shard_documents
 

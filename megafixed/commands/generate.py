@@ -53,6 +53,7 @@ def run(args) -> int:
 
     from ..interop.run_source import resolve_run, run_tokenizer
     from ..model.generate import GenerationError, SamplingConfig, generate
+    from ..threads import apply_thread_policy
 
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed).validate()
@@ -67,6 +68,8 @@ def run(args) -> int:
         sampling.stop_ids = tuple(model_eos_ids(src.run_dir)) or (tok.eod_id,)
     prompt = torch.tensor(tok.encode(args.prompt), dtype=torch.long)
     model = src.load_model()
+    # Once the inputs are known good (a bad one stays a single error line); stderr: stdout is the text.
+    apply_thread_policy(log=lambda m: print(m, file=sys.stderr), knob="OMP_NUM_THREADS=N")
     if torch.cuda.is_available():
         model = model.cuda()
     sys.stdout.write(args.prompt)

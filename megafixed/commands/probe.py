@@ -22,6 +22,7 @@ def run(args) -> int:
     from ..atomic import atomic_write_text
     from ..config import ConfigError
     from ..study.probe import probe_run
+    from ..threads import apply_thread_policy
 
     if args.plot:
         from ..plotting import require_matplotlib
@@ -34,6 +35,7 @@ def run(args) -> int:
         from ..arglists import parse_list
 
         layers = parse_list(args.layers, "--layers", int, kind="layer index (or 'all')", example="0,2,4")
+    apply_thread_policy(knob="OMP_NUM_THREADS=N")  # after the flags are checked: a bad one stays a single error line
     results = []
     for run_dir in args.runs:
         res = probe_run(run_dir, layers, args.tokens)

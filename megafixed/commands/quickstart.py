@@ -47,17 +47,25 @@ def _anchor_paths(cfg) -> None:
 
 
 def run(args) -> int:
+    import signal
+
     from .. import exit_codes
     from ..errors import report
     from ..train.env import prepare_runtime_env
+    from ..train.stop import StopRequest
 
     prepare_runtime_env()
     t_start = time.perf_counter()
+    stop = StopRequest()  # Ctrl-C, USR1, TERM: save at the step and exit; rerunning resumes (as `train`)
+    stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM), interrupt=True)
     try:
         cfg = load_config(args.config, args.overrides)
         _anchor_paths(cfg)
-        quickstart(cfg, sample_tokens=args.sample_tokens, t_start=t_start, zero_shot_items=args.zero_shot_items)
+        quickstart(cfg, sample_tokens=args.sample_tokens, t_start=t_start, zero_shot_items=args.zero_shot_items,
+                   stop=stop)
         code = exit_codes.OK
+        if stop.requested:
+            code = exit_codes.INTERRUPTED if stop.interrupted else exit_codes.STOPPED
     except Exception as exc:  # noqa: BLE001 -- the error boundary decides what is a bug
         code = report(exc)
     sys.stdout.flush()
@@ -67,7 +75,7 @@ def run(args) -> int:
 
 
 def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
-               zero_shot_items: int = 0) -> dict | None:
+               zero_shot_items: int = 0, stop=None) -> dict | None:
     import torch.distributed as dist
 
     from ..data.gpt_dataset import build_datasets
@@ -94,10 +102,12 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
     say(f"== 2/4 train: {cfg.model.n_layers} layers x {cfg.model.d_model}, input={cfg.model.input}, "
         f"{cfg.train.max_steps} steps")
     t0 = time.perf_counter()
-    result = train(cfg, topo, datasets=datasets)
+    result = train(cfg, topo, datasets=datasets, stop=stop)
     train_s = time.perf_counter() - t0
     if not topo.is_main:
         return {}
+    if result.stopped:  # the trainer said where it saved; `megafixed quickstart` again resumes
+        return None
 
     say("== 3/4 evaluate the final checkpoint on the held-out test split")
     model, tag = load_trained_model(cfg, cfg.train.run_dir)
@@ -130,11 +140,14 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
         say(f"   sample: {s['prompt']!r} -> {s['completion']!r}")
     if zero_shot_items:
         summary["zero_shot"] = _zero_shot_slice(model, tok, zero_shot_items, say)
-        atomic_write_text(run_dir / "quickstart.json", json.dumps(summary, indent=2))
+    summary["total_seconds"] = time.perf_counter() - t_start  # the whole job, the zero-shot slice included
+    atomic_write_text(run_dir / "quickstart.json", json.dumps(summary, indent=2))
     say(f"\nmetrics     {summary['metrics']}\n"
         + (f"tensorboard {summary['tensorboard']}\n" if summary["tensorboard"] else "")
         + f"checkpoint  {summary['checkpoint']}\nsummary     {run_dir / 'quickstart.json'}\n"
-        f"done in {summary['total_seconds'] / 60:.1f} min (training {train_s / 60:.1f} min)")
+        f"done in {summary['total_seconds'] / 60:.1f} min (training {train_s / 60:.1f} min"
+        + (f", zero-shot slice {summary['zero_shot']['seconds'] / 60:.1f} min" if summary.get("zero_shot") else "")
+        + ")")
     return summary
 
 
@@ -157,7 +170,7 @@ def _zero_shot_slice(model, tok, items: int, say) -> dict | None:
     if package_root() is None:
         say(f"   skipped: the benchmark sets are not installed (`{INSTALL}`)")
         return None
-    out = evaluate(model, tok, ZERO_SHOT_TASKS, limit=items, progress=False)
+    out = evaluate(model, tok, ZERO_SHOT_TASKS, limit=items, progress="lines")  # a line every 30 s
     say("   " + format_table(out).replace("\n", "\n   "))
     say("   A 4-layer model trained for minutes on CPU scores near chance: this table shows the path (real\n"
         "   benchmark items, lm-evaluation-harness scoring), not capability. Full sets: `megafixed eval RUN`.\n"

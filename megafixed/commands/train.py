@@ -64,8 +64,9 @@ def _train(args) -> int:
     # the rendezvous and data preparation, so that a signal during start-up becomes a clean stop instead
     # of the default action (death without a checkpoint). Requeueing is the job script's decision (it
     # sees exit 75 and knows whether the signal was the pre-timeout one): see megafixed/launch.
+    # Ctrl-C (SIGINT) is the same request from a keyboard; a second one aborts (train/stop.py).
     stop = StopRequest()
-    stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM))
+    stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM), interrupt=True)
     cfg = load_config(args.config, args.overrides)
     topo = setup_distributed(cfg)  # the one Topology of this process
     cfg = prepare_data(cfg, is_main=topo.is_main)
@@ -83,6 +84,8 @@ def _train(args) -> int:
         ckpt = os.path.join(result.run_dir, "checkpoints", result.checkpoint or "")
         print(f"{'stopped' if result.stopped else 'done'}: {count(result.step, 'step')}; metrics "
               f"{os.path.join(result.run_dir, 'metrics.jsonl')}, checkpoint {ckpt}")
+    if result.stopped and stop.interrupted:
+        return exit_codes.INTERRUPTED
     return exit_codes.STOPPED if result.stopped else exit_codes.OK
 
 

@@ -79,7 +79,7 @@ class Scorer:
     """``score(groups)``: for each group (a document's requests), ``[(loglikelihood, is_greedy)]``."""
 
     def __init__(self, model, batch_size: int = 32, device: Optional[torch.device] = None,
-                 progress: bool = True, share_prefix: bool = True):
+                 progress: bool | str = True, share_prefix: bool = True):  # "lines": ProgressLines
         self.model = model
         self.device = device or next(model.parameters()).device
         self.batch_size = max(1, int(batch_size))
@@ -105,7 +105,11 @@ class Scorer:
             else:
                 plain.extend((gi, ri, x, c) for ri, (x, c) in enumerate(inputs))
         total = sum(len(g) for g in groups)
-        bar = tqdm(total=total, desc="scoring", unit="req", disable=not self.progress, leave=False)
+        if self.progress == "lines":  # not a terminal: a line every 30 s (megafixed/progress_lines.py)
+            from ..progress_lines import ProgressLines
+            bar = ProgressLines(total, desc="scoring", unit="requests")
+        else:
+            bar = tqdm(total=total, desc="scoring", unit="req", disable=not self.progress, leave=False)
         for p in sorted(shared):
             docs = shared[p]
             i = 0

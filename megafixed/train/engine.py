@@ -37,7 +37,10 @@ def build_engine(cfg, topo, ds_config: dict, precision: str) -> EngineBundle:
     from ..model import GPT
     from ..parallel import build_model
     from ..parallel.grads import TPGradSync
+    from .ds_ops import prepare_ops
 
+    # Before anything starts deepspeed.comm (the pipeline grid inside build_model, or initialize).
+    prepare_ops(topo.world_size, topo.local_rank, accelerator_is_cpu=topo.device.type == "cpu")
     model = build_model(cfg.model, topo, seed=cfg.train.seed, pp_partition=cfg.parallel.pp_partition,
                         activation_checkpointing=cfg.train.activation_checkpointing,
                         compute_dtype=COMPUTE_DTYPES[precision])

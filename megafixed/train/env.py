@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
-from ..paths import cache_dir
 from ..versions import check_engines
+from .ds_ops import extensions_dir
 
 # Library noise, filtered in this one place. Each entry is a message that fires on every run of ours
 # and tells the user nothing actionable; anything else from these libraries still gets through.
@@ -26,9 +26,18 @@ HARMLESS_LOG_MESSAGES = (
     # A universal-checkpoint load without TP (no mpu): tp size 1 is exactly right (train/universal.py).
     ("DeepSpeed", "MPU is not provided, setting tp size to 1 in checkpoint loading"),
 )
-# No python `warnings` need filtering: a CLI run (train, quickstart, plan) shows none today. Under
-# pytest torch's "torch.jit.script_method is deprecated" (from torch.utils.mkldnn) appears; that is
-# the test runner's business, not the user's.
+# Python warnings megatron-core raises on import or first use, about paths megafixed never takes:
+# (message regex, module regex, only_without_cuda). Matched on message AND the warning module, so the
+# same words from elsewhere still show. Under pytest torch's "torch.jit.script_method is deprecated"
+# (from torch.utils.mkldnn) appears too; that is the test runner's business, not the user's.
+HARMLESS_WARNINGS = (
+    # Its FSDP mixed precision, optimizers and grad clipping fall back from TE/Apex kernels: megafixed
+    # uses none of them (torch.optim.AdamW inside DeepSpeed; our own clip and norms).
+    (r"Transformer Engine and Apex are not installed", r"megatron\.core\.", False),
+    (r"Apex is not installed\. Falling back to Torch Norm", r"megatron\.core\.", False),
+    # A CUDA scheduling hint for TP/SP comm overlap; on a CPU run there is no CUDA to schedule.
+    (r".*CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\.core\.", True),
+)
 
 
 class _DropHarmless(logging.Filter):
@@ -41,10 +50,16 @@ class _DropHarmless(logging.Filter):
         return not any(n in msg for n in self.needles)
 
 
-def quiet_library_noise() -> None:
-    """Install the log filters above (idempotent). A filter on a named logger survives the library's own
-    set-up of that logger (DeepSpeed sets level and handler at import but keeps filters), so this
-    works before or after ``import deepspeed``."""
+def quiet_library_noise(cuda: bool | None = None) -> None:
+    """Install the log and warning filters above (idempotent). A filter on a named logger survives the
+    library's own set-up of that logger (DeepSpeed sets level and handler at import but keeps filters),
+    so this works before or after ``import deepspeed``; the warning filters must precede megatron's
+    import (its warnings fire at import time)."""
+    import warnings
+
+    for message, module, only_without_cuda in HARMLESS_WARNINGS:
+        if not (only_without_cuda and cuda):
+            warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
     by_logger: dict[str, tuple[str, ...]] = {}
     for name, needle in HARMLESS_LOG_MESSAGES:
         by_logger[name] = by_logger.get(name, ()) + (needle,)
@@ -58,8 +73,10 @@ def prepare_runtime_env() -> None:
     check_engines()  # an untested DeepSpeed/megatron-core fails here with one line, not mid-run
     import torch
 
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    quiet_library_noise(cuda)  # first: megatron-core warns at import
+    if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # JIT-built ops go to the user cache (not the install tree), shared by all runs of this user.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
-    quiet_library_noise()
+    # JIT-built ops go to the user cache (not the install tree), one folder per environment and CPU
+    # kind, so that two environments never rebuild over each other (train/ds_ops.py).
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))

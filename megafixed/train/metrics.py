@@ -75,8 +75,10 @@ class MetricsLog:
     as one uninterrupted run.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, enabled: bool, tensorboard: bool, resume_step: int = 0):
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool, tensorboard: bool, resume_step: int = 0,
+                 sinks: tuple = ()):
         self.enabled = enabled
+        self.sinks = list(sinks)  # more writers of the same records (train/wandb_log.py)
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.tensorboard = tensorboard
@@ -90,6 +92,11 @@ class MetricsLog:
         self.fh = open(self.path, "a")
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
+            from .tb_resume import truncate_events_after
+
+            # As metrics.jsonl above: what an interrupted run logged past its checkpoint goes.
+            truncate_events_after(self.run_dir / "tensorboard", self.resume_step)
             self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self.resume_step + 1)
 
     def _truncate_after(self, step: int) -> None:
@@ -116,8 +123,12 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(f"train/{key}" if not key.startswith("val") else f"valid/{key}",
                                            value, rec["step"])
+        for sink in self.sinks:
+            sink.write(rec)
 
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
         if self.fh is not None:
             self.fh.close()
         if self.writer is not None:

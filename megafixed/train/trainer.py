@@ -25,6 +25,7 @@ import torch
 from ..atomic import atomic_write_text
 from ..config import Config, save_config
 from ..parallel.layout import validate_layout
+from ..threads import apply_thread_policy
 from . import checkpoint, manifest, universal
 from .ds_config import deepspeed_config, resolve_precision
 from .engine import build_engine
@@ -35,6 +36,7 @@ from .schedule import LRSchedule
 from .step import train_step
 from .stop import StopRequest
 from .validation import Validator
+from .wandb_log import WandbLog
 
 
 @dataclass
@@ -72,12 +74,14 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
 def _train(cfg: Config, topo, created_run_dir: bool, *, datasets: Optional[dict] = None,
            stop: Optional[StopRequest] = None, log: Callable[[str], None] = print) -> TrainResult:
     say = log if topo.is_main else (lambda *_: None)
+    apply_thread_policy(cfg.train.threads or None, log=say)
     stop = stop or StopRequest()
     precision = resolve_precision(cfg)
     layout = validate_layout(cfg, topo.world_size, precision)
     ds_config = deepspeed_config(cfg, layout, precision)
     run_dir, max_steps = Path(cfg.train.run_dir), cfg.train.max_steps
     ckpt_dir = run_dir / "checkpoints"
+    sinks = [WandbLog(cfg, run_dir)] if cfg.train.wandb and topo.is_main else []  # no wandb: fails here
 
     # Resume point: its files verified against its manifest, then checked against the new config,
     # before anything in the run dir is touched. Another layout resumes through a universal checkpoint.
@@ -124,7 +128,8 @@ def _train(cfg: Config, topo, created_run_dir: bool, *, datasets: Optional[dict]
     batches = micro_batches(datasets["train"], start_sample=consumed, micro_batch=layout.micro_batch,
                             dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
     schedule = LRSchedule.from_config(cfg.schedule, cfg.optimizer, max_steps)
-    metrics = MetricsLog(run_dir, enabled=topo.is_main, tensorboard=cfg.train.tensorboard, resume_step=step)
+    metrics = MetricsLog(run_dir, enabled=topo.is_main, tensorboard=cfg.train.tensorboard, resume_step=step,
+                         sinks=sinks)
     validator = Validator(engine, datasets.get("valid"), layout, topo, cfg.train.eval_iters,
                           cfg.model.vocab_size, stop)
     validate = validator.enabled and cfg.train.eval_interval > 0

@@ -1,0 +1,104 @@
+"""DeepSpeed's JIT-compiled CPU ops: where they are cached, and building them only when needed.
+
+On a CPU accelerator DeepSpeed compiles its shared-memory comm op (``deepspeed_shm_comm``, ~2 min
+on 2 cores) the first time ``deepspeed.comm`` starts, in every process, even a lone one. Two things
+made that cost recur silently:
+
+* One cache for everything. torch's ``cpp_extension`` keys a build by its sources and flags only,
+  inside ``TORCH_EXTENSIONS_DIR``; two environments (another venv's torch, another DeepSpeed, another
+  CPU on an NFS home) sharing that folder rebuild in turn, each invalidating the other. So the folder
+  is keyed by everything that changes the build: python, torch and DeepSpeed (version and install
+  path), the compiler and its flags from the environment, and the CPU (DeepSpeed compiles with
+  ``-march=native``).
+* No word before the build. ``announce_builds`` prints one line before DeepSpeed starts compiling.
+
+The op is only used by ``inference_all_reduce`` (DeepSpeed's inference TP), which returns early for a
+single rank; a one-process run therefore never needs it and ``skip_unneeded_ops`` turns the build off.
+Multi-process runs keep DeepSpeed's behaviour (built once per environment, then loaded).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+from ..paths import cache_dir
+
+SHM_OP = "deepspeed_shm_comm"
+_BUILD_ENV = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS", "CPATH", "TORCH_CUDA_ARCH_LIST")
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and ISA flags: a ``-march=native`` build is valid only on the same kind."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            wanted = [line for line in fh if line.startswith(("model name", "flags"))][:2]
+        return "".join(wanted)
+    except OSError:
+        return platform.processor()
+
+
+def _version_and_path(module_name: str) -> tuple[str, str]:
+    """Version and install folder of an importable distribution, found without importing it (DeepSpeed's
+    import must wait until DS_ACCELERATOR is set)."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        version = importlib.metadata.version(module_name)
+    except importlib.metadata.PackageNotFoundError:
+        version = "none"
+    spec = importlib.util.find_spec(module_name)
+    return version, str(Path(spec.origin).parent) if spec and spec.origin else ""
+
+
+def build_key() -> str:
+    """A folder name that changes whenever a JIT build of DeepSpeed's ops would differ."""
+    torch_v, torch_path = _version_and_path("torch")
+    ds_v, ds_path = _version_and_path("deepspeed")
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    salt = "\n".join([sys.version, sys.executable, torch_path, ds_path, platform.machine(), _cpu_signature(),
+                      *(f"{k}={os.environ.get(k, '')}" for k in _BUILD_ENV)])
+    digest = hashlib.sha256(salt.encode()).hexdigest()[:10]
+    return f"{py}-torch{torch_v.split('+')[0]}-deepspeed{ds_v}-{digest}"
+
+
+def extensions_dir() -> Path:
+    """``TORCH_EXTENSIONS_DIR`` for this environment (under the user cache)."""
+    return cache_dir("torch_extensions", build_key())
+
+
+def is_built(name: str = SHM_OP) -> bool:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(extensions_dir())
+    return any(Path(root, name).glob(f"{name}*.so"))
+
+
+def skip_unneeded_ops(world_size: int) -> None:
+    """Before DeepSpeed's comm backend starts: a single rank has no use for the shm comm op, so do not
+    compile it. ``deepspeed.ops.__compatible_ops__`` is DeepSpeed's own per-launch switch table (it is
+    computed once and edits to it persist, by design); ``build_shm_op`` reads it and returns None."""
+    if world_size > 1:
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_OP] = False
+
+
+def announce_builds(world_size: int, local_rank: int, log=print) -> None:
+    """One line before a multi-rank run starts compiling the comm op (all ranks then wait on
+    torch's build lock; only the first of each node speaks)."""
+    if world_size <= 1 or local_rank != 0 or is_built():
+        return
+    log(f"building DeepSpeed's CPU comm op, once for this environment, ~2 min on 2 cores "
+        f"(cache: {os.environ.get('TORCH_EXTENSIONS_DIR') or extensions_dir()})")
+    sys.stdout.flush()
+
+
+def prepare_ops(world_size: int, local_rank: int, *, accelerator_is_cpu: bool, log=print) -> None:
+    """Called right before the first ``deepspeed.initialize``/``init_distributed`` of a process."""
+    if not accelerator_is_cpu:
+        return  # on GPUs DeepSpeed JIT-builds nothing in this path
+    skip_unneeded_ops(world_size)
+    announce_builds(world_size, local_rank, log)

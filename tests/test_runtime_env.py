@@ -1,0 +1,63 @@
+"""DeepSpeed's compiled ops (one cache folder per environment, no build for one rank, a line before a
+build) and the megatron-core warnings that do not apply to a megafixed run."""
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+
+from megafixed.train import ds_ops
+from megafixed.train.env import quiet_library_noise
+
+
+def test_the_extensions_folder_changes_with_what_changes_the_build(monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    base = ds_ops.build_key()
+    assert base == ds_ops.build_key()  # stable
+    assert base.startswith(f"py{sys.version_info.major}{sys.version_info.minor}-torch") and "-deepspeed" in base
+    monkeypatch.setenv("CXX", "clang++")
+    assert ds_ops.build_key() != base
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(ds_ops, "_cpu_signature", lambda: "model name: another CPU\nflags: sse2\n")
+    assert ds_ops.build_key() != base
+
+
+def test_one_rank_skips_the_shm_op_and_a_build_is_announced_once_per_node(tmp_path, monkeypatch):
+    table = {ds_ops.SHM_OP: True}
+    fake_ops = types.ModuleType("deepspeed.ops")
+    fake_ops.__compatible_ops__ = table
+    monkeypatch.setitem(sys.modules, "deepspeed.ops", fake_ops)
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(ops=fake_ops))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    said = []
+    ds_ops.prepare_ops(2, 0, accelerator_is_cpu=True, log=said.append)
+    assert table[ds_ops.SHM_OP] is True and len(said) == 1  # two ranks need it: built, and said so first
+    assert said[0].startswith("building DeepSpeed's CPU comm op, once") and str(tmp_path) in said[0]
+    ds_ops.prepare_ops(2, 1, accelerator_is_cpu=True, log=said.append)  # the node's other rank is quiet
+    (tmp_path / ds_ops.SHM_OP).mkdir()
+    (tmp_path / ds_ops.SHM_OP / f"{ds_ops.SHM_OP}.so").write_bytes(b"")
+    ds_ops.prepare_ops(2, 0, accelerator_is_cpu=True, log=said.append)  # built already: nothing to say
+    assert len(said) == 1
+    ds_ops.prepare_ops(1, 0, accelerator_is_cpu=True, log=said.append)
+    assert table[ds_ops.SHM_OP] is False  # one rank: DeepSpeed's build_shm_op returns None, no compile
+
+
+def _shown(message: str, module: str, cuda: bool) -> bool:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        quiet_library_noise(cuda)
+        warnings.warn_explicit(message, UserWarning, "x.py", 1, module=module)
+    return bool(caught)
+
+
+def test_megatron_warnings_that_do_not_apply_are_filtered_precisely():
+    te = "Transformer Engine and Apex are not installed. Falling back to Torch optimizers."
+    cuda_hint = ("When using sequence parallelism it is recommended to set the environment variable "
+                 "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+    assert not _shown(te, "megatron.core.optimizer", cuda=False)
+    assert not _shown(te, "megatron.core.optimizer", cuda=True)
+    assert _shown(te, "someone.else", cuda=False)  # the same words elsewhere still show
+    assert not _shown(cuda_hint, "megatron.core.tensor_parallel.layers", cuda=False)
+    assert _shown(cuda_hint, "megatron.core.tensor_parallel.layers", cuda=True)  # on GPUs it is advice
+    assert _shown("some other megatron warning", "megatron.core.optimizer", cuda=False)
