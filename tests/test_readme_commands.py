@@ -45,6 +45,9 @@ SKIP = {
     "deepspeed --num_gpus 8": "8 GPUs: tests/test_launch.py runs the deepspeed launcher",
     re.compile(r"megafixed submit (?!.*--dry-run)"): "sbatch: a Slurm login node; tests/test_slurm.py submits to "
     "a real Slurm (the --dry-run line runs here)",
+    re.compile(r"megafixed preprocess .*--submit"): "sbatch on a Slurm login node over a corpus of many files: "
+    "tests/test_preprocess_slurm.py runs a 3-task array on a real Slurm, tests/test_preprocess_groups.py the "
+    "--dry-run scripts",
     "megafixed bench kernels --device cuda": "a CUDA GPU: tests/test_bench_kernels.py runs it on CPU",
     "megafixed bench train examples/configs/paper-1.7b": "a 1.7B model for 30 steps is a GPU job: "
     "tests/test_bench_train.py runs bench train on a small config",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from _env import launch_free_env
 from _train_data import tiny_overrides, write_shards
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,9 +37,9 @@ def _cmd(shards, run_dir, *extra):
 
 
 def _env():
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    # launch_free_env: an earlier in-process test's 1-rank world leaves WORLD_SIZE/RANK/... in os.environ
+    env = launch_free_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env.pop("MEGAFIXED_TRACEBACK", None)
-    env.pop("RANK", None)
     return env
 
 

@@ -98,7 +98,8 @@ def test_codes_round_trip_through_checkpoints_and_a_changed_seed_is_refused(shar
     assert torch.equal(model.head.proj.weight, state["head.proj.weight"])
 
     # refused by the resume check before anything is loaded or rewritten, naming the keys
-    with pytest.raises(CheckpointError, match=r"model\.code_rows changed from .* \(and model\.code_seed, "
+    # ([newuser]) the refusal leads with the key the user typed; the derived rows and shift follow
+    with pytest.raises(CheckpointError, match=r"model\.code_seed changed from 11 to 12 \(and model\.code_rows, "
                                               r"model\.code_shift\).*config\.yaml"):
         run(shards, tmp_path, "model.input=gf2", "model.code_seed=12", "train.max_steps=20")
     assert load_config(str(tmp_path / "config.yaml")).model.code_seed == 11  # the run's config is kept

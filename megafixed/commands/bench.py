@@ -51,7 +51,8 @@ def check_args(args) -> None:
         value = getattr(args, name, None)
         if isinstance(value, (int, float)) and value < low:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be >= {low}")
-    for w in getattr(args, "workers", None) or []:
+    workers = getattr(args, "workers", None)  # one count (bench preprocess) or a list (older sweeps)
+    for w in (workers if isinstance(workers, (list, tuple)) else [workers]):
         if isinstance(w, int) and w < 1:
             raise ConfigError(f"--workers {w} must be >= 1")
     if getattr(args, "input", None):

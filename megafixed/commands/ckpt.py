@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..train.save_faults import human_size
+
 HELP = "inspect a checkpoint: layout, step, tokens, input code, parameters, file sizes, manifest check"
 
 
@@ -75,14 +77,6 @@ def inspect(tag_dir: Path) -> dict:
     return out
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def run(args) -> int:
     info = inspect(resolve(args.path))
     if args.json:
@@ -101,7 +95,7 @@ def run(args) -> int:
         print(f"parameters  {info.get('parameters', '?'):,}" if isinstance(info.get("parameters"), int)
               else "parameters  ?")
         print(f"git         {info.get('git_revision', 'unknown')}")
-        print(f"files       {len(info['files'])}, {_size(info['total_bytes'])}"
+        print(f"files       {len(info['files'])}, {human_size(info['total_bytes'])}"
               + ("; universal checkpoint converted" if info["universal"] else ""))
         for name, size in info["files"].items():
             print(f"  {size:>14,}  {name}")

@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-from .world import LaunchError, World
+from .world import LaunchError, World, ranges
 
 PREFIX = "megafixed/rdzv"
 HEARTBEAT_S = 1.0  # each rank bumps its counter in the store this often, for naming lost ranks later (lost.py)
@@ -200,7 +200,7 @@ def meet(world: World, addr: str, port: int, wait: Optional[float] = None):
         if arrived < world.size:
             raise RendezvousError(_missing_message(store, world, wait, f"{addr}:{port}"))
         records = [json.loads(v) for v in store.multi_get([f"{PREFIX}/rank/{r}" for r in range(world.size)])]
-    _check_same_code(records)
+    _check_same_code(records, world.rank)
     _STORE, _PEERS = store, records
     return store
 
@@ -245,7 +245,7 @@ def slurm_task_nodes(size: int) -> list[str]:
     return out if len(out) == size else []
 
 
-def _check_same_code(records: list[dict]) -> None:
+def _check_same_code(records: list[dict], rank: int = 0) -> None:
     groups: dict = {}
     for rec in records:
         groups.setdefault((rec["megafixed"], rec["code"], rec["torch"]), []).append(rec)
@@ -256,20 +256,13 @@ def _check_same_code(records: list[dict]) -> None:
     base = next(key for key, recs in groups.items() if any(r["rank"] == 0 for r in recs))
     odd = sorted({r["host"] for key, recs in groups.items() if key != base for r in recs})
     head = sorted({r["host"] for r in groups[base]})
+    if rank != 0:
+        # Every rank reaches this verdict, but only rank 0 prints it. A rank that left first would have
+        # srun (--kill-on-bad-exit) kill rank 0 before its line is out: give rank 0 the lead (bounded).
+        time.sleep(3)
     raise RendezvousError(f"the ranks run different code ({seen}); {', '.join(odd)} run{'s' if len(odd) == 1 else ''} "
                           f"other code than rank 0 ({', '.join(head)}): install the same megafixed revision and torch "
                           f"on every node (one shared checkout or venv, or one container image) and resubmit")
-
-
-def ranges(ranks: list[int]) -> str:
-    if not ranks:
-        return "none"
-    out, start = [], ranks[0]
-    for a, b in zip(ranks, ranks[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)
 
 
 def init_process_group(world: World, backend: str, collective_timeout_s: float = 600) -> None:

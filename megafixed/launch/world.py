@@ -182,7 +182,7 @@ def check_agreement(world: World, env: Optional[Mapping[str, str]] = None) -> No
         for rank, info in enumerate(everyone):
             groups.setdefault(info[key], []).append(rank)
         if len(groups) > 1:
-            seen = "; ".join(f"ranks {_ranges(r)}: {v}" for v, r in groups.items())
+            seen = "; ".join(f"ranks {ranges(r)}: {v}" for v, r in groups.items())
             raise LaunchError(f"the ranks of this world disagree on the {what} ({seen}); {fix}")
     hosts = {info["host"] for info in everyone}
     if world.nnodes and len(hosts) < world.nnodes:
@@ -191,7 +191,10 @@ def check_agreement(world: World, env: Optional[Mapping[str, str]] = None) -> No
                           f"node the same MASTER_ADDR/MASTER_PORT (or torchrun --rdzv-endpoint) and --nnodes")
 
 
-def _ranges(ranks: list[int]) -> str:
+def ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5": rank lists in one line of an error."""
+    if not ranks:
+        return "none"
     out, start = [], ranks[0]
     for a, b in zip(ranks, ranks[1:] + [None]):
         if b != a + 1:

@@ -82,7 +82,8 @@ def filesystem_errno(exc: BaseException, directory: Path) -> Optional[int]:
     return None
 
 
-def _size(n: float) -> str:
+def human_size(n: float) -> str:
+    """1536 -> '1.5 KiB' (error lines and `ckpt inspect`)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -121,10 +122,10 @@ def describe(code: int, ckpt_dir: Path, tag: str, handed_bytes: int = 0, asynchr
     head = f"{mode} checkpoint {where} failed: {WHY[code]} ({ckpt_dir})"
     if code in (errno.ENOSPC, errno.EDQUOT):
         prev = checkpoint_bytes(ckpt_dir / latest) if latest else None
-        need = (f"about {_size(prev)} (the size of {latest})" if prev else
-                f"at least {_size(handed_bytes)} (what was handed to the writer before it failed)")
+        need = (f"about {human_size(prev)} (the size of {latest})" if prev else
+                f"at least {human_size(handed_bytes)} (what was handed to the writer before it failed)")
         free = free_bytes(ckpt_dir)
-        head += f"; a checkpoint needs {need}" + (f", {_size(free)} is free there" if free is not None else "")
+        head += f"; a checkpoint needs {need}" + (f", {human_size(free)} is free there" if free is not None else "")
         fix = ("free space there (or lower train.keep_checkpoints, or move train.run_dir to a larger filesystem; "
                "for a quota: `quota -s` / `lfs quota` shows yours)")
     elif code in (errno.EACCES, errno.EPERM):
@@ -165,7 +166,7 @@ def tensor_bytes(obj) -> int:
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        return obj.numel() * obj.elementhuman_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
