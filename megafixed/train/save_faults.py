@@ -166,7 +166,7 @@ def tensor_bytes(obj) -> int:
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.elementhuman_size()
+        return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
