@@ -121,6 +121,24 @@ def _pid(path: Path, timeout: float = 10) -> int | None:
     return None
 
 
+
+def ensure_munged(cluster: "Cluster") -> str | None:
+    """Start munged (shared by every test cluster) unless one already answers; its pid joins the
+    cluster's daemons. Returns why it could not start (the cluster is stopped then), else None."""
+    if _munge_works():
+        return None
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], capture_output=True, timeout=30)
+    pid = _pid(Path("/run/munge/munged.pid"))
+    if pid:
+        cluster.started.append(("munged", pid))
+    if not _munge_works():
+        cluster.stop()
+        return "munged did not start (runuser -u munge -- /usr/sbin/munged)"
+    return None
+
+
 def start_cluster(root: Path) -> Cluster | str:
     """A running cluster, or the reason Slurm cannot start here."""
     missing = [b for b in ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "munged", "munge")
@@ -136,16 +154,9 @@ def start_cluster(root: Path) -> Cluster | str:
     conf.write_text(CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port()))
     env = launch_free_env(SLURM_CONF=str(conf))  # the jobs inherit it (sbatch and srun export it)
     cluster = Cluster(root, env)
-    if not _munge_works():
-        Path("/run/munge").mkdir(parents=True, exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], capture_output=True, timeout=30)
-        pid = _pid(Path("/run/munge/munged.pid"))
-        if pid:
-            cluster.started.append(("munged", pid))
-        if not _munge_works():
-            cluster.stop()
-            return "munged did not start (runuser -u munge -- /usr/sbin/munged)"
+    problem = ensure_munged(cluster)
+    if problem:
+        return problem
     for name, cmd in (("slurmctld", ["slurmctld", "-f", str(conf)]),
                       ("slurmd", ["slurmd", "-f", str(conf), "-N", "localhost"])):
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)

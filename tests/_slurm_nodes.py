@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from _env import launch_free_env
-from _slurm import Cluster, _munge_works, _pid
+from _slurm import Cluster, _pid, ensure_munged
 
 PREFIX = "mfslurm"
 CTL_NS, BRIDGE, SUBNET = f"{PREFIX}-ctl", "mfbr", "10.213.0"
@@ -237,16 +237,9 @@ def start_cluster(root: Path, n_nodes: int = 2) -> NodesCluster | str:
     except RuntimeError as exc:
         cluster.stop()
         return f"cannot build the test network ({exc})"
-    if not _munge_works():
-        Path("/run/munge").mkdir(parents=True, exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], capture_output=True, timeout=30)
-        pid = _pid(Path("/run/munge/munged.pid"))
-        if pid:
-            cluster.started.append(("munged", pid))
-        if not _munge_works():
-            cluster.stop()
-            return "munged did not start (runuser -u munge -- /usr/sbin/munged)"
+    problem = ensure_munged(cluster)
+    if problem:
+        return problem
     daemons = [("slurmctld", "mfctl", CTL_NS, ["slurmctld", "-f", str(conf)], root / "slurmctld.pid")]
     for node in nodes:
         daemons.append((f"slurmd-{node}", node, f"{PREFIX}-{node}", ["slurmd", "-f", str(conf), "-N", node],
