@@ -33,9 +33,17 @@ def test_cache_matches_full_forward(input):
     assert (torch.cat(parts, 1) - full).abs().max().item() < 1e-5
 
 
-def test_greedy_equals_cache_free_reference():
-    from megafixed.train.evaluate import greedy_generate
+@torch.no_grad()
+def greedy_generate(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """The cache-free reference: a full forward over the (context-limited) sequence per new token."""
+    ids = prompt.reshape(1, -1)
+    for _ in range(max_new_tokens):
+        nxt = model(ids[:, -model.cfg.max_seq_len:])[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids[0, prompt.numel():]
 
+
+def test_greedy_equals_cache_free_reference():
     model = tiny()
     prompt = torch.tensor([5, 17, 99, 3])
     out = generate(model, prompt, SamplingConfig(max_new_tokens=20))

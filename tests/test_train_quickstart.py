@@ -27,6 +27,12 @@ def test_quickstart_end_to_end_small(tmp_path, capsys):
     assert summary["val_loss_first"] == pytest.approx(math.log(4096), abs=0.2)
     assert summary["val_loss_last"] < summary["val_loss_first"]
     assert all(isinstance(s["completion"], str) for s in summary["samples"])
+    # one generation path: `megafixed generate` prints the quickstart's greedy sample for the same checkpoint
+    from megafixed.cli import main
+
+    sample = summary["samples"][0]
+    assert main(["generate", str(tmp_path / "run"), "--prompt", sample["prompt"], "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out == sample["prompt"] + sample["completion"] + "\n"
 
     # Independent reference: the mean next-token NLL over every whole micro batch of the test split.
     from megafixed.data.prepare import prepare_data

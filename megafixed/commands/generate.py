@@ -52,7 +52,7 @@ def run(args) -> int:
     import torch
 
     from ..interop.run_source import resolve_run, run_tokenizer
-    from ..model.generate import GenerationError, SamplingConfig, generate
+    from ..model.generate import GenerationError, SamplingConfig, complete
     from ..threads import apply_thread_policy
 
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -66,7 +66,6 @@ def run(args) -> int:
 
         # an imported model's own eos_token_id(s) (as transformers' generate stops), else the tokenizer's EOD
         sampling.stop_ids = tuple(model_eos_ids(src.run_dir)) or (tok.eod_id,)
-    prompt = torch.tensor(tok.encode(args.prompt), dtype=torch.long)
     model = src.load_model()
     # Once the inputs are known good (a bad one stays a single error line); stderr: stdout is the text.
     apply_thread_policy(log=lambda m: print(m, file=sys.stderr), knob="OMP_NUM_THREADS=N")
@@ -75,6 +74,6 @@ def run(args) -> int:
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     stream = TextStream(tok)
-    generate(model, prompt, sampling, on_token=stream)
+    complete(model, tok, args.prompt, sampling, on_token=stream)  # the quickstart's samples' path too
     stream.finish()
     return 0

@@ -81,8 +81,9 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
     from ..data.gpt_dataset import build_datasets
     from ..data.prepare import prepare_data
     from ..data.tokenizers import load_tokenizer
+    from ..model.generate import SamplingConfig, complete
     from ..parallel import setup_distributed
-    from ..train.evaluate import evaluate_loss, greedy_generate, load_trained_model
+    from ..train.evaluate import evaluate_loss, load_trained_model
     from ..train.trainer import train
 
     t_start = t_start or time.perf_counter()
@@ -113,13 +114,9 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
     model, tag = load_trained_model(cfg, cfg.train.run_dir)
     test = evaluate_loss(cfg, model, datasets["test"], micro_batch=cfg.train.micro_batch)
     tok = load_tokenizer(cfg.data.tokenizer)
-    import torch
-
-    samples = []
-    for prompt in DEFAULT_PROMPTS:
-        ids = torch.tensor(tok.encode(prompt), dtype=torch.long)
-        out = greedy_generate(model, ids, sample_tokens, eod_id=tok.eod_id)
-        samples.append({"prompt": prompt, "completion": tok.decode(out.tolist())})
+    # `megafixed generate RUN --prompt P --max-new-tokens N` prints the same greedy text (one path)
+    greedy = SamplingConfig(max_new_tokens=sample_tokens, stop_ids=(tok.eod_id,))
+    samples = [{"prompt": prompt, "completion": complete(model, tok, prompt, greedy)} for prompt in DEFAULT_PROMPTS]
     vals = [r["val_loss"] for r in _read_metrics(cfg.train.run_dir) if "val_loss" in r]
     run_dir = Path(cfg.train.run_dir).resolve()
     summary = {

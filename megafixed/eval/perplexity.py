@@ -7,6 +7,11 @@ Each document is scored on its own, as lm-evaluation-harness's ``loglikelihood_r
 Bits per byte = total negative log-likelihood (nats) / ln 2 / UTF-8 bytes of the text: it does not
 depend on the tokenizer, so models with different vocabularies compare. Token perplexity does.
 For shards the bytes are those of the decoded tokens (the text the tokenizer reproduces).
+
+The windows are scored by the one held-out scorer (``megafixed.model.heldout``): each window is an
+(inputs, targets) pair whose context-only targets are ``IGNORE_INDEX``, packed by length into
+right-padded batches (padding after a row's last position cannot change a causal model's earlier
+outputs), so every predicted token counts once and weighs the same.
 """
 from __future__ import annotations
 
@@ -16,8 +21,11 @@ import math
 from pathlib import Path
 from typing import Iterable, Optional
 
+import torch
+
 from ..data.errors import DataError
-from .scoring import Request, Scorer
+from ..model.heldout import IGNORE_INDEX, score_heldout
+from .scoring import Request
 
 
 def rolling_requests(tokens: list[int], eod: int, max_len: int) -> list[Request]:
@@ -77,11 +85,41 @@ def perplexity(model, tok, *, texts: Optional[list[str]] = None, token_docs: Opt
     if not docs:
         raise DataError("nothing to score: the documents tokenize to no tokens")
     max_len = model.cfg.max_seq_len
-    groups = [[r] for ids, _ in docs for r in rolling_requests(ids, tok.eod_id, max_len)]
-    scored = Scorer(model, batch_size=batch_size, progress=progress, share_prefix=False).score(groups)
-    nll = -sum(g[0][0] for g in scored)
-    tokens = sum(len(ids) for ids, _ in docs)
+    windows = [r for ids, _ in docs for r in rolling_requests(ids, tok.eod_id, max_len)]
+    batches = _window_batches(windows, batch_size)
+    score = score_heldout(model, _progress(batches, sum(len(b[0]) for b in batches), progress))
     nbytes = sum(b for _, b in docs)
-    return {"documents": len(docs), "tokens": tokens, "bytes": nbytes, "nll": nll,
-            "perplexity": math.exp(min(nll / tokens, 700.0)), "bits_per_byte": nll / math.log(2) / nbytes}
+    return {"documents": len(docs), "tokens": score.tokens, "bytes": nbytes, "nll": score.nll,
+            "perplexity": score.perplexity, "bits_per_byte": score.nll / math.log(2) / nbytes}
 
+
+def _window_batches(windows: list[Request], batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) batches of ``batch_size`` windows, longest first; a window predicts its
+    continuation from ``context + continuation[:-1]``, and only the continuation is scored."""
+    rows = sorted(((r.context + r.continuation[:-1], [IGNORE_INDEX] * (len(r.context) - 1) + r.continuation)
+                   for r in windows), key=lambda row: -len(row[0]))
+    out = []
+    for s in range(0, len(rows), max(1, batch_size)):
+        chunk = rows[s:s + max(1, batch_size)]
+        width = len(chunk[0][0])
+        inputs = torch.zeros(len(chunk), width, dtype=torch.long)
+        targets = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)
+        for b, (x, y) in enumerate(chunk):
+            inputs[b, :len(x)] = torch.tensor(x, dtype=torch.long)
+            targets[b, :len(y)] = torch.tensor(y, dtype=torch.long)
+        out.append((inputs, targets))
+    return out
+
+
+def _progress(batches: list, windows: int, progress):
+    """Yield ``batches`` under a bar (``progress=True``), periodic lines (``"lines"``) or nothing."""
+    if progress == "lines":  # not a terminal: a line every 30 s (megafixed/progress_lines.py)
+        from ..progress_lines import ProgressLines
+        bar = ProgressLines(windows, desc="scoring", unit="windows")
+    else:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=windows, desc="scoring", unit="win", disable=not progress, leave=False)
+    for batch in batches:
+        yield batch
+        bar.update(len(batch[0]))
+    bar.close()

@@ -131,3 +131,11 @@ def generate(model, prompt: torch.Tensor, cfg: SamplingConfig,
         if on_token is not None:
             on_token(token)
     return out
+
+
+def complete(model, tok, prompt: str, cfg: SamplingConfig,
+             on_token: Optional[Callable[[int], None]] = None) -> str:
+    """The decoded text ``model`` adds to ``prompt`` (``tok`` encodes and decodes): the one path of
+    ``megafixed generate`` and the quickstart's samples, so both print the same greedy text."""
+    ids = torch.tensor(tok.encode(prompt), dtype=torch.long)
+    return tok.decode(generate(model, ids, cfg, on_token=on_token))

@@ -1,18 +1,16 @@
-"""Held-out loss / perplexity of a plain model, greedy samples, and loading a trained model.
+"""Held-out loss / perplexity of a plain model over a dataset split, and loading a trained model.
 
 Reusable outside the trainer: ``megafixed quickstart`` calls these on the final checkpoint, and
-later evaluation work can call them on any GPT built from a config.
+later evaluation work can call them on any GPT built from a config (generation: ``model.generate``).
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import CheckpointError, read_latest
@@ -45,39 +43,13 @@ def evaluate_loss(cfg, model: nn.Module, dataset, *, micro_batch: Optional[int] 
     if n < 1:
         raise ValueError(f"the split has {len(dataset)} samples, fewer than one micro batch of {mb} per rank "
                          f"x {dp_size} ranks; lower train.micro_batch or give the split a larger data.split share")
-    device = device or next(model.parameters()).device
-    was_training = model.training
-    model.eval()
+    from itertools import islice
+
+    from ..model.heldout import score_heldout
+
     it = micro_batches(dataset, start_sample=0, micro_batch=mb, dp_rank=dp_rank, dp_size=dp_size)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(n):
-        tokens = next(it).to(device)
-        total += model(tokens[:, :-1], tokens[:, 1:]).double()
-    if dp_size > 1:
-        dist.all_reduce(total, group=dp_group)
-    model.train(was_training)
-    loss = float(total) / (n * dp_size)
-    seq = cfg.data.seq_len
-    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=n * mb * dp_size * seq, batches=n)
-
-
-@torch.no_grad()
-def greedy_generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
-                    eod_id: Optional[int] = None) -> torch.Tensor:
-    """Append ``max_new_tokens`` argmax tokens to ``prompt`` (1-D ids); stops early at ``eod_id``."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    ids = prompt.reshape(1, -1).to(device)
-    limit = model.cfg.max_seq_len
-    for _ in range(max_new_tokens):
-        logits = model(ids[:, -limit:])
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], dim=1)
-        if eod_id is not None and int(nxt) == eod_id:
-            break
-    model.train(was_training)
-    return ids[0, prompt.numel():].cpu()
+    score = score_heldout(model, islice(it, n), dp_size=dp_size, dp_group=dp_group, device=device)
+    return EvalResult(loss=score.loss, perplexity=score.perplexity, tokens=score.tokens, batches=n)
 
 
 def trained_state_dict(ckpt_dir: str | os.PathLike, tag: str) -> dict:
