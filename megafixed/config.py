@@ -18,9 +18,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the key and what would be valid."""
+from .config_checks import check_ranges
+from .errors import ConfigError  # noqa: F401 -- re-exported: callers import it from megafixed.config
 
 
 def _require_at_least(section: str, obj: Any, minimum: int, names: tuple) -> None:
@@ -62,6 +61,17 @@ class ModelConfig:
     # folded weights (megafixed.model.fused); same parameters, so checkpoints are interchangeable.
     fused_first_layer: bool = False
 
+    def fixed_code(self):
+        """The ``megafixed.codes.FixedCode`` that ``input`` names, built from the seven code fields
+        (explicit rows/shift, as a saved config.yaml has them, win over the seed); None for learned.
+        Raises ``CodeError`` for impossible fields (``validate`` turns it into a ConfigError)."""
+        if self.input == "learned":
+            return None
+        from .codes import make_code
+
+        return make_code(self.input, self.code_bits, self.code_seed, self.code_affine, self.code_scale,
+                         rows=self.code_rows, shift=self.code_shift)
+
     def validate(self) -> None:
         _require_at_least("model", self, 1, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                                              "max_seq_len"))
@@ -81,10 +91,9 @@ class ModelConfig:
                               f"is not), got input={self.input}, norm={self.norm}; set model.fused_first_layer=false")
         self._validate_code_rows()
         if self.input != "learned":
-            from .codes import CodeError, make_code
+            from .codes import CodeError
             try:
-                code = make_code(self.input, self.code_bits, self.code_seed, self.code_affine, self.code_scale,
-                                 rows=self.code_rows, shift=self.code_shift)
+                code = self.fixed_code()
                 code.check_vocab(self.vocab_size)
                 code.check_width(self.d_model)
             except CodeError as exc:
@@ -162,18 +171,38 @@ class DataConfig:
     mock: bool = False
 
     def validate(self) -> None:
-        parts = self.split.split(",")
-        try:
-            shares = [float(p) for p in parts]
-        except ValueError:
-            raise ConfigError(f"data.split={self.split!r} must be comma-separated numbers like '98,1,1'") from None
-        if len(shares) != 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
-            raise ConfigError(f"data.split={self.split!r} must be three non-negative shares, e.g. '98,1,1'")
-        if self.weights is not None and len(self.weights) != len(self.prefixes):
-            raise ConfigError(f"data.weights has {len(self.weights)} entries but data.prefixes has "
-                              f"{len(self.prefixes)}; give one weight per prefix")
+        split_shares(self.split)
+        check_blend_weights(self.weights, len(self.prefixes))
         if self.seq_len < 1:
             raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
+
+
+def split_shares(split, error: type = ConfigError) -> list[float]:
+    """The train/valid/test shares ``data.split`` names (``'98,1,1'``), unnormalised. The one check
+    of the key: the config's validation and the dataset builder (which may get a plain namespace)
+    both call it; ``error``: the ConfigError subclass to raise (the data pipeline's DataError)."""
+    try:
+        shares = [float(p) for p in str(split).split(",")]
+    except ValueError:
+        raise error(f"data.split={split!r} must be comma-separated numbers like '98,1,1'") from None
+    if len(shares) != 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
+        raise error(f"data.split={split!r} must be three non-negative shares, e.g. '98,1,1'")
+    return shares
+
+
+def check_blend_weights(weights, n_prefixes: int, error: type = ConfigError) -> None:
+    """``data.weights``: None (blend by size) or one non-negative weight per prefix, with a positive
+    sum. The one check of the key (see :func:`split_shares`)."""
+    if weights is None:
+        return
+    if len(weights) != n_prefixes:
+        raise error(f"data.weights has {len(weights)} entries but data.prefixes has {n_prefixes}; give one "
+                    f"weight per prefix")
+    for i, w in enumerate(weights):
+        if float(w) < 0:
+            raise error(f"data.weights[{i}]={w} must be >= 0 (blend weights are non-negative shares)")
+    if sum(float(w) for w in weights) <= 0:
+        raise error(f"data.weights={list(weights)} sum to 0; give at least one prefix a positive weight")
 
 
 @dataclass
@@ -273,8 +302,6 @@ class Config:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def validate(self) -> "Config":
-        from .config_checks import check_ranges
-
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
@@ -454,10 +481,9 @@ def resolve_code(cfg: Config) -> Config:
     out = copy.deepcopy(cfg)
     m = out.model
     if m.input == "gf2":
-        from .codes import CodeError, make_code
+        from .codes import CodeError
         try:
-            code = make_code("gf2", m.code_bits, m.code_seed, m.code_affine, m.code_scale,
-                             rows=m.code_rows, shift=m.code_shift)
+            code = m.fixed_code()
         except CodeError as exc:
             raise ConfigError(f"model: {exc}") from exc
         m.code_rows, m.code_shift = list(code.rows), code.shift

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import ConfigError
+from .errors import ConfigError
 
 INT32_MAX = 2 ** 31 - 1
 
@@ -157,6 +157,3 @@ def check_ranges(cfg) -> None:
     if _number(o.min_lr) and _number(o.lr) and o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} exceeds optimizer.lr={o.lr}; the schedule decays from lr "
                           f"down to min_lr, so set min_lr <= lr")
-    w = cfg.data.weights
-    if isinstance(w, list) and w and all(_number(x) for x in w) and sum(w) <= 0:
-        raise ConfigError(f"data.weights={w} sum to 0; give at least one prefix a positive weight")

@@ -25,6 +25,12 @@ from typing import Optional
 from . import exit_codes
 
 
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and what would be valid. Defined here,
+    with the boundary that reports it, so that ``config`` and ``config_checks`` both import it
+    from below (``megafixed.config.ConfigError`` is the same class)."""
+
+
 class UsageError(ValueError):
     """A bad command line (argparse's complaint), reported as one line instead of usage + error."""
 

@@ -35,6 +35,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from ..config import check_blend_weights
+from ..config import split_shares as checked_shares
 from .errors import DataError
 from .indexed import IndexedShard, bin_path, idx_path, shard_exists
 
@@ -60,9 +62,8 @@ def resolve_prefix(prefix: str) -> list[str]:
 
 
 def split_shares(split: str) -> np.ndarray:
-    shares = np.array([float(x) for x in str(split).split(",")], dtype=np.float64)
-    if len(shares) != 3 or shares.min() < 0 or shares.sum() <= 0:
-        raise DataError(f"data.split={split!r} must be three non-negative shares like '98,1,1'")
+    """``data.split``'s shares, normalised (checked by the config's one rule)."""
+    shares = np.array(checked_shares(split, error=DataError), dtype=np.float64)
     return shares / shares.sum()
 
 
@@ -290,11 +291,7 @@ def build_datasets(data_cfg, seed: int) -> dict:
         raise DataError("data.prefixes is empty; set it to preprocessed shard prefixes, or set data.source "
                         "and call prepare_data(cfg) first")
     weights = list(data_cfg.weights) if data_cfg.weights is not None else None
-    if weights is not None:
-        if len(weights) != len(prefixes):
-            raise DataError(f"data.weights has {len(weights)} entries for {len(prefixes)} prefixes")
-        if any(float(w) < 0 for w in weights) or sum(float(w) for w in weights) <= 0:
-            raise DataError(f"data.weights={weights} must be non-negative with a positive sum")
+    check_blend_weights(weights, len(prefixes), error=DataError)
     per_prefix = [_components_for_prefix(p, data_cfg.split, data_cfg.seq_len) for p in prefixes]
     out = {}
     for si, name in enumerate(SPLITS):

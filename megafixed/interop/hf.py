@@ -432,10 +432,9 @@ def _read_safetensors(hf_dir: Path) -> dict:
 def import_state_dict(hf_sd: dict, m: ModelConfig, model_type: str = "llama") -> dict:
     """transformers Llama/Arcee state dict -> plain megafixed GPT state dict (fp32)."""
     arch = ARCHES[model_type]
-    from ..model import GPT
+    from ..model.gpt import meta_gpt
 
-    with torch.device("meta"):
-        names = list(GPT(m).state_dict())
+    names = list(meta_gpt(m).state_dict())
     if m.tie_embeddings:
         names.remove("head.proj.weight")  # tied: the same tensor as the embedding
     out, wanted = {}, set()

@@ -287,3 +287,12 @@ class GPT(nn.Module):
     @property
     def has_learned_input(self) -> bool:
         return isinstance(self.input, LearnedInput)
+
+
+def meta_gpt(cfg: ModelConfig) -> GPT:
+    """A ``GPT(cfg)`` on the meta device: its names, shapes and structure, no memory, no init draws.
+
+    What the parameter counts, the planner, the TP/PP builder and the checkpoint converters ask of
+    a model they must not allocate."""
+    with torch.device("meta"):
+        return GPT(cfg)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..codes import FixedCode, make_code
+from ..codes import FixedCode
 
 
 class LearnedInput(nn.Module):
@@ -77,7 +77,4 @@ def build_input(cfg) -> nn.Module:
     """The input module a ``ModelConfig`` names."""
     if cfg.input == "learned":
         return LearnedInput(cfg.vocab_size, cfg.d_model)
-    # Explicit rows/shift (as a saved config.yaml has them) win over the seed.
-    code = make_code(cfg.input, cfg.code_bits, cfg.code_seed, cfg.code_affine, cfg.code_scale,
-                     rows=cfg.code_rows, shift=cfg.code_shift)
-    return FixedCodeInput(code, cfg.d_model, cfg.vocab_size)
+    return FixedCodeInput(cfg.fixed_code(), cfg.d_model, cfg.vocab_size)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import torch
 from torch import nn
 
 from ..config import ModelConfig
@@ -53,8 +52,6 @@ def count_model(model: nn.Module) -> ParamCount:
 
 def count_params(model_cfg: ModelConfig) -> ParamCount:
     """Counts for a model config without allocating it (meta device)."""
-    from .gpt import GPT
+    from .gpt import meta_gpt
 
-    with torch.device("meta"):
-        model = GPT(model_cfg)
-    return count_model(model)
+    return count_model(meta_gpt(model_cfg))

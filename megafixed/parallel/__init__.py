@@ -26,13 +26,10 @@ def build_model(model_cfg, topo: "Topology", *, seed: int, pp_partition: str = "
     and fill them from the per-parameter generators (``model.gpt.init_parameters``), sliced for
     its TP shard. No rank ever holds the full model.
     """
-    import torch
+    from ..model.gpt import meta_gpt
 
-    from ..model import GPT
-
-    with torch.device("meta"):
-        model = GPT(model_cfg)
-        full_shapes = {n: p.shape for n, p in GPT(model_cfg).named_parameters()}
+    model = meta_gpt(model_cfg)
+    full_shapes = {n: p.shape for n, p in model.named_parameters()}  # before TP shards them
     if topo.tp > 1:
         from .tensor import apply_tp
         apply_tp(model, topo)

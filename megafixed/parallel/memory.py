@@ -73,16 +73,14 @@ def count_params(m) -> ParamCounts:
     ``sharded_dim`` rule that ``apply_tp`` and the checkpoint converter use, so the plan cannot
     drift from the model code.
     """
-    import torch
 
-    from ..model.gpt import GPT
+    from ..model.gpt import meta_gpt
     from .tensor import sharded_dim
 
     key = repr(m)  # the planner asks for the same model hundreds of times
     if key in _COUNTS:
         return _COUNTS[key]
-    with torch.device("meta"):
-        model = GPT(m)
+    model = meta_gpt(m)
     unique = {id(p): (name, p) for name, p in model.named_parameters()}.values()
     parts = {"input": 0, "block_sharded": 0, "block_replicated": 0, "head_sharded": 0, "head_replicated": 0}
     for name, p in unique:

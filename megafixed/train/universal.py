@@ -46,12 +46,10 @@ DONE = ".complete"
 
 def gpt_param_names(model_cfg) -> list[str]:
     """Plain-GPT parameter names (tied weights once), without allocating anything."""
-    import torch
 
-    from ..model import GPT
+    from ..model.gpt import meta_gpt
 
-    with torch.device("meta"):
-        return [n for n, _ in GPT(model_cfg).named_parameters()]
+    return [n for n, _ in meta_gpt(model_cfg).named_parameters()]
 
 
 def layout_names(model_cfg, pp: int) -> dict[str, str]:
