@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 from typing import Iterable, Iterator, Optional
 
-STEP_TAG = re.compile(r"^step_\d+$")
+from .train.run_dir import CHECKPOINTS, CONFIG, LATEST, METRICS
+from .train.run_dir import TAG_RE as STEP_TAG
 
 
 class OutputError(ValueError):
@@ -38,7 +38,7 @@ def is_live_checkpoint_dir(path: str) -> bool:
     (The output of ``convert`` has ``latest -> converted`` and may be replaced with --overwrite.)"""
     if not os.path.isdir(path):
         return False
-    latest = os.path.join(path, "latest")
+    latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
         try:
             with open(latest, errors="replace") as fh:
@@ -53,8 +53,8 @@ def is_live_checkpoint_dir(path: str) -> bool:
     if any(STEP_TAG.match(n) and os.path.isdir(os.path.join(path, n)) for n in names):
         return True
     parent = os.path.dirname(_real(path))
-    return os.path.basename(_real(path)) == "checkpoints" and any(
-        os.path.exists(os.path.join(parent, n)) for n in ("config.yaml", "metrics.jsonl"))
+    return os.path.basename(_real(path)) == CHECKPOINTS and any(
+        os.path.exists(os.path.join(parent, n)) for n in (CONFIG, METRICS))
 
 
 def _inside_live_checkpoint(path: str) -> Optional[str]:

@@ -9,7 +9,7 @@ import torch
 from megafixed.cli import main as cli_main
 from megafixed.config import load_config
 from megafixed.model import GPT
-from megafixed.parallel.memory import Layout, count_params, estimate, layer_activation_bytes, stage_params
+from megafixed.parallel.memory import Layout, estimate, layer_activation_bytes, stage_params, tp_param_counts
 from megafixed.parallel.tensor import sharded_dim
 
 BASE = ["model.vocab_size=512", "model.d_model=128", "model.n_heads=4", "model.max_seq_len=256",
@@ -28,7 +28,7 @@ def _cfg(*overrides):
 def test_param_counts_and_tp_split_match_the_model(overrides):
     cfg = _cfg(*overrides)
     model = GPT(cfg.model)
-    c = count_params(cfg.model)
+    c = tp_param_counts(cfg.model)
     assert c.total == sum(p.numel() for p in model.parameters())
     sharded = sum(p.numel() for n, p in model.named_parameters() if sharded_dim(n) is not None)
     assert c.input + c.n_layers * c.block_sharded + c.head_sharded == sharded
@@ -93,7 +93,7 @@ def test_activation_estimate_matches_saved_tensor_bytes(mlp):
 
 def test_parallel_splits_follow_the_rules():
     m = _cfg("model.input=learned", "model.n_layers=4").model
-    c = count_params(m)
+    c = tp_param_counts(m)
     one = stage_params(m, Layout())[0]
     assert one == c.total
     tp2 = stage_params(m, Layout(tp=2))[0]

@@ -26,14 +26,15 @@ def add_arguments(p):
 def resolve(path: str) -> Path:
     """The tag directory ``path`` names (a run dir or checkpoints dir means its ``latest``)."""
     from ..train.checkpoint import CheckpointError, read_latest
+    from ..train.run_dir import LATEST, RUN_RECORD, RunDirectory
 
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such directory; pass a run directory, its checkpoints/ or a step_* tag")
-    for ckpt_dir in (root / "checkpoints", root):
-        if (ckpt_dir / "latest").exists():
+    for ckpt_dir in (RunDirectory(root).checkpoints, root):
+        if (ckpt_dir / LATEST).exists():
             return ckpt_dir / read_latest(ckpt_dir)
-    if (root / "run.json").exists() or any(root.glob("*model_states.pt")):
+    if (root / RUN_RECORD).exists() or any(root.glob("*model_states.pt")):
         return root
     raise CheckpointError(f"{root} holds no checkpoint (no checkpoints/latest, latest, run.json or "
                           f"*model_states.pt); pass a run directory, its checkpoints/ or a step_* tag directory")

@@ -52,7 +52,7 @@ def run(args) -> int:
     from ..train.env import prepare_runtime_env
 
     prepare_runtime_env()  # DeepSpeed's partitioner is imported below: quiet, CPU-safe
-    from ..parallel.memory import GiB, count_params, estimate, feasible_layouts, fixed_code_saving
+    from ..parallel.memory import GiB, estimate, feasible_layouts, fixed_code_saving, tp_param_counts
 
     cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
     gpu_mem = parse_bytes(args.gpu_mem)
@@ -64,7 +64,7 @@ def run(args) -> int:
     estimates = sorted((estimate(cfg.model, seq, lay, args.precision) for lay in layouts),
                        key=lambda e: _rank_key(e, budget))
     fitting = [e for e in estimates if e.total <= budget]
-    counts = count_params(cfg.model)
+    counts = tp_param_counts(cfg.model)
     ref_layout = (fitting or estimates)[0].layout if estimates else None
     saving = fixed_code_saving(cfg.model, ref_layout, args.precision) if ref_layout else None
     if args.json:

@@ -84,6 +84,7 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
     from ..model.generate import SamplingConfig, complete
     from ..parallel import setup_distributed
     from ..train.evaluate import evaluate_loss, load_trained_model
+    from ..train.run_dir import RunDirectory
     from ..train.trainer import train
 
     t_start = t_start or time.perf_counter()
@@ -117,13 +118,13 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
     # `megafixed generate RUN --prompt P --max-new-tokens N` prints the same greedy text (one path)
     greedy = SamplingConfig(max_new_tokens=sample_tokens, stop_ids=(tok.eod_id,))
     samples = [{"prompt": prompt, "completion": complete(model, tok, prompt, greedy)} for prompt in DEFAULT_PROMPTS]
-    vals = [r["val_loss"] for r in _read_metrics(cfg.train.run_dir) if "val_loss" in r]
-    run_dir = Path(cfg.train.run_dir).resolve()
+    rd = RunDirectory(Path(cfg.train.run_dir).resolve())
+    vals = [r["val_loss"] for r in rd.read_metrics() if "val_loss" in r]
+    run_dir = rd.path
     summary = {
-        "run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoints" / tag),
-        "metrics": str(run_dir / "metrics.jsonl"),
-        "tensorboard": str(run_dir / "tensorboard") if cfg.train.tensorboard else None,
-        "config": str(run_dir / "config.yaml"), "steps": result.step,
+        "run_dir": str(run_dir), "checkpoint": str(rd.tag_dir(tag)), "metrics": str(rd.metrics_file),
+        "tensorboard": str(rd.tensorboard_dir) if cfg.train.tensorboard else None,
+        "config": str(rd.config_file), "steps": result.step,
         "val_loss_first": vals[0] if vals else None, "val_loss_last": vals[-1] if vals else None,
         "test_loss": test.loss, "test_perplexity": test.perplexity, "test_tokens": test.tokens,
         "samples": samples, "train_seconds": train_s, "total_seconds": time.perf_counter() - t_start,
@@ -146,11 +147,6 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
         + (f", zero-shot slice {summary['zero_shot']['seconds'] / 60:.1f} min" if summary.get("zero_shot") else "")
         + ")")
     return summary
-
-
-def _read_metrics(run_dir) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 ZERO_SHOT_TASKS = "hellaswag,piqa,lambada"

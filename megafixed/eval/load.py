@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ..train.checkpoint import CheckpointError
+from ..train.run_dir import CHECKPOINTS, LATEST, RUN_RECORD, RunDirectory
 
 
 @dataclass
@@ -27,17 +28,17 @@ def _split(path: Path) -> tuple[Path, Optional[str], Optional[tempfile.Temporary
     holding DeepSpeed checkpoint files; a folder with a ``latest`` file holds tags (a conversion's
     output). load_trained_model reads ``<run>/checkpoints/<tag>``: a tag outside a run is reached
     through a temporary ``checkpoints`` link to its parent."""
-    if (path / "checkpoints").is_dir():
+    if RunDirectory(path).checkpoints.is_dir():
         return path, None, None
-    is_tag = any(path.glob("*model_states.pt")) or (path / "run.json").is_file()
+    is_tag = any(path.glob("*model_states.pt")) or (path / RUN_RECORD).is_file()
     parent, tag = (path.parent, path.name) if is_tag else (path, None)
-    if not is_tag and not (path / "latest").is_file():
+    if not is_tag and not (path / LATEST).is_file():
         raise CheckpointError(f"{path} is neither a run directory (with checkpoints/) nor a checkpoint "
                               f"(*model_states.pt files); pass a run dir or a checkpoint tag dir")
-    if parent.name == "checkpoints":
+    if parent.name == CHECKPOINTS:
         return parent.parent, tag, None
     tmp = tempfile.TemporaryDirectory(prefix="megafixed-eval-")
-    os.symlink(parent.resolve(), Path(tmp.name) / "checkpoints")
+    os.symlink(parent.resolve(), RunDirectory(tmp.name).checkpoints)
     return Path(tmp.name), tag, tmp
 
 
@@ -56,7 +57,7 @@ def load(path: str | os.PathLike, tag: Optional[str] = None, tokenizer: Optional
     try:
         model, tag = load_trained_model(None, run_dir, tag or found_tag)
         # the same config load_trained_model used (run record of the tag, else the run's config.yaml)
-        cfg = _run_config(run_dir, read_run_record(Path(run_dir) / "checkpoints" / tag))
+        cfg = _run_config(run_dir, read_run_record(RunDirectory(run_dir).tag_dir(tag)))
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -462,6 +462,7 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Callab
     from ..outputs import claim_output, writing
     from ..parallel.convert import write_checkpoint
     from ..train.manifest import describe
+    from ..train.run_dir import RunDirectory
 
     src = Path(hf_dir)
     cfg_path = src / "config.json"
@@ -486,9 +487,10 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Callab
             cfg.data.tokenizer = str(tokenizer.resolve())
         cfg.train.run_dir = str(out.resolve())
         cfg.validate()
-        save_config(cfg, str(out / "config.yaml"))
+        rd = RunDirectory(out)
+        save_config(cfg, str(rd.config_file))
         layout = {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0, "precision": "fp32"}
-        write_checkpoint(sd, out / "checkpoints", tp=1, pp=1, tag="imported",  # with its manifest: readers verify
+        write_checkpoint(sd, rd.checkpoints, tp=1, pp=1, tag="imported",  # with its manifest: readers verify
                          run_record={"config": cfg.to_dict(), "imported_from": str(src.resolve()), "layout": layout,
                                      "format": 1},
                          meta={**describe(cfg, layout, 0, 0), "imported_from": str(src.resolve())})

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..train.checkpoint import CheckpointError, read_latest, tag_step
+from ..train.checkpoint import CheckpointError, tag_step
+from ..train.run_dir import CHECKPOINTS, RunDirectory
 
 
 @dataclass
@@ -23,7 +24,7 @@ class RunSource:
 
     @property
     def tag_dir(self) -> Path:
-        return self.run_dir / "checkpoints" / self.tag
+        return RunDirectory(self.run_dir).tag_dir(self.tag)
 
     @property
     def step(self) -> Optional[int]:
@@ -55,19 +56,20 @@ def resolve_run(path: str | os.PathLike, tag: Optional[str] = None) -> RunSource
     if not p.exists():
         raise CheckpointError(f"{p} not found; pass a run directory (the train.run_dir of a run), its "
                               f"checkpoints folder, or one of its tag directories")
-    if (p / "checkpoints").is_dir():
+    if RunDirectory(p).checkpoints.is_dir():
         run_dir = p
-    elif p.name == "checkpoints" and p.is_dir():
+    elif p.name == CHECKPOINTS and p.is_dir():
         run_dir = p.parent
-    elif p.parent.name == "checkpoints" and p.is_dir():
+    elif p.parent.name == CHECKPOINTS and p.is_dir():
         run_dir, tag = p.parent.parent, tag or p.name
     else:
         raise CheckpointError(f"{p} is not a megafixed run: expected a run directory holding checkpoints/ "
                               f"(train.run_dir), its checkpoints folder or a tag directory under it. A "
                               f"`megafixed convert` output has no config: convert back with --tp 1 --pp 1 "
                               f"into <run>/checkpoints or use the original run")
-    ckpt_dir = run_dir / "checkpoints"
-    tag = tag or read_latest(ckpt_dir)
+    rd = RunDirectory(run_dir)
+    ckpt_dir = rd.checkpoints
+    tag = tag or rd.read_latest()
     if tag is None:
         raise CheckpointError(f"no checkpoint under {ckpt_dir} (no 'latest' file); train first or pass --tag")
     if not (ckpt_dir / tag).is_dir():

@@ -66,7 +66,7 @@ class ParamCounts:
 _COUNTS: dict[str, ParamCounts] = {}
 
 
-def count_params(m) -> ParamCounts:
+def tp_param_counts(m) -> ParamCounts:
     """Parameter counts of ``GPT(m)``, split into TP-sharded and replicated parts.
 
     Built on the meta device (no memory) from the real model, and classified with the same
@@ -97,7 +97,7 @@ def count_params(m) -> ParamCounts:
 
 def layer_params(m, tp: int = 1) -> list[int]:
     """Parameters of each pipeline layer on one TP rank: input, blocks..., head."""
-    c = count_params(m)
+    c = tp_param_counts(m)
     block = c.block_sharded // tp + c.block_replicated
     return [c.input // tp] + [block] * m.n_layers + [c.head_sharded // tp + c.head_replicated]
 

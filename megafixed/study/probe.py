@@ -18,7 +18,6 @@ all it takes, it runs on the model's device, and it adds no dependency.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -105,8 +104,9 @@ def probe_run(run_dir, layers=None, tokens: int = 4096, split: str = "valid") ->
     from ..config import load_config
     from ..data.gpt_dataset import build_datasets
     from ..train.evaluate import load_trained_model
+    from ..train.run_dir import RunDirectory
 
-    cfg = load_config(str(Path(run_dir) / "config.yaml"))
+    cfg = load_config(str(RunDirectory(run_dir).config_file))
     model, _ = load_trained_model(cfg, run_dir)
     data = build_datasets(cfg.data, seed=cfg.train.seed).get(split) or build_datasets(cfg.data, seed=0)["train"]
     per = cfg.data.seq_len

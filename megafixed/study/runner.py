@@ -8,7 +8,8 @@ from typing import Callable, Optional
 
 from ..atomic import atomic_write_text
 from ..config import load_config
-from ..train.checkpoint import CheckpointError, read_latest, tag_step
+from ..train.checkpoint import CheckpointError, tag_step
+from ..train.run_dir import RunDirectory
 from .plan import StudyRun
 
 EVAL_FILE = "study_eval.json"
@@ -24,7 +25,7 @@ def run_config(config: Optional[str], overrides: list[str], run: StudyRun):
 
 def is_finished(run: StudyRun, max_steps: int) -> bool:
     try:
-        tag = read_latest(Path(run.run_dir) / "checkpoints")
+        tag = RunDirectory(run.run_dir).read_latest()
     except CheckpointError:
         return False
     return tag is not None and tag_step(tag) >= max_steps
@@ -49,15 +50,10 @@ def train_run(config: Optional[str], overrides: list[str], run: StudyRun, stop=N
         raise StudyStopped(f"{run.run_dir} was stopped at step {result.step}; rerun the study to resume it")
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def evaluate_run(run: StudyRun, cfg, tasks: str = "", limit: int = 0) -> dict:
     """Final metrics of a finished run, cached in the run dir per checkpoint tag and task spec."""
     run_dir = Path(run.run_dir)
-    tag = read_latest(run_dir / "checkpoints")
+    tag = RunDirectory(run_dir).read_latest()
     spec = {"tasks": tasks, "limit": limit}
     cached = run_dir / EVAL_FILE
     if cached.exists():
@@ -67,7 +63,7 @@ def evaluate_run(run: StudyRun, cfg, tasks: str = "", limit: int = 0) -> dict:
     from ..model.params import count_params
     from .heldout import heldout_metrics
 
-    recs = _metrics(run_dir)
+    recs = RunDirectory(run_dir).read_metrics()
     vals = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
     counts = count_params(cfg.model)
     result = {"interface": run.interface, "seed": run.seed, "point": run.point_name, "checkpoint": tag,
@@ -92,7 +88,7 @@ def zero_shot(run_dir: Path, tasks: str, limit: int) -> dict:
 
     if package_root() is None:
         return {}
-    cfg = load_config(str(Path(run_dir) / "config.yaml"))
+    cfg = load_config(str(RunDirectory(run_dir).config_file))
     if not cfg.data.tokenizer:
         return {}  # token shards without a tokenizer cannot be given benchmark text
     model, _ = load_trained_model(cfg, run_dir)

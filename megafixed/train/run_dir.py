@@ -3,6 +3,7 @@
     <run_dir>/config.yaml            the resolved config of the latest (re)start
     <run_dir>/ds_config.json         the DeepSpeed JSON it ran with
     <run_dir>/metrics.jsonl          one JSON object per logged step
+    <run_dir>/tensorboard/           TensorBoard event files (train.tensorboard)
     <run_dir>/.megafixed.lock        the writer's lock while a trainer runs (``run_lock.py``)
     <run_dir>/checkpoints/latest     one line: the tag of the newest *complete* checkpoint
     <run_dir>/checkpoints/<tag>/     DeepSpeed's files, ``run.json`` and ``manifest.json``
@@ -13,6 +14,7 @@ onto this object). It imports nothing heavy (no torch), so the CLI's cheap check
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -23,6 +25,7 @@ LATEST = "latest"
 CONFIG = "config.yaml"
 DS_CONFIG = "ds_config.json"
 METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
 LOCK = ".megafixed.lock"
 MANIFEST = "manifest.json"
 RUN_RECORD = "run.json"
@@ -64,6 +67,10 @@ class RunDirectory:
         return self.path / METRICS
 
     @property
+    def tensorboard_dir(self) -> Path:
+        return self.path / TENSORBOARD
+
+    @property
     def lock_file(self) -> Path:
         return self.path / LOCK
 
@@ -79,6 +86,13 @@ class RunDirectory:
     # ---- what is there
     def tags(self) -> list[str]:
         return checkpoint_tags(self.checkpoints)
+
+    def read_metrics(self) -> list[dict]:
+        """The records of ``metrics.jsonl``, in order ([] before the first logged step)."""
+        path = self.metrics_file
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def read_latest(self) -> Optional[str]:
         """The tag ``latest`` names (None: no checkpoint yet). Read it once per use: a caller that
