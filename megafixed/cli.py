@@ -65,26 +65,9 @@ class _Parser(argparse.ArgumentParser):
                                                  f"from {', '.join(map(repr, choices))})") from None
 
 
-VERBS = {
-    "codes": "show the fixed code of some token ids (a quick look at the convention)",
-    "tokenizer": "train or inspect a tokenizer",
-    "preprocess": "tokenize corpora into Megatron .bin/.idx shards",
-    "data": "inspect or merge token shards",
-    "params": "count parameters of a config on the meta device",
-    "train": "train a model (DeepSpeed engine; single process, torchrun or deepspeed launcher)",
-    "plan": "list feasible TP/PP/DP/ZeRO layouts and their memory per GPU",
-    "convert": "re-shard a checkpoint's weights for another TP/PP layout",
-    "ckpt": "inspect a checkpoint: layout, step, tokens, input code, parameters, files, manifest check",
-    "bench": "benchmarks (preprocessing throughput, kernels, training step time/MFU/overhead)",
-    "quickstart": "the README's main job: tokenize the bundled corpus, train, evaluate",
-    "study": "the interface study: learned/canonical/gf2 x seeds (x a grid), evaluated, with a report",
-    "probe": "linear probes of the code bits through the layers",
-    "submit": "submit a (multi-node) Slurm training job: sbatch script, pre-timeout checkpoint, requeue",
-    "eval": "benchmark a checkpoint as lm-evaluation-harness scores it; bits per byte on text",
-    "export": "export a trained run as a Hugging Face transformers model (export hf)",
-    "import": "import a Hugging Face Llama or Arcee model as a megafixed checkpoint (import hf)",
-    "generate": "generate text from a trained run (greedy or top-p, streamed)",
-}
+# Each verb is a module of megafixed.commands with HELP, add_arguments(parser) and run(args).
+VERBS = ("codes", "tokenizer", "preprocess", "data", "params", "train", "plan", "convert", "ckpt", "bench",
+         "quickstart", "study", "probe", "submit", "eval", "export", "import", "generate")  # `megafixed --help` order
 MODULES = {"import": "import_"}  # verbs whose module name differs (`import` is a Python keyword)
 
 
@@ -118,10 +101,10 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
     available = {}
     # A named verb builds only its own parser: the others' imports (torch, DeepSpeed) would cost
     # `megafixed preprocess` seconds of start-up for nothing.
-    chosen = {argv[0]: VERBS[argv[0]]} if argv and argv[0] in VERBS else VERBS
-    for verb, help_text in chosen.items():
+    chosen = [argv[0]] if argv and argv[0] in VERBS else VERBS
+    for verb in chosen:
         mod = _module(verb)
-        p = sub.add_parser(verb, help=getattr(mod, "HELP", help_text), description=getattr(mod, "HELP", help_text))
+        p = sub.add_parser(verb, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
         available[verb] = mod
     return parser, available

@@ -188,10 +188,6 @@ def parse_tasks(spec: str | list[str]) -> list[str]:
     return out
 
 
-def group_of(task: str) -> Optional[str]:
-    return "mmlu" if task.startswith("mmlu_") else None
-
-
 def category_of(task: str) -> Optional[str]:
     subject = task[len("mmlu_"):]
     return next((c for c, subjects in MMLU_CATEGORIES.items() if subject in subjects), None)

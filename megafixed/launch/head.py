@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 
-from .world import LaunchError
+from .errors import LaunchError
 
 
 def is_loopback(addr: str) -> bool:
