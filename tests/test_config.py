@@ -200,3 +200,43 @@ _ROWS = "[" + ",".join(map(str, SEED0_ROWS)) + "]"
 def test_bad_explicit_code_is_named(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("split", ["98,1", "a,b,c", "-1,1,1", "0,0,0"])
+def test_the_config_and_the_dataset_builder_refuse_a_bad_split_alike(split):
+    from megafixed.data.errors import DataError
+    from megafixed.data.gpt_dataset import split_shares
+
+    with pytest.raises(ConfigError) as by_config:
+        load_config(None, [f"data.split='{split}'"])
+    with pytest.raises(DataError) as by_builder:
+        split_shares(split)
+    assert str(by_config.value) == str(by_builder.value) and f"data.split={split!r}" in str(by_builder.value)
+
+
+@pytest.mark.parametrize("weights, pattern", [([1.0], r"data\.weights has 1 entries but data\.prefixes has 2"),
+                                              ([1.0, -2.0], r"data\.weights\[1\]=-2\.0 must be >= 0"),
+                                              ([0.0, 0.0], r"data\.weights=\[0\.0, 0\.0\] sum to 0")])
+def test_blend_weights_are_checked_by_one_rule(tmp_path, weights, pattern):
+    from types import SimpleNamespace
+
+    from megafixed.data.errors import DataError
+    from megafixed.data.gpt_dataset import build_datasets
+
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, ["data.prefixes=[a,b]", f"data.weights={weights}"])
+    cfg = SimpleNamespace(prefixes=[str(tmp_path / "a"), str(tmp_path / "b")], weights=weights, split="98,1,1",
+                          seq_len=8, cache_dir=None)
+    with pytest.raises(DataError, match=pattern):  # before any shard is looked for
+        build_datasets(cfg, seed=0)
+
+
+def test_fixed_code_is_the_code_the_seven_fields_name():
+    from megafixed.config import ModelConfig
+
+    m = ModelConfig(input="gf2", code_bits=9, code_seed=5, code_affine=False, code_scale=0.5)
+    assert m.fixed_code() == make_code("gf2", 9, 5, False, 0.5)
+    pinned = resolve_code(Config(model=m)).model
+    a, b = pinned.fixed_code(), m.fixed_code()
+    assert (a.rows, a.shift, a.scale, a.bits) == (b.rows, b.shift, b.scale, b.bits)  # rows/shift: the seed's code
+    assert ModelConfig(input="learned").fixed_code() is None
