@@ -74,3 +74,23 @@ def test_the_model_mode_is_restored():
     model = tiny().train()
     score_heldout(model, [_tokens(1, 5)])
     assert model.training
+
+
+def test_data_parallel_shares_reduce_to_the_whole_split(monkeypatch):
+    """Two ranks' shares: rank 0 scores its half and the all-reduce adds rank 1's sums (played by a
+    stand-in here, so no second process is needed); the result is the score of the whole split."""
+    import megafixed.model.heldout as heldout
+
+    model = tiny()
+    batches = [_tokens(2, 9, seed=s) for s in range(4)]
+    whole = score_heldout(model, batches)
+    other = score_heldout(model, batches[1::2])  # rank 1's share (dp_rank 1 of 2)
+
+    def all_reduce(t, group=None):
+        assert group == "dp" and t.dtype == torch.float64
+        t += torch.tensor([other.nll, other.tokens], dtype=torch.float64)
+
+    monkeypatch.setattr(heldout.dist, "all_reduce", all_reduce)
+    mine = score_heldout(model, batches[0::2], dp_size=2, dp_group="dp")
+    assert mine.tokens == whole.tokens and mine.batches == 2
+    assert mine.loss == pytest.approx(whole.loss, rel=1e-12)

@@ -116,6 +116,7 @@ def score_heldout(loss: Union[BatchLoss, nn.Module], batches: Iterable, *,
         if model is not None:
             model.train(was_training)
     if dp_size > 1:
+        device = device or nll.device  # where the losses were (NCCL reduces CUDA tensors only)
         sums = torch.stack([nll.to(device), torch.tensor(float(tokens), dtype=torch.float64, device=device)])
         dist.all_reduce(sums, group=dp_group)
         nll, tokens = sums[0], int(sums[1])
