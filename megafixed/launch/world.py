@@ -25,8 +25,7 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .errors import LaunchError
-from .head import addresses, expand_nodelist, is_loopback, reachable_address
+from .errors import LaunchError  # also re-exported: the other launch modules import it from here
 
 RDZV_TIMEOUT_S = 120
 
@@ -117,6 +116,9 @@ def check_world(world: World, env: Optional[Mapping[str, str]] = None) -> None:
                           f"RANK/WORLD_SIZE inside srun (megafixed reads SLURM_PROCID/SLURM_NTASKS itself)")
     addr = env.get("MASTER_ADDR")
     if world.size > 1 and _multi_node(world) and addr:
+        # head is imported where used (no cycle: it imports only .errors): the package imports this
+        # module, and `python -m megafixed.launch.head` must not find head already imported (runpy).
+        from .head import addresses, is_loopback
         if all(is_loopback(a) for a in addresses(addr)):
             raise LaunchError(f"MASTER_ADDR={addr} is a loopback address but this world of {world.size} ranks spans "
                               f"{world.nnodes or 'several'} nodes: ranks on other nodes would connect to themselves. "
@@ -143,6 +145,7 @@ def set_master_env(world: World, env=None) -> None:
         env.setdefault("LOCAL_RANK", str(world.local_rank))  # DeepSpeed's engine reads LOCAL_RANK
         return
     if world.source == "srun" and "MASTER_ADDR" not in env:
+        from .head import expand_nodelist, reachable_address
         hosts = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
         env["MASTER_ADDR"] = reachable_address(hosts[0], len(hosts), hosts[1] if len(hosts) > 1 else None)
     if world.source == "srun" and not env.get("MASTER_PORT"):
