@@ -85,9 +85,13 @@ def score_heldout(loss: Union[BatchLoss, nn.Module], batches: Iterable, *,
     a callable giving an item's mean loss per scored target, e.g. a training engine's eval step.
     ``tokens_of(item)``: how many targets the item scores (default: the non-ignored targets of a
     token batch). A caller whose items are not token batches says it, e.g. the trainer's validation
-    over ``iters`` groups of ``n`` equal micro batches::
+    over ``iters`` groups of ``n`` equal micro batches, each already averaged over the DP ranks::
 
-        score_heldout(lambda _: engine.eval_loss(it, n), range(iters), tokens_of=lambda _: n * mb * seq)
+        score_heldout(lambda _: engine.eval_loss(it, n), range(iters), tokens_of=lambda _: 1,
+                      should_stop=stop.should_stop)
+
+    (equal groups weigh alike, so a weight of 1 each gives the same mean, to the bit, as summing the
+    group losses and dividing by ``iters``; ``tokens`` then counts groups.)
 
     ``dp_size > 1``: each data-parallel rank scored its share; the sums are all-reduced over
     ``dp_group`` (on ``device``, default the model's) so every rank returns the same score. A loss
