@@ -1,4 +1,6 @@
-"""Input interfaces: a learned embedding table, or a fixed parameter-free token code.
+"""Input modules: a learned embedding table, or a fixed parameter-free token code.
+
+Which interface builds which module (and everything else it implies) is in ``interfaces.py``.
 
 The fixed interface holds A and b as *buffers*, so they travel in every state dict and a
 checkpoint is refused if its code differs from the one the config builds (a silent code change
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..codes import FixedCode, make_code
+from ..codes import FixedCode
 
 
 class LearnedInput(nn.Module):
@@ -72,12 +74,3 @@ class FixedCodeInput(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
-
-def build_input(cfg) -> nn.Module:
-    """The input module a ``ModelConfig`` names."""
-    if cfg.input == "learned":
-        return LearnedInput(cfg.vocab_size, cfg.d_model)
-    # Explicit rows/shift (as a saved config.yaml has them) win over the seed.
-    code = make_code(cfg.input, cfg.code_bits, cfg.code_seed, cfg.code_affine, cfg.code_scale,
-                     rows=cfg.code_rows, shift=cfg.code_shift)
-    return FixedCodeInput(code, cfg.d_model, cfg.vocab_size)
