@@ -91,7 +91,7 @@ def test_the_registry_refuses_a_taken_name_and_a_conflicting_shard():
         InputInterface(name="x", summary="x", build=lambda m, c: None, tp_form=VOCAB_PARALLEL)
 
 
-def test_a_fourth_interface_is_one_entry(toy, tmp_path):
+def test_a_fourth_interface_is_one_entry(toy, tmp_path, monkeypatch):
     from megafixed.interop.hf import InteropError, choose_arch
     from megafixed.parallel import Topology, build_model
     from megafixed.study.plan import plan_runs
@@ -130,6 +130,14 @@ def test_a_fourth_interface_is_one_entry(toy, tmp_path):
     assert describe(cfg, {"tp": 1}, 2, 4)["code"] == {"input": "random_sign", "seed": 3}
     assert [r.interface for r in plan_runs(tmp_path, ["learned", "random_sign"], [0], [])] == ["learned",
                                                                                              "random_sign"]
+    from megafixed.study.report import write_report
+    runs = [{"point": "base", "interface": name, "seed": 0, "steps": 4, "trainable_params": 10, "input_params": 0,
+             "final_val_loss": loss, "test_loss": loss, "test_bpb": float("nan"), "val_curve": []}
+            for name, loss in (("learned", 5.0), ("random_sign", 5.25))]
+    monkeypatch.setattr("megafixed.plotting.have_matplotlib", lambda: False)  # the tables are the point here
+    report = write_report(tmp_path, runs, "megafixed study").read_text()
+    assert f"- `random_sign`: {toy.summary}" in report and "## Differences from the learned control" in report
+    assert any(line.startswith("| base | random_sign | 0.2500 |") for line in report.splitlines())
     # what it is not is refused by name: no table to tie, no code to fuse, no HF embedding
     with pytest.raises(ConfigError, match=r"tie_embeddings=true needs model\.input=learned"):
         _cfg("model.input=random_sign", "model.tie_embeddings=true")

@@ -14,10 +14,12 @@ Layout conventions: our activations are batch-first ``[B, T, D]``; megatron's se
 collectives act on dim 0 (sequence-first). The thin subclasses below transpose at the boundary
 only when sequence parallelism is on.
 
-* Fixed codes need no TP communication at the input: every rank computes the codes itself (under
-  sequence parallelism only for its own slice of positions).
-* The learned table is a ``VocabParallelEmbedding`` (vocabulary rows split, partial lookups
-  all-reduced, or reduce-scattered over the sequence under SP).
+The input takes the TP form its interface names (``megafixed.model.interfaces``):
+
+* ``REPLICATED`` (fixed codes) needs no TP communication at the input: every rank computes the
+  codes itself (under sequence parallelism only for its own slice of positions).
+* ``VOCAB_PARALLEL`` (the learned table) becomes a ``VocabParallelEmbedding`` (vocabulary rows
+  split, partial lookups all-reduced, or reduce-scattered over the sequence under SP).
 * The output head is column-parallel over the vocabulary with ``gather_output=False`` and the loss
   is ``vocab_parallel_cross_entropy``: the full ``[B, T, V]`` logits never exist on one rank.
   Evaluation and generation gather a checkpoint into a plain model instead

@@ -68,6 +68,7 @@ def write_report(out: Path, results: list[dict], command: str) -> Path:
         for interface in interfaces:
             r = groups[(point, interface)][0]
             lines.append(f"| {point} | {interface} | {r['trainable_params']:,} | {r['input_params']:,} |")
+    lines += [""] + [f"- `{i}`: {INTERFACES[i].summary}" for i in interfaces if i in INTERFACES]
     lines += ["", "## Final metrics", "",
               "| grid point | interface | steps | " + " | ".join(name for _, name in METRICS) + " |",
               "|---|---|---:|" + "---:|" * len(METRICS)]
