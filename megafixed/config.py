@@ -47,7 +47,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     init_std: float = 0.02
     dropout: float = 0.0
-    input: Literal["learned", "canonical", "gf2"] = "canonical"
+    input: str = "canonical"  # an interface of megafixed.model.interfaces (learned, canonical, gf2, ...)
     code_bits: int = 16
     code_seed: int = 0
     code_affine: bool = True
@@ -62,15 +62,13 @@ class ModelConfig:
     fused_first_layer: bool = False
 
     def fixed_code(self):
-        """The ``megafixed.codes.FixedCode`` that ``input`` names, built from the seven code fields
-        (explicit rows/shift, as a saved config.yaml has them, win over the seed); None for learned.
-        Raises ``CodeError`` for impossible fields (``validate`` turns it into a ConfigError)."""
-        if self.input == "learned":
-            return None
-        from .codes import make_code
+        """The ``megafixed.codes.FixedCode`` that ``input`` names, built by its interface from the seven
+        code fields (explicit rows/shift, as a saved config.yaml has them, win over the seed); None for
+        an interface without a code. Raises ``CodeError`` for impossible fields (``validate`` turns it
+        into a ConfigError)."""
+        from .model.interfaces import interface_of
 
-        return make_code(self.input, self.code_bits, self.code_seed, self.code_affine, self.code_scale,
-                         rows=self.code_rows, shift=self.code_shift)
+        return interface_of(self, error=ConfigError).code(self)
 
     def validate(self) -> None:
         _require_at_least("model", self, 1, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -82,30 +80,32 @@ class ModelConfig:
             raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv}")
         if (self.d_model // self.n_heads) % 2:
             raise ConfigError("model head dim (d_model / n_heads) must be even for RoPE")
-        if self.tie_embeddings and self.input != "learned":
-            raise ConfigError(f"model.tie_embeddings=true needs model.input=learned; fixed codes "
-                              f"({self.input}) have no table to tie to the output head")
-        if self.fused_first_layer and (self.input == "learned" or self.norm != "rmsnorm"):
-            raise ConfigError(f"model.fused_first_layer=true needs a fixed code (model.input canonical or gf2) "
+        from .model.interfaces import interface_of, names
+        iface = interface_of(self, error=ConfigError)
+        if self.tie_embeddings and not iface.has_table:
+            raise ConfigError(f"model.tie_embeddings=true needs model.input={'/'.join(names(lambda i: i.has_table))}; "
+                              f"fixed codes ({self.input}) have no table to tie to the output head")
+        if self.fused_first_layer and (not iface.has_code or self.norm != "rmsnorm"):
+            raise ConfigError(f"model.fused_first_layer=true needs a fixed code (model.input "
+                              f"{' or '.join(names(lambda i: i.has_code))}) "
                               f"and model.norm=rmsnorm (a +-s code's RMSNorm is a gamma-scaling; LayerNorm's mean "
                               f"is not), got input={self.input}, norm={self.norm}; set model.fused_first_layer=false")
-        self._validate_code_rows()
-        if self.input != "learned":
-            from .codes import CodeError
-            try:
-                code = self.fixed_code()
-                code.check_vocab(self.vocab_size)
-                code.check_width(self.d_model)
-            except CodeError as exc:
-                raise ConfigError(f"model: {exc}") from exc
+        self._validate_code_rows(iface)
+        from .codes import CodeError
+        try:
+            iface.check(self)  # its code fits the vocabulary and the width
+        except CodeError as exc:
+            raise ConfigError(f"model: {exc}") from exc
 
-    def _validate_code_rows(self) -> None:
+    def _validate_code_rows(self, iface) -> None:
         """Check an explicit recoding here, so each mistake is named by its config key."""
         if self.code_rows is None and self.code_shift is None:
             return
-        if self.input != "gf2":
+        if not iface.affine_recoding:
+            from .model.interfaces import names
+            recoded = "/".join(names(lambda i: i.affine_recoding))
             raise ConfigError(f"model.code_rows/model.code_shift set an explicit gf2 recoding but model.input="
-                              f"{self.input}; drop them or set model.input=gf2")
+                              f"{self.input}; drop them or set model.input={recoded}")
         from .codes import MAX_BITS, gf2_rank
         bits = self.code_bits
         if not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
@@ -480,10 +480,12 @@ def resolve_code(cfg: Config) -> Config:
     """
     out = copy.deepcopy(cfg)
     m = out.model
-    if m.input == "gf2":
+    from .model.interfaces import interface_of
+    iface = interface_of(m, error=ConfigError)
+    if iface.affine_recoding:
         from .codes import CodeError
         try:
-            code = m.fixed_code()
+            code = iface.make_code(m)
         except CodeError as exc:
             raise ConfigError(f"model: {exc}") from exc
         m.code_rows, m.code_shift = list(code.rows), code.shift

@@ -35,6 +35,7 @@ def verify(device: str = "cuda", save=None) -> dict:
     from ..kernels import token_codes
     from ..kernels.fused_first_layer import add_code, code_qkv, code_qkv_reference, fold, norm_alpha
     from ..model import GPT
+    from ..model.interfaces import names
 
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
@@ -86,7 +87,7 @@ def verify(device: str = "cuda", save=None) -> dict:
             failures.append(f"code_qkv {cname}: rel err {err:.2e}, grad {gerr:.2e}")
     if save is not None:
         save(result(False))
-    for kind in ("canonical", "gf2"):
+    for kind in names(lambda i: i.has_code):  # every fixed-code interface, fused against plain
         cfg = ModelConfig(vocab_size=4096, d_model=512, n_layers=2, n_heads=8, code_bits=12, input=kind,
                           max_seq_len=256)
         plain = GPT(cfg, seed=1).to(dev)

@@ -42,6 +42,7 @@ def resolve(path: str) -> Path:
 
 def inspect(tag_dir: Path) -> dict:
     from ..config import config_from_dict
+    from ..model.interfaces import interface_of
     from ..model.params import count_params
     from ..train import manifest
     from ..train.checkpoint import CheckpointError, tag_step
@@ -59,8 +60,7 @@ def inspect(tag_dir: Path) -> dict:
         if record.get("config"):
             cfg = config_from_dict(record["config"])
             m = cfg.model
-            out["code"] = {"input": m.input, **({"bits": m.code_bits} if m.input != "learned" else {}),
-                           **({"A_rows": m.code_rows, "b": m.code_shift} if m.input == "gf2" else {})}
+            out["code"] = interface_of(m).describe(m)  # what a manifest would have recorded
             out["parameters"] = count_params(m).total
     if man is not None:
         out["files"] = {e["name"]: e["size"] for e in man["files"]}

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..codes import make_code
+from ..config import ModelConfig
+from ..model.interfaces import INTERFACES, names
 
 HELP = "show fixed codes for token ids and verify the code is invertible"
 
@@ -13,7 +14,8 @@ EXHAUSTIVE_MAX_BITS = 20  # 1M ids: about a second; 31 bits would take many minu
 
 def add_arguments(p):
     p.add_argument("ids", nargs="*", type=int, default=[0, 1, 2, 65535])
-    p.add_argument("--kind", choices=["canonical", "gf2"], default="canonical")
+    coded = names(lambda i: i.has_code)  # every interface with a fixed code
+    p.add_argument("--kind", choices=coded, default=coded[0], help="the interface (model.input) whose code to show")
     p.add_argument("--bits", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=32)
@@ -26,7 +28,8 @@ def _round_trips(code, ids: torch.Tensor) -> bool:
 
 
 def run(args) -> int:
-    code = make_code(args.kind, args.bits, args.seed)  # CodeError for bits outside 1..31 etc.
+    # the code a model config with these keys builds; CodeError for bits outside 1..31 etc.
+    code = INTERFACES[args.kind].code(ModelConfig(input=args.kind, code_bits=args.bits, code_seed=args.seed))
     ids = torch.tensor(args.ids, dtype=torch.int64)
     x = code.encode(ids, args.width)
     for t, row in zip(args.ids, x.tolist()):

@@ -52,11 +52,12 @@ def _check(args) -> None:
 
 
 def model_info(loaded) -> dict:
+    from ..model.interfaces import interface_of
     from ..model.params import count_params
 
     m = loaded.cfg.model
     return {"checkpoint": loaded.run_dir, "tag": loaded.tag, "input": m.input,
-            "code": None if m.input == "learned" else {"bits": m.code_bits, "seed": m.code_seed,
+            "code": None if not interface_of(m).has_code else {"bits": m.code_bits, "seed": m.code_seed,
                                                         "affine": m.code_affine, "scale": m.code_scale},
             "layers": m.n_layers, "d_model": m.d_model, "vocab_size": m.vocab_size, "max_seq_len": m.max_seq_len,
             "params": count_params(m).to_dict()}

@@ -52,6 +52,7 @@ def run(args) -> int:
     from ..train.env import prepare_runtime_env
 
     prepare_runtime_env()  # DeepSpeed's partitioner is imported below: quiet, CPU-safe
+    from ..model.interfaces import interface_of
     from ..parallel.memory import GiB, estimate, feasible_layouts, fixed_code_saving, tp_param_counts
 
     cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
@@ -98,7 +99,7 @@ def run(args) -> int:
         print("no layout fits: turn on train.activation_checkpointing, lower data.seq_len, or add GPUs")
     if saving:
         lay = ref_layout
-        verb = "saves" if m.input != "learned" else "would save"
+        verb = "would save" if interface_of(m).has_table else "saves"
         print(f"fixed codes vs a learned {m.vocab_size} x {m.d_model} table {verb}, per GPU of the first "
               f"stage (TP {lay.tp}, DP {lay.dp}, ZeRO {lay.zero}): {saving['params'] / 1e6:.1f}M params = "
               f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "

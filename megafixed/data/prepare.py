@@ -127,11 +127,13 @@ def _remove_empty(dirs: list[str]) -> None:
 def _make_tokenizer_and_shards(cfg, sources: list[str], is_main: bool, wait_timeout_s: float, poll_s: float,
                                workers: Optional[int], progress: bool) -> None:
     """Train ``data.tokenizer`` and tokenize ``sources`` into ``data.prefixes[0]`` unless both are current."""
+    from ..model.interfaces import interface_of
+
     d = cfg.data
     if not os.path.exists(d.tokenizer):
         # Refuse a vocabulary the model cannot hold before spending the training (and tokenizing) time.
         check_vocab_fits(d.tokenizer_train_vocab, model_vocab=cfg.model.vocab_size,
-                         code_bits=cfg.model.code_bits if cfg.model.input != "learned" else None,
+                         code_bits=interface_of(cfg.model).id_bits(cfg.model),
                          where="data.tokenizer_train_vocab (the tokenizer to train)")
         if is_main:
             from .tokenizers import train_tokenizer
@@ -199,6 +201,8 @@ def prepare_data(cfg, is_main: bool = True, wait_timeout_s: float = 6 * 3600, po
 
 
 def _check_vocab(cfg) -> None:
+    from ..model.interfaces import interface_of
+
     d, m = cfg.data, cfg.model
     if d.tokenizer:
         from .tokenizers import load_tokenizer
@@ -217,7 +221,7 @@ def _check_vocab(cfg) -> None:
             if vocab is None:
                 return
     check_vocab_fits(int(vocab), model_vocab=m.vocab_size,
-                     code_bits=m.code_bits if m.input != "learned" else None, where=where)
+                     code_bits=interface_of(m).id_bits(m), where=where)
 
 
 def _largest_id_plus_one(prefixes: list) -> tuple:

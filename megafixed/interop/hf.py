@@ -50,6 +50,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import ModelConfig
+from ..model.interfaces import LEARNED, interface_of
 from .hf_files import copy_model_files
 
 
@@ -64,7 +65,9 @@ _LLAMA_BLOCK = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm",
                 "mlp.w_in": "mlp.up_proj", "mlp.w_gate": "mlp.gate_proj", "mlp.w_out": "mlp.down_proj"}
 _STARCODER2_BLOCK = {**{k: v for k, v in _LLAMA_BLOCK.items() if not k.startswith("mlp.")},
                      "mlp.w_in": "mlp.c_fc", "mlp.w_out": "mlp.c_proj"}
-_TOP = {"input.embedding": "model.embed_tokens", "head.norm": "model.norm", "head.proj": "lm_head"}
+_TOP = {"head.norm": "model.norm", "head.proj": "lm_head"}
+# Whatever the interface, a transformers model sees one embedding matrix (its hf_embedding).
+HF_EMBEDDING = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class Arch:
             _, i, rest = key.split(".", 2)
             sub, leaf = rest.rsplit(".", 1)
             return f"model.layers.{i}.{self.block[sub]}.{leaf}"
+        if key.startswith("input."):  # the interface's table, when it has one (import: the learned table)
+            return HF_EMBEDDING
         sub, leaf = key.rsplit(".", 1)
         return f"{_TOP[sub]}.{leaf}"
 
@@ -91,8 +96,17 @@ ARCHES = {
 }
 
 
+def check_exportable_input(m: ModelConfig) -> None:
+    """Refuse an input interface that has no transformers embedding, by name."""
+    if interface_of(m).hf_embedding is None:
+        raise InteropError(f"model.input={m.input} has no transformers embedding matrix (its interface defines "
+                           f"no hf_embedding), so no transformers model computes what it computes; refusing to "
+                           f"export it")
+
+
 def choose_arch(m: ModelConfig) -> Arch:
     """The transformers architecture that computes exactly what ``m`` computes, or a refusal."""
+    check_exportable_input(m)
     if m.norm == "rmsnorm":
         return ARCHES["llama" if m.mlp == "swiglu" else "arcee"]
     if m.mlp == "gelu":
@@ -146,14 +160,14 @@ def _expected(cfg, arch: Arch) -> dict:
 def export_state_dict(model, arch: Arch, cfg) -> dict:
     """The transformers state dict of a plain megafixed ``GPT`` (fp32, full tensors)."""
     m = model.cfg
+    check_exportable_input(m)
     out = {}
     for key, value in model.state_dict().items():
-        if key.startswith("input.code_"):
-            continue  # the code is materialized below
+        if key.startswith("input."):
+            continue  # the input is exported as its one embedding matrix, below
         out[arch.hf_key(key)] = value.detach().float().clone()
-    if model.has_fixed_input:
-        ids = torch.arange(m.vocab_size)
-        out["model.embed_tokens.weight"] = model.input.code.encode(ids, m.d_model, dtype=torch.float32)
+    # a table as it is; a fixed code materialized, encode(arange(V), d), exactly +-scale in fp32
+    out[HF_EMBEDDING] = interface_of(m).hf_embedding(model.input, m)
     if m.tie_embeddings:
         out.pop("lm_head.weight", None)  # transformers re-ties it to embed_tokens on load
     expected = _expected(cfg, arch)
@@ -388,7 +402,7 @@ def hf_model_config(hf: dict) -> ModelConfig:
                       n_kv_heads=kv if kv != heads else None, ffn_hidden=hf["intermediate_size"], mlp=mlp,
                       norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), bias=attn_bias,
                       max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=float(theta),
-                      init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0, input="learned",
+                      init_std=float(hf.get("initializer_range", 0.02)), dropout=0.0, input=LEARNED.name,
                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
     try:
         cfg.validate()
@@ -446,7 +460,7 @@ def import_state_dict(hf_sd: dict, m: ModelConfig, model_type: str = "llama") ->
                                f"{arch.class_name}?")
         out[key] = hf_sd[hf_key].float().contiguous()
     if m.tie_embeddings:
-        out["head.proj.weight"] = out["input.embedding.weight"]
+        out["head.proj.weight"] = out["input." + interface_of(m).table]
     extra = sorted(k for k in set(hf_sd) - wanted if not k.endswith("rotary_emb.inv_freq")
                    and not (m.tie_embeddings and k == "lm_head.weight"))
     if extra:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .inputs import FixedCodeInput, LearnedInput, build_input
+from .interfaces import InputInterface, interface_of
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -237,12 +237,12 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.input = build_input(cfg)
+        self.input = self.interface.module(cfg)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
         if cfg.tie_embeddings:
-            self.head.proj.weight = self.input.embedding.weight
+            self.head.proj.weight = self.input.get_parameter(self.interface.table)
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
         self.activation_checkpointing = False
         # The first block straight from token ids (megafixed.model.fused); same parameters and names.
@@ -281,12 +281,19 @@ class GPT(nn.Module):
         return fused_first_block(*args)
 
     @property
+    def interface(self) -> InputInterface:
+        """What the input is (``megafixed.model.interfaces``): looked up, so the model holds no copy."""
+        return interface_of(self.cfg)
+
+    @property
     def has_fixed_input(self) -> bool:
-        return isinstance(self.input, FixedCodeInput)
+        """A fixed code (``self.input.code``), which the fused first layer folds in."""
+        return self.interface.has_code
 
     @property
     def has_learned_input(self) -> bool:
-        return isinstance(self.input, LearnedInput)
+        """A trainable table (``self.interface.table``)."""
+        return self.interface.has_table
 
 
 def meta_gpt(cfg: ModelConfig) -> GPT:

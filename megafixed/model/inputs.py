@@ -1,4 +1,6 @@
-"""Input interfaces: a learned embedding table, or a fixed parameter-free token code.
+"""Input modules: a learned embedding table, or a fixed parameter-free token code.
+
+Which interface builds which module (and everything else it implies) is in ``interfaces.py``.
 
 The fixed interface holds A and b as *buffers*, so they travel in every state dict and a
 checkpoint is refused if its code differs from the one the config builds (a silent code change
@@ -72,9 +74,3 @@ class FixedCodeInput(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
-
-def build_input(cfg) -> nn.Module:
-    """The input module a ``ModelConfig`` names."""
-    if cfg.input == "learned":
-        return LearnedInput(cfg.vocab_size, cfg.d_model)
-    return FixedCodeInput(cfg.fixed_code(), cfg.d_model, cfg.vocab_size)

@@ -14,10 +14,12 @@ Layout conventions: our activations are batch-first ``[B, T, D]``; megatron's se
 collectives act on dim 0 (sequence-first). The thin subclasses below transpose at the boundary
 only when sequence parallelism is on.
 
-* Fixed codes need no TP communication at the input: every rank computes the codes itself (under
-  sequence parallelism only for its own slice of positions).
-* The learned table is a ``VocabParallelEmbedding`` (vocabulary rows split, partial lookups
-  all-reduced, or reduce-scattered over the sequence under SP).
+The input takes the TP form its interface names (``megafixed.model.interfaces``):
+
+* ``REPLICATED`` (fixed codes) needs no TP communication at the input: every rank computes the
+  codes itself (under sequence parallelism only for its own slice of positions).
+* ``VOCAB_PARALLEL`` (the learned table) becomes a ``VocabParallelEmbedding`` (vocabulary rows
+  split, partial lookups all-reduced, or reduce-scattered over the sequence under SP).
 * The output head is column-parallel over the vocabulary with ``gather_output=False`` and the loss
   is ``vocab_parallel_cross_entropy``: the full ``[B, T, V]`` logits never exist on one rank.
   Evaluation and generation gather a checkpoint into a plain model instead
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.gpt import GPT
-from ..model.inputs import FixedCodeInput, LearnedInput
+from ..model.interfaces import VOCAB_PARALLEL, sharded_parameters, vocab_parameters
 from .sequence import gather_sequence, reduce_scatter_sequence
 
 # Which Linear is split how (Megatron's scheme): column-parallel layers shard their output
@@ -114,31 +116,16 @@ def _build_embedding(base, seq_group):
     return VocabParallelTable
 
 
-class SequenceShardCodeInput(FixedCodeInput):
-    """Fixed codes for this rank's slice of positions only (sequence parallelism): no table, no
-    communication; each rank derives its own ``[B, T/tp, D]`` codes from the token ids."""
-
-    def __init__(self, original: FixedCodeInput, tp: int, tp_rank: int):
-        super().__init__(original.code, original.d_model)
-        self.out_dtype = original.out_dtype
-        self.tp, self.tp_rank = tp, tp_rank
-
-    def forward(self, ids):
-        T = ids.shape[1]
-        local = T // self.tp
-        return super().forward(ids[:, self.tp_rank * local:(self.tp_rank + 1) * local])
-
-
-class VocabParallelInput(LearnedInput):
-    """The learned table split by vocabulary rows; same parameter name (and type test) as
-    ``LearnedInput``, whose own full-size table it never allocates."""
-
-    def __init__(self, embedding: nn.Module):
-        nn.Module.__init__(self)
-        self.embedding = embedding
-
-    def forward(self, ids):
-        return self.embedding(ids)
+def keep_local_positions(module: nn.Module, tp: int, tp_rank: int) -> None:
+    """Sequence parallelism for a replicated input (fixed codes): ``module`` computes only this
+    rank's ``[B, T/tp, D]`` slice of positions, from the token ids, with no table and no
+    communication. A forward pre-hook (torchtitan's ``PrepareModuleInput`` idea) rather than a
+    wrapper, so the module keeps its class, its buffers' names and its state-dict keys."""
+    def local_ids(_module, args):
+        ids, *rest = args
+        local = ids.shape[1] // tp
+        return (ids[:, tp_rank * local:(tp_rank + 1) * local], *rest)
+    module.register_forward_pre_hook(local_ids)
 
 
 def vocab_parallel_loss(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -189,15 +176,19 @@ def apply_tp(model: GPT, topo) -> GPT:
 
     # Output head: vocabulary rows split, logits stay sharded, loss is vocab-parallel.
     model.head.proj = _column(model.head.proj, mcfg, Column)
-    if model.has_learned_input:
+    interface = model.interface
+    if interface.tp_form == VOCAB_PARALLEL:
+        # The interface's own table (an nn.Embedding at interface.table) is swapped for a
+        # vocabulary-parallel one; the input module around it, and every name, stay.
         Table = _build_embedding(VocabParallelEmbedding, seq_group)
         table = Table(model.cfg.vocab_size, model.cfg.d_model, init_method=_no_init, config=mcfg)
         _mark_sharded(table.weight, 0)
-        model.input = VocabParallelInput(table)
+        parent, _, attr = interface.table.rsplit(".", 1)[0].rpartition(".")  # "embedding.weight" -> "", "embedding"
+        setattr(model.input.get_submodule(parent), attr, table)
         if model.cfg.tie_embeddings:
             model.head.proj.weight = table.weight
     elif topo.sequence_parallel:
-        model.input = SequenceShardCodeInput(model.input, tp, rank)
+        keep_local_positions(model.input, tp, rank)
     model.loss_fn = vocab_parallel_loss  # the model's loss seam
 
     if topo.sequence_parallel:
@@ -209,7 +200,10 @@ def apply_tp(model: GPT, topo) -> GPT:
 
 def sharded_dim(name: str) -> int | None:
     """Which dim of the plain-GPT parameter ``name`` is split under TP (None: replicated)."""
-    if name.endswith("input.embedding.weight") or name.endswith("head.proj.weight"):
+    for key, dim in sharded_parameters().items():  # the interfaces' own (a split table's vocab rows)
+        if name.endswith(key):
+            return dim
+    if name.endswith("head.proj.weight"):
         return 0
     for key, kind in TP_PLAN.items():
         if name.endswith(f"{key}.weight"):
@@ -217,3 +211,9 @@ def sharded_dim(name: str) -> int | None:
         if name.endswith(f"{key}.bias"):
             return 0 if kind == "column" else None
     return None
+
+
+def is_vocab_parameter(name: str) -> bool:
+    """One row per token id (the output head, an input table): DeepSpeed's universal checkpoint
+    pads and slices these by the vocabulary size."""
+    return name.endswith(("head.proj.weight", *vocab_parameters()))

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from ..config import ConfigError
 
-INTERFACES = ("learned", "canonical", "gf2")
-
 
 @dataclass(frozen=True)
 class StudyRun:
@@ -52,6 +50,8 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def plan_runs(out: Path, interfaces: list[str], seeds: list[int], grid: list[tuple[str, list[str]]]) -> list[StudyRun]:
+    from ..model.interfaces import INTERFACES
+
     bad = [i for i in interfaces if i not in INTERFACES]
     if bad:
         raise ConfigError(f"--interfaces {','.join(bad)}: unknown; choose from {','.join(INTERFACES)}")

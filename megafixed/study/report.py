@@ -7,9 +7,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..atomic import atomic_write_text
+from ..model.interfaces import INTERFACES, control
 
 METRICS = (("final_val_loss", "val loss"), ("test_loss", "test loss"), ("test_bpb", "test bits/byte"))
-CONTROL = "learned"
+CONTROL = control().name  # the interface the paired differences are taken against (the learned table)
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -67,6 +68,7 @@ def write_report(out: Path, results: list[dict], command: str) -> Path:
         for interface in interfaces:
             r = groups[(point, interface)][0]
             lines.append(f"| {point} | {interface} | {r['trainable_params']:,} | {r['input_params']:,} |")
+    lines += [""] + [f"- `{i}`: {INTERFACES[i].summary}" for i in interfaces if i in INTERFACES]
     lines += ["", "## Final metrics", "",
               "| grid point | interface | steps | " + " | ".join(name for _, name in METRICS) + " |",
               "|---|---|---:|" + "---:|" * len(METRICS)]
@@ -124,7 +126,9 @@ def write_report(out: Path, results: list[dict], command: str) -> Path:
     return path
 
 
-COLOURS = {"learned": "tab:blue", "canonical": "tab:orange", "gf2": "tab:green"}
+def _colour(interface: str):
+    """The interface's own plot colour (None: matplotlib's next one)."""
+    return getattr(INTERFACES.get(interface), "colour", None)
 
 
 def _plot_curves(out: Path, results, points, interfaces) -> list[Path]:
@@ -141,7 +145,7 @@ def _plot_curves(out: Path, results, points, interfaces) -> list[Path]:
                 continue
             steps, vals = zip(*r["val_curve"])
             first = not any(line.get_label() == r["interface"] for line in ax.get_lines())
-            ax.plot(steps, vals, color=COLOURS.get(r["interface"]), alpha=0.8,
+            ax.plot(steps, vals, color=_colour(r["interface"]), alpha=0.8,
                     label=r["interface"] if first else "_nolegend_")
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss (nats/token)")
@@ -165,7 +169,7 @@ def _plot_gap(out: Path, results, points, interfaces) -> list[Path]:
             continue
         ms = [diffs.get((p, interface), (math.nan, math.nan)) for p in points]
         ax.errorbar(range(len(points)), [m for m, _ in ms], yerr=[0 if math.isnan(s) else s for _, s in ms],
-                    color=COLOURS.get(interface), marker="o", capsize=4, label=interface)
+                    color=_colour(interface), marker="o", capsize=4, label=interface)
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(points)), points, rotation=20, fontsize=8)
     ax.set_ylabel(f"val loss - {CONTROL} (paired, ± seed std)")

@@ -67,14 +67,11 @@ def git_revision() -> str:
 def describe(cfg, layout: dict, step: int, consumed_samples: int) -> dict:
     """Everything but the files: what ``ckpt inspect`` shows without opening a tensor."""
     from ..config import resolve_code
+    from ..model.interfaces import interface_of
     from ..model.params import count_params
 
     m = resolve_code(cfg).model
-    code = {"input": m.input}
-    if m.input != "learned":
-        code.update(bits=m.code_bits, scale=m.code_scale)
-    if m.input == "gf2":
-        code.update(A_rows=list(m.code_rows), b=m.code_shift)
+    code = interface_of(m).describe(m)
     return {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
             "consumed_tokens": consumed_samples * cfg.data.seq_len, "layout": dict(layout), "code": code,
             "parameters": count_params(cfg.model).total, "git_revision": git_revision()}

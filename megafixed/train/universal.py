@@ -66,7 +66,7 @@ def universal_info(model_cfg, pp: int) -> dict:
     """``universal_checkpoint_info`` for the client state of a layout with ``pp`` stages."""
     from deepspeed.checkpoint import constants as C
 
-    from ..parallel.tensor import sharded_dim
+    from ..parallel.tensor import is_vocab_parameter, sharded_dim
 
     row, replicated, vocab = [], [], []
     for gpt_name, name in layout_names(model_cfg, pp).items():
@@ -76,7 +76,7 @@ def universal_info(model_cfg, pp: int) -> dict:
             replicated.append(exact)
         elif dim == 1:
             row.append(exact)
-        if gpt_name in ("input.embedding.weight", "head.proj.weight"):
+        if is_vocab_parameter(gpt_name):
             vocab.append(exact)
     return {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             C.ORIGINAL_VOCAB_SIZE: model_cfg.vocab_size,
