@@ -82,11 +82,12 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
     from ..data.prepare import prepare_data
     from ..data.tokenizers import load_tokenizer
     from ..parallel import setup_distributed
+    from ..run_plan import RunPlan
     from ..train.evaluate import evaluate_loss, greedy_generate, load_trained_model
     from ..train.trainer import train
 
     t_start = t_start or time.perf_counter()
-    topo = setup_distributed(cfg)
+    topo = setup_distributed(RunPlan.for_launch(cfg))
     say = print if topo.is_main else (lambda *_: None)
 
     say("== 1/4 data: tokenizing the bundled corpus (cached after the first run)")
