@@ -136,7 +136,8 @@ def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLa
 
     ``precision`` is the resolved one (``run_plan.resolve_precision``); None skips its rule."""
     dp = data_parallel_size(cfg.parallel, world)
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    axes = model_parallel_axes(cfg.parallel)
+    tp, pp = axes["tp"], axes["pp"]
     _check_model_split(cfg, tp, pp)
     _check_sequence_parallel(cfg, tp)
     _check_zero(cfg, pp, precision)
