@@ -17,14 +17,15 @@ TP group (used by its layers) and DeepSpeed's pipeline grid agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from .layout import LayoutError
 
-if TYPE_CHECKING:  # the plan is built above this package (megafixed/run_plan.py) and handed in
-    from ..run_plan import RunPlan
+# ``plan`` below is a ``megafixed.run_plan.RunPlan``: built above this package and handed in, so it
+# is not imported here (run_plan imports this package's layout rules; no cycle, not even for typing).
+_RunPlan = Any
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Topology:
     tp_group: Optional[Any] = None  # None: the default group (world) -- only when that is the right one
     dp_group: Optional[Any] = None
     model_parallel_group: Optional[Any] = None  # TP x PP: one model replica
-    plan: Optional["RunPlan"] = None  # the plan this process was set up for
+    plan: Optional[_RunPlan] = None  # the plan this process was set up for
 
     @property
     def is_main(self) -> bool:
@@ -84,7 +85,7 @@ def launch_world() -> tuple[int, int, int]:
     return w.size, w.rank, w.local_rank
 
 
-def check_machine(plan: "RunPlan") -> None:
+def check_machine(plan: _RunPlan) -> None:
     """Refuse a plan this machine cannot run (made for GPUs, or NCCL without it) before anything starts."""
     if plan.device == "cuda" and not torch.cuda.is_available():
         raise LayoutError("the run is planned for CUDA GPUs (parallel.backend=nccl or auto on a GPU machine), and "
@@ -95,7 +96,7 @@ def check_machine(plan: "RunPlan") -> None:
                           "use parallel.backend=gloo")
 
 
-def setup_distributed(plan: "RunPlan", world=None) -> Topology:
+def setup_distributed(plan: _RunPlan, world=None) -> Topology:
     """Initialise torch.distributed and ``plan``'s groups for this process; return its Topology.
 
     Call it once per process with the plan the command built (``RunPlan.for_launch(cfg)``);
