@@ -28,6 +28,23 @@ from .parallel.layout import BatchLayout
 # The one engine today; issue 21 adds "torch" (FSDP2) and the config key choosing it.
 ENGINE = "deepspeed"
 
+# Every config key the build reads (its fields and the layout rules'): a plan is only valid for a
+# config that agrees on these (``check_made_from``). Data paths, seeds, intervals, the run dir: free.
+PLANNED_KEYS = (
+    "parallel.tp", "parallel.pp", "parallel.sequence_parallel", "parallel.backend", "parallel.collective_timeout_s",
+    "train.global_batch", "train.micro_batch", "train.precision", "data.seq_len", "zero.stage",
+    "optimizer.grad_clip", "model.n_heads", "model.n_kv_heads", "model.d_model", "model.mlp", "model.ffn_hidden",
+    "model.vocab_size", "model.n_layers", "model.tie_embeddings", "model.dropout", "model.fused_first_layer",
+)
+
+
+def _planned_values(cfg: Config) -> tuple:
+    values = []
+    for key in PLANNED_KEYS:
+        section, name = key.split(".")
+        values.append(getattr(getattr(cfg, section), name, None))
+    return tuple(values)
+
 
 def resolve_precision(cfg: Config, gpu: Optional[bool] = None) -> str:
     """``auto`` means bf16 on a GPU and fp32 on CPU (CPU bf16 matmuls are slow and inexact).
@@ -69,6 +86,7 @@ class RunPlan:
     backend: str  # the torch.distributed backend: "nccl" | "gloo"
     sequence_parallel: bool
     collective_timeout_s: float
+    planned_from: tuple = ()  # the values of PLANNED_KEYS this plan was built from
 
     @classmethod
     def build(cls, cfg: Config, world_size: int, *, gpu: Optional[bool] = None) -> "RunPlan":
@@ -100,7 +118,16 @@ class RunPlan:
                    precision=precision, zero_stage=cfg.zero.stage, engine=ENGINE,
                    device="cuda" if on_gpu else "cpu", backend=backend,
                    sequence_parallel=cfg.parallel.sequence_parallel,
-                   collective_timeout_s=cfg.parallel.collective_timeout_s)
+                   collective_timeout_s=cfg.parallel.collective_timeout_s, planned_from=_planned_values(cfg))
+
+    def check_made_from(self, cfg: Config) -> None:
+        """Refuse a config this plan was not built from (a Topology reused for another run's config
+        would otherwise train with the old batch or precision): a comparison, not a second validation."""
+        now = _planned_values(cfg)
+        changed = [f"{k} {a!r} -> {b!r}" for k, a, b in zip(PLANNED_KEYS, self.planned_from, now) if a != b]
+        if changed:
+            raise ConfigError(f"the run plan was built for another config ({', '.join(changed[:3])}); build the "
+                              f"plan (and the Topology) for this config: setup_distributed(RunPlan.for_launch(cfg))")
 
     @classmethod
     def for_launch(cls, cfg: Config) -> "RunPlan":

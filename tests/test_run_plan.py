@@ -147,3 +147,12 @@ def test_one_megafixed_train_validates_the_layout_once(tmp_path, monkeypatch):
             signal.signal(s, handler)
     assert calls == [1]  # once, for the one rank of this launch
     assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+def test_a_plan_refuses_a_config_it_was_not_built_from():
+    plan = RunPlan.build(load_config(None, TINY), 1, gpu=False)
+    plan.check_made_from(load_config(None, [*TINY, "train.seed=3", "train.run_dir=elsewhere", "optimizer.lr=0.01"]))
+    with pytest.raises(ConfigError, match=r"built for another config \(train\.global_batch 8 -> 16\)"):
+        plan.check_made_from(load_config(None, [*TINY, "train.global_batch=16"]))
+    with pytest.raises(ConfigError, match=r"model\.n_heads 4 -> 2"):  # a layout rule's key
+        plan.check_made_from(load_config(None, [*TINY, "model.n_heads=2"]))

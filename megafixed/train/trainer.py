@@ -76,6 +76,7 @@ def _train(cfg: Config, topo, created_run_dir: bool, *, datasets: Optional[dict]
     apply_thread_policy(cfg.train.threads or None, log=say)
     stop = stop or StopRequest()
     plan = topo.plan  # built and validated once by the command (megafixed.run_plan), before any group
+    plan.check_made_from(cfg)  # the same config's plan, not a second validation
     precision, layout = plan.precision, plan.batch
     ds_config = deepspeed_config(cfg, layout, precision)
     run_dir, max_steps = Path(cfg.train.run_dir), cfg.train.max_steps
