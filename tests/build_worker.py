@@ -34,10 +34,11 @@ def main(argv) -> int:
     from megafixed.config import load_config
     from megafixed.model import gpt
     from megafixed.parallel import build_model, setup_distributed
+    from megafixed.run_plan import RunPlan
 
     out, overrides = argv[0], argv[1:]
     cfg = load_config(None, overrides)
-    topo = setup_distributed(cfg)
+    topo = setup_distributed(RunPlan.for_launch(cfg))
     built = []
     original_init = gpt.GPT.__init__
 

@@ -91,6 +91,7 @@ def main(argv=None) -> int:
 
     from megafixed.config import load_config
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
 
     results = {}
     topo = None
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
         for stage in stages:
             extra = [f"model.input={name}"] + ([f"zero.stage={stage}"] if stage else [])
             cfg = load_config(None, [*args.overrides, *extra])
-            topo = topo or setup_distributed(cfg)
+            topo = topo or setup_distributed(RunPlan.for_launch(cfg))
             key = name if stage is None else f"{name}/zero{stage}"
             results[key] = run_one(cfg, topo, args.steps, args.save and os.path.join(args.save, name),
                                    None, 0) if args.steps else {}

@@ -221,6 +221,7 @@ def test_import_llama_same_logits_and_trains(tmp_path):
     from megafixed.cli import main
     from megafixed.data.gpt_dataset import build_datasets, micro_batches
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.evaluate import load_trained_model
     from megafixed.train.trainer import train
 
@@ -251,7 +252,7 @@ def test_import_llama_same_logits_and_trains(tmp_path):
                                micro_batch=4, dp_rank=0, dp_size=1))
     with torch.no_grad():
         expected = model(batch[:, :-1], batch[:, 1:]).item()
-    result = train(cfg, setup_distributed(cfg), log=lambda *_: None)
+    result = train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
     assert result.step == 1 and result.history[0]["loss"] == pytest.approx(expected, abs=1e-5)
     trained, _ = load_trained_model(None, tmp_path / "run")
     after = trained.state_dict()

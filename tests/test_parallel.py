@@ -23,8 +23,8 @@ import torch
 from megafixed.config import load_config
 from megafixed.parallel import LayoutError, check_layout
 from megafixed.parallel.convert import gather_state_dict, shard_state_dict, write_checkpoint
+from megafixed.parallel.dims import ParallelDims
 from megafixed.parallel.memory import Layout, estimate, stage_params
-from megafixed.parallel.topology import coords_of
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "parallel_worker.py")
@@ -217,9 +217,11 @@ def test_rank_order_is_deepspeeds_pipe_data_model(tp, pp, dp):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    dims = ParallelDims.of(tp=tp, dp=dp, pp=pp)
     for rank in range(tp * pp * dp):
         c = topo.get_coord(rank)
-        assert coords_of(rank, tp, dp) == (c.pipe, c.data, c.model)
+        at = dims.coords(rank)
+        assert (at["pp"], at["dp"], at["tp"]) == (c.pipe, c.data, c.model)
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2), (4, 1)])

@@ -129,6 +129,7 @@ def _tiny_run(run_dir: Path, *overrides: str) -> None:
     from megafixed.config import load_config
     from megafixed.data.prepare import prepare_data
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
     tiny = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64", "data.seq_len=64",
@@ -136,7 +137,7 @@ def _tiny_run(run_dir: Path, *overrides: str) -> None:
             "train.tensorboard=false", "schedule.warmup_steps=1", f"train.run_dir={run_dir}"]
     cfg = load_config(str(ROOT / "examples" / "configs" / "quickstart.yaml"), [*tiny, *overrides])
     cfg = prepare_data(cfg, is_main=True)
-    train(cfg, setup_distributed(cfg), log=lambda *_: None)
+    train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
 
 
 def _tiny_llama(folder: Path) -> None:

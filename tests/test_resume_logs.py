@@ -55,12 +55,13 @@ def offline_history(wandb_dir: str | Path) -> tuple[set, list[dict]]:
 
 def _train(prefix, run_dir, *extra):
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
     cfg = load_config(None, tiny_overrides(prefix, run_dir, "train.tensorboard=true", "train.wandb=true",
                                            "train.wandb_mode=offline", "train.wandb_project=megafixed-tests",
                                            "train.wandb_tags=[ci,resume]", *extra))
-    return train(cfg, setup_distributed(cfg), log=lambda *_: None)
+    return train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
 
 
 def raw_scalars(tb_dir: Path) -> dict:

@@ -75,13 +75,14 @@ def test_a_study_dir_of_another_config_is_refused(study, capsys):
 def trained_canonical(tmp_path_factory):
     from megafixed.config import load_config
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
     tmp = tmp_path_factory.mktemp("probe")
     prefix = write_shards(tmp / "data")
     cfg = load_config(None, tiny_overrides(prefix, tmp / "run", "model.input=canonical", "train.max_steps=30",
                                            "train.eval_interval=0", "optimizer.lr=1e-2"))
-    train(cfg, setup_distributed(cfg), log=lambda *_: None)
+    train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
     return tmp / "run"
 
 

@@ -22,12 +22,13 @@ def shards(tmp_path_factory):
 
 def run(prefix, run_dir, *extra, stop=None, poison_lr=False):
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
     cfg = load_config(None, tiny_overrides(prefix, run_dir, *extra))
     if poison_lr:  # past the config's range check on purpose: the guard under test is the trainer's
         cfg.optimizer.lr = 1e30
-    return train(cfg, setup_distributed(cfg), stop=stop, log=lambda *_: None)
+    return train(cfg, setup_distributed(RunPlan.for_launch(cfg)), stop=stop, log=lambda *_: None)
 
 
 def metrics(run_dir) -> list[dict]:
@@ -166,10 +167,11 @@ def _engine(cfg, module):
     import deepspeed
 
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.ds_config import batch_layout, deepspeed_config
     from megafixed.train.optim import build_optimizer
 
-    topo = setup_distributed(cfg)
+    topo = setup_distributed(RunPlan.for_launch(cfg))
     layout = batch_layout(cfg.train, topo.dp)
     opt = build_optimizer(module, cfg.optimizer)
     engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=deepspeed_config(cfg, layout, "fp32"))
@@ -212,11 +214,12 @@ def test_pipeline_engine_branch_matches_plain_engine(shards, tmp_path):
     from megafixed.data.gpt_dataset import build_datasets, micro_batches
     from megafixed.model import GPT
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.ds_config import batch_layout
     from megafixed.train.step import eval_loss, train_step
 
     cfg = load_config(None, tiny_overrides(shards, tmp_path, "model.input=canonical"))
-    topo = setup_distributed(cfg)
+    topo = setup_distributed(RunPlan.for_launch(cfg))
     layout = batch_layout(cfg.train, topo.dp)
     data = build_datasets(cfg.data, seed=cfg.train.seed)
 

@@ -41,10 +41,11 @@ class StopAfterPolls(StopRequest):
 
 def run(prefix, run_dir, *extra, stop=None):
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
     cfg = load_config(None, tiny_overrides(prefix, run_dir, *extra))
-    return train(cfg, setup_distributed(cfg), stop=stop, log=lambda *_: None)
+    return train(cfg, setup_distributed(RunPlan.for_launch(cfg)), stop=stop, log=lambda *_: None)
 
 
 def losses(run_dir) -> dict:
@@ -121,13 +122,14 @@ def test_a_changed_model_or_data_key_is_refused_before_anything_is_touched(shard
 
 def test_safe_changes_are_allowed_and_reported(shards, tmp_path):
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
     run(shards, tmp_path, "train.max_steps=3", "train.eval_interval=0")
     cfg = load_config(None, tiny_overrides(shards, tmp_path, "train.max_steps=5", "train.eval_interval=0",
                                            "optimizer.lr=1e-3"))
     said = []
-    result = train(cfg, setup_distributed(cfg), log=said.append)
+    result = train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=said.append)
     assert result.resumed_from == "step_00000003" and result.step == 5
     line = next(s for s in said if s.startswith("resumed from"))
     assert "optimizer.lr: 0.003 -> 0.001" in line and "train.max_steps: 3 -> 5" in line
@@ -186,8 +188,9 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_dir(shards, 
                                            "optimizer.grad_clip=0.0", "zero.stage=0", "schedule.warmup_steps=0"))
     cfg.optimizer.lr = 1e30  # blows the weights up: step 2 is non-finite
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
     with pytest.raises(NonFiniteLossError):
-        train(cfg, setup_distributed(cfg), log=lambda *_: None)
+        train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
     assert not (tmp_path / "run").exists()

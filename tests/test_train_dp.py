@@ -26,9 +26,10 @@ def test_two_process_dp_matches_one_process(tmp_path, torchrun):
     # One process: 8 = 2 x accum 4 x dp 1 (in this pytest process).
     one = tmp_path / "one"
     from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
 
     cfg = load_config(None, tiny_overrides(prefix, one, *common))
-    train(cfg, setup_distributed(cfg), log=lambda *_: None)
+    train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
     # Two processes: 8 = 2 x accum 2 x dp 2, through the real CLI under torchrun.
     two = tmp_path / "two"
     cfg = tmp_path / "empty.yaml"

@@ -35,10 +35,11 @@ def _train(overrides: list, *, mock: bool = True):
     from ..config import load_config
     from ..data.prepare import prepare_data
     from ..parallel import setup_distributed
+    from ..run_plan import RunPlan
     from ..train.trainer import train
 
     cfg = load_config(str(QUICKSTART), (["data.mock=true"] if mock else []) + QUIET + overrides + EXTRA)
-    topo = setup_distributed(cfg)
+    topo = setup_distributed(RunPlan.for_launch(cfg))
     cfg = prepare_data(cfg, is_main=True)
     result = train(cfg, topo, log=lambda *_: None)
     return {r["step"]: r["loss"] for r in result.history if "loss" in r}, result

@@ -88,12 +88,14 @@ class _Loop:
 class FrameworkLoop(_Loop):
     name = "framework"
 
-    def __init__(self, cfg, topo, layout, datasets, precision: str):
+    def __init__(self, cfg, topo, datasets):
         from ..data.gpt_dataset import micro_batches
         from ..train.ds_config import deepspeed_config
         from ..train.engine import build_engine
 
-        self.bundle = build_engine(cfg, topo, deepspeed_config(cfg, layout, precision), precision)
+        plan = topo.plan
+        layout = plan.batch
+        self.bundle = build_engine(cfg, topo, deepspeed_config(cfg, layout, plan.precision), plan.precision)
         super().__init__(self.bundle.engine.device)
         self.cfg, self.topo, self.layout = cfg, topo, layout
         self.batches = micro_batches(datasets["train"], start_sample=0, micro_batch=layout.micro_batch,
@@ -117,12 +119,13 @@ class FrameworkLoop(_Loop):
 class BareLoop(_Loop):
     name = "bare"
 
-    def __init__(self, cfg, topo, layout, datasets, precision: str):
+    def __init__(self, cfg, topo, datasets):
         from ..data.gpt_dataset import micro_batches
         from .bare_loop import BareLoopState
 
         super().__init__(topo.device)
-        self.state = BareLoopState(cfg, topo, precision)  # the engine's numerics in plain torch
+        layout = topo.plan.batch
+        self.state = BareLoopState(cfg, topo, topo.plan.precision)  # the engine's numerics in plain torch
         self.cfg, self.accum = cfg, layout.accum
         self.batches = micro_batches(datasets["train"], start_sample=0, micro_batch=layout.micro_batch, dp_rank=0,
                                      dp_size=1, num_workers=cfg.data.num_workers)
@@ -160,12 +163,10 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     ``on_partial(result)`` gets the result so far (``"complete": false``) after each loop's timed
     steps, so a run stopped at a time limit (the 1.7B engine build) still reports the bare loop."""
     from ..model.gpt import init_draws_on
-    from ..parallel.layout import validate_layout
-    from ..train.ds_config import resolve_precision
     from ..train.metrics import flops_per_token, matmul_param_count, peak_flops_per_gpu
 
-    precision = resolve_precision(cfg)
-    layout = validate_layout(cfg, topo.world_size, precision)
+    plan = topo.plan  # the command's run plan (megafixed.run_plan), validated when it was built
+    precision, layout = plan.precision, plan.batch
     if datasets is None:
         if cfg.data.mock:
             from ..data.mock import build_mock_datasets
@@ -175,7 +176,7 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
             datasets = build_datasets(cfg.data, seed=cfg.train.seed)
     device = topo.device
     bare = bare and topo.world_size == 1  # a bare loop of a multi-rank layout would be a second framework
-    tokens_per_step = layout.global_batch * cfg.data.seq_len
+    tokens_per_step = layout.tokens_per_step
     on_cuda = device.type == "cuda"
     peak = peak_flops_per_gpu() if on_cuda else None
     flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), cfg.data.seq_len)
@@ -191,7 +192,7 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     header = {"bench": "train", "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
               "precision": precision, "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-              "zero_stage": cfg.zero.stage, "input": cfg.model.input, "fused_first_layer": cfg.model.fused_first_layer,
+              "zero_stage": plan.zero_stage, "input": cfg.model.input, "fused_first_layer": cfg.model.fused_first_layer,
               "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile,
               "global_batch": layout.global_batch, "micro_batch": layout.micro_batch, "accum": layout.accum,
               "seq_len": cfg.data.seq_len, "tokens_per_step": tokens_per_step, "mock_data": cfg.data.mock,
@@ -204,7 +205,7 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     loops: list = []
     if bare:
         with draws:
-            loops.append(BareLoop(cfg, topo, layout, datasets, precision))
+            loops.append(BareLoop(cfg, topo, datasets))
         loops[-1].timed(warmup, record=False)
         if rounds == 1:  # sequential: measure now and free it before the engine exists
             loops[-1].timed(steps)
@@ -214,7 +215,7 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
                 on_partial(partial())  # the bare loop's figures survive a stop in the engine's build
     rss_bare = _peak_rss_bytes()
     with init_draws_on(device) if on_cuda else contextlib.nullcontext():
-        fw = FrameworkLoop(cfg, topo, layout, datasets, precision)
+        fw = FrameworkLoop(cfg, topo, datasets)
     fw.timed(warmup, record=False)
     loops.append(fw)
     for _ in range(rounds):
@@ -260,6 +261,7 @@ def run(args) -> int:
     from ..data.prepare import prepare_data
     from ..outputs import claim_output
     from ..parallel import setup_distributed
+    from ..run_plan import RunPlan
     from ..train.env import prepare_runtime_env
 
     if args.steps < 1 or args.warmup_steps < 0 or (args.rounds is not None and args.rounds < 1) or (
@@ -271,7 +273,7 @@ def run(args) -> int:
         claim_output([args.json], overwrite=args.overwrite, what="benchmark output")
     prepare_runtime_env()
     cfg = load_config(args.config, args.overrides)
-    topo = setup_distributed(cfg)
+    topo = setup_distributed(RunPlan.for_launch(cfg))  # topo.plan: what measure() reads
     cfg = prepare_data(cfg, is_main=topo.is_main)
     rounds = args.rounds or (1 if topo.device.type == "cuda" else 4)
     rounds = min(rounds, args.steps)

@@ -99,14 +99,13 @@ def _check_plan(cfg, world: int, gpu: bool, data: bool) -> None:
     directory. A dry run only warns about missing data: scripts are often written where the shards
     are not (yet)."""
     from ..launch.preflight import check_run_dir_takes
-    from ..parallel.layout import validate_layout
-    from ..train.ds_config import deepspeed_config, resolve_precision
+    from ..run_plan import RunPlan
+    from ..train.ds_config import deepspeed_config
     from .train import _check_data_paths
 
-    precision = resolve_precision(cfg, gpu=gpu)
-    layout = validate_layout(cfg, world, precision)
-    deepspeed_config(cfg, layout, precision, gpu=gpu)
-    check_run_dir_takes(cfg, world, precision, layout)
+    plan = RunPlan.build(cfg, world, gpu=gpu)  # what each rank of the job will build at its start
+    deepspeed_config(cfg, plan.batch, plan.precision, gpu=plan.on_gpu)
+    check_run_dir_takes(cfg, plan)
     try:
         _check_data_paths(cfg)
     except ValueError as exc:

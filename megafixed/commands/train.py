@@ -56,6 +56,7 @@ def run(args) -> int:
 def _train(args) -> int:
     from ..data.prepare import prepare_data
     from ..parallel import setup_distributed
+    from ..run_plan import RunPlan
     from ..train.stop import StopRequest
     from ..train.trainer import train
 
@@ -68,8 +69,9 @@ def _train(args) -> int:
     stop = StopRequest()
     stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM), interrupt=True)
     cfg = load_config(args.config, args.overrides)
-    topo = setup_distributed(cfg)  # the one Topology of this process
-    cfg = prepare_data(cfg, is_main=topo.is_main)
+    plan = RunPlan.for_launch(cfg)  # the layout, validated once, before any process group exists
+    topo = setup_distributed(plan)  # the one Topology of this process; topo.plan is the plan
+    cfg = prepare_data(cfg, is_main=topo.is_main)  # fills in data paths only: nothing the plan read
     _barrier()  # other ranks read the shards rank 0 may just have written
     try:
         result = train(cfg, topo, stop=stop)
@@ -93,30 +95,26 @@ def dry_run(args) -> int:
     import yaml
 
     from ..config import resolve_code
-    from ..parallel.layout import validate_layout
     from ..parallel.topology import launch_world
-    from ..train.ds_config import deepspeed_config, resolve_precision
+    from ..run_plan import RunPlan
+    from ..train.ds_config import deepspeed_config
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or launch_world()[0]
-    gpu = args.target == "gpu"
-    precision = resolve_precision(cfg, gpu=gpu)
-    layout = validate_layout(cfg, world, precision)
+    plan = RunPlan.build(cfg, world, gpu=args.target == "gpu")  # what the real run will build
     try:
         _check_data_paths(cfg)
     except ValueError as exc:
         # Planning a cluster run on a laptop or login node: the shards live where the run will start.
         print(f"warning: {exc} (a dry run plans anyway; the shards must exist where the run starts)",
               file=sys.stderr)
-    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if gpu else "gloo")
-    ds = deepspeed_config(cfg, layout, precision, gpu=gpu)
+    ds = deepspeed_config(cfg, plan.batch, plan.precision, gpu=plan.on_gpu)
     print("# resolved config")
     print(yaml.safe_dump(resolve_code(cfg).to_dict(), sort_keys=False).rstrip())
     print("# deepspeed config (written to <run_dir>/ds_config.json by a real run)")
     print(json.dumps(ds, indent=2))
-    print(f"# plan: {count(world, 'rank')} = tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {layout.dp}; "
-          f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum {layout.accum} x dp {layout.dp}; "
-          f"{precision} on {args.target}, backend {backend}; zero {cfg.zero.stage}. Nothing was started.")
+    print(f"# plan: {plan.describe()}; {plan.precision} on {args.target}, backend {plan.backend}; "
+          f"zero {plan.zero_stage}. Nothing was started.")
     return exit_codes.OK
 
 

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 from typing import Optional
 
 from .world import LaunchError
@@ -48,9 +47,10 @@ def check_signal_lead(signal_before: int, time: Optional[str]) -> None:
                           f"--signal-before well below the limit (e.g. {max(limit // 10, 1)}), or a longer --time")
 
 
-def check_run_dir_takes(cfg, world: int, precision: str, layout) -> Optional[str]:
+def check_run_dir_takes(cfg, plan) -> Optional[str]:
     """Run the trainer's resume check now: raise its ``ResumeError`` if the run directory's latest
-    checkpoint does not fit ``cfg`` on ``world`` ranks. Returns the tag checked (None: a new run)."""
+    checkpoint does not fit ``cfg`` on ``plan``'s layout (a ``RunPlan``: it has the sizes a
+    Topology's resume check reads). Returns the tag checked (None: a new run)."""
     from ..train.resume import check_resume, read_run_record
     from ..train.run_dir import RunDirectory
 
@@ -60,6 +60,5 @@ def check_run_dir_takes(cfg, world: int, precision: str, layout) -> Optional[str
         return None
     record = read_run_record(rd.tag_dir(tag))
     if record is not None:
-        topo = SimpleNamespace(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=layout.dp, world_size=world)
-        check_resume(record, cfg, topo, precision, cfg.zero.stage, rd.tag_dir(tag))
+        check_resume(record, cfg, plan, plan.precision, plan.zero_stage, rd.tag_dir(tag))
     return tag

@@ -2,7 +2,7 @@
 
 The seam the trainer, evaluation and tests use::
 
-    topo   = setup_distributed(cfg)                      # once per process -> Topology
+    topo   = setup_distributed(RunPlan.for_launch(cfg))  # once per process -> Topology
     module = build_model(cfg.model, topo, seed=...)      # GPT, TP-applied GPT, or a pipeline stage
 
 Each kind of parallelism lives in its own module and takes the model config plus the topology:

@@ -1,11 +1,16 @@
 """The one layout validator: every cross-field rule of a (TP, PP, DP, ZeRO, batch) layout.
 
-It runs before any process group exists (and on a CPU-only login node for ``--dry-run``), so a
-bad layout fails in a second with a message naming the keys and a fix, rather than as a hang or a
-shape error deep inside a collective. ``megafixed plan`` uses it to filter candidate layouts.
+``megafixed.run_plan.RunPlan.build`` is its one caller on a run's way (the command builds the plan
+once, before any process group exists, on a CPU-only login node too for ``--dry-run``), so a bad
+layout fails in a second with a message naming the keys and a fix, rather than as a hang or a
+shape error deep inside a collective. ``megafixed plan`` builds plans to filter candidate layouts.
+
+Single-key ranges (``parallel.tp >= 1``, ``train.micro_batch >= 1``) are not repeated here: the
+config's range table (``config_checks.RANGES``) refuses them when the config is loaded.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,21 +33,25 @@ class BatchLayout:
         return self.micro_batch * self.accum
 
 
+def model_parallel_axes(parallel) -> dict[str, int]:
+    """The configured axes of one model replica, by grid name; data parallelism takes the rest of
+    the world. A new axis (context parallelism: ``"cp": parallel.cp``) is one more entry here."""
+    return {"tp": parallel.tp, "pp": parallel.pp}
+
+
 def data_parallel_size(parallel, world: int) -> int:
-    tp, pp = parallel.tp, parallel.pp
-    if tp < 1 or pp < 1:
-        raise LayoutError(f"parallel.tp={tp} and parallel.pp={pp} must both be >= 1")
-    if world < 1 or world % (tp * pp):
-        raise LayoutError(f"world size {world} is not divisible by parallel.tp * parallel.pp = {tp}*{pp}; "
-                          f"launch a multiple of {tp * pp} processes or change the layout")
-    return world // (tp * pp)
+    axes = model_parallel_axes(parallel)
+    replica = math.prod(axes.values())
+    if world < 1 or world % replica:
+        names = " * ".join(f"parallel.{n}" for n in axes)
+        raise LayoutError(f"world size {world} is not divisible by {names} = {'*'.join(map(str, axes.values()))}; "
+                          f"launch a multiple of {replica} processes or change the layout")
+    return world // replica
 
 
 def batch_layout(train, dp: int) -> BatchLayout:
     """Reconcile global = micro * accum * dp; refuse layouts that do not divide, naming the fix."""
     g, mb = train.global_batch, train.micro_batch
-    if g < 1 or mb < 1:
-        raise LayoutError(f"train.global_batch={g} and train.micro_batch={mb} must both be >= 1")
     if g % (mb * dp):
         lo = (g // (mb * dp)) * mb * dp
         near = [b for b in (lo, lo + mb * dp) if b > 0]  # below g is 0 when g < mb * dp: one suggestion
@@ -123,9 +132,12 @@ def _check_fused_first_layer(cfg, tp: int, pp: int) -> None:
 
 
 def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLayout:
-    """Raise ``LayoutError`` for a layout that cannot work; return its batch layout (with dp)."""
+    """Raise ``LayoutError`` for a layout that cannot work; return its batch layout (with dp).
+
+    ``precision`` is the resolved one (``run_plan.resolve_precision``); None skips its rule."""
     dp = data_parallel_size(cfg.parallel, world)
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    axes = model_parallel_axes(cfg.parallel)
+    tp, pp = axes["tp"], axes["pp"]
     _check_model_split(cfg, tp, pp)
     _check_sequence_parallel(cfg, tp)
     _check_zero(cfg, pp, precision)

@@ -221,10 +221,12 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
 
 
 def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list[Layout]:
-    """Every (tp, pp, dp, zero, micro, sp) that the layout validator accepts, for ``gpus`` GPUs."""
+    """Every (tp, pp, dp, zero, micro, sp) whose run plan builds, for ``gpus`` GPUs in ``precision``
+    (None: the config's ``train.precision``, resolved for a GPU)."""
     import copy
 
-    from .layout import LayoutError, validate_layout
+    from ..run_plan import RunPlan
+    from .layout import LayoutError
 
     out = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
@@ -241,8 +243,10 @@ def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = No
                         c = copy.deepcopy(cfg)
                         c.parallel.tp, c.parallel.pp, c.zero.stage = tp, pp, zero
                         c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
+                        c.train.precision = precision or c.train.precision
+                        c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend
                         try:
-                            validate_layout(c, gpus, precision)
+                            RunPlan.build(c, gpus, gpu=True)
                         except LayoutError:
                             continue
                         # Both balancing rules under PP: with fixed codes, balancing parameters

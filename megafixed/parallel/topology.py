@@ -1,7 +1,12 @@
-"""Process-group setup and the (TP, PP, DP) layout, checked before any process group exists.
+"""Process-group setup for a run plan: this process's place in the grid, and its groups.
 
-Rank order is DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model; the last axis
-varies fastest) and, identically, megatron-core's default order ``tp-cp-ep-dp-pp``::
+The layout was validated when its ``RunPlan`` was built (``megafixed.run_plan``, once per command,
+before any process group exists); ``setup_distributed(plan)`` checks only what one process can
+know (the launch's world size, this machine's CUDA and NCCL), then starts torch.distributed.
+
+Rank order is the plan's grid (``parallel/dims.py``): megatron-core's default ``tp-cp-ep-dp-pp``,
+which for our (tp, dp, pp) axes is DeepSpeed's ``PipeModelDataParallelTopology`` (pipe, data,
+model; the last varies fastest)::
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
@@ -18,15 +23,21 @@ import torch
 
 from .layout import LayoutError
 
+# ``plan`` below is a ``megafixed.run_plan.RunPlan``: built above this package and handed in, so it
+# is not imported here (run_plan imports this package's layout rules; no cycle, not even for typing).
+_RunPlan = Any
+
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits in the (TP, PP, DP) layout, and its process groups.
+    """Where this process sits in its run plan's (TP, PP, DP) grid, and its process groups.
 
-    Built once per process by ``setup_distributed``; everything downstream (TP, pipeline, the
-    trainer, DeepSpeed's mpu) takes it instead of re-reading ``cfg.parallel``. The engines' own
-    registries (megatron-core's ``parallel_state``, DeepSpeed's pipeline grid) are derived from it
-    in the same rank order, so they cannot disagree.
+    Built once per process by ``setup_distributed(plan)``, which copies the sizes from the plan
+    (``plan`` is kept: the trainer reads the batch, precision and ZeRO stage from it); everything
+    downstream (TP, pipeline, the trainer, DeepSpeed's mpu) takes the Topology instead of
+    re-reading ``cfg.parallel``. The engines' own registries (megatron-core's ``parallel_state``,
+    DeepSpeed's pipeline grid) are derived in the same rank order, so they cannot disagree.
+    Tests may build one by hand (``plan`` then stays None).
     """
     world_size: int
     rank: int
@@ -43,6 +54,7 @@ class Topology:
     tp_group: Optional[Any] = None  # None: the default group (world) -- only when that is the right one
     dp_group: Optional[Any] = None
     model_parallel_group: Optional[Any] = None  # TP x PP: one model replica
+    plan: Optional[_RunPlan] = None  # the plan this process was set up for
 
     @property
     def is_main(self) -> bool:
@@ -64,11 +76,6 @@ class Topology:
         return TopologyMPU(self) if self.tp > 1 and self.pp == 1 else None
 
 
-def coords_of(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, tp_rank) of a global rank, in DeepSpeed's pipe/data/model order."""
-    return rank // (tp * dp), (rank // tp) % dp, rank % tp
-
-
 def launch_world() -> tuple[int, int, int]:
     """(world size, rank, local rank) from torchrun, the deepspeed launcher or a plain srun task
     (``megafixed.launch.world.detect_world``; raises LaunchError on a half-set environment)."""
@@ -78,53 +85,58 @@ def launch_world() -> tuple[int, int, int]:
     return w.size, w.rank, w.local_rank
 
 
-def resolve_backend(parallel) -> tuple[str, bool]:
-    """(backend, use_cuda); refuses a backend this machine cannot run before anything starts."""
-    cuda = torch.cuda.is_available()
-    if parallel.backend == "nccl" and not cuda:
-        raise LayoutError("parallel.backend=nccl needs CUDA GPUs, and this machine has none (torch sees no "
-                          "CUDA device); use parallel.backend=gloo (or auto) on CPU")
-    if parallel.backend == "nccl" and not torch.distributed.is_nccl_available():
+def check_machine(plan: _RunPlan) -> None:
+    """Refuse a plan this machine cannot run (made for GPUs, or NCCL without it) before anything starts."""
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        raise LayoutError("the run is planned for CUDA GPUs (parallel.backend=nccl or auto on a GPU machine), and "
+                          "this machine has none (torch sees no CUDA device); use parallel.backend=gloo (or auto) "
+                          "on CPU")
+    if plan.backend == "nccl" and not torch.distributed.is_nccl_available():
         raise LayoutError("parallel.backend=nccl: this torch build has no NCCL; install a CUDA build of torch or "
                           "use parallel.backend=gloo")
-    use_cuda = cuda and parallel.backend != "gloo"
-    return (parallel.backend if parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")), use_cuda
 
 
-def setup_distributed(cfg) -> Topology:
-    """Validate the layout, initialise torch.distributed and the groups, return the Topology.
+def setup_distributed(plan: _RunPlan, world=None) -> Topology:
+    """Initialise torch.distributed and ``plan``'s groups for this process; return its Topology.
 
-    Call it once per process. A single process without a launcher still gets a 1-rank process
-    group, because DeepSpeed's engine needs one. Rank/world detection, its consistency checks and
-    the rendezvous live in ``megafixed.launch.world``.
+    Call it once per process with the plan the command built (``RunPlan.for_launch(cfg)``);
+    ``world`` is this launch's ``megafixed.launch.world.LaunchWorld`` (default: detected). A
+    single process without a launcher still gets a 1-rank process group, because DeepSpeed's
+    engine needs one. Rank/world detection, its consistency checks and the rendezvous live in
+    ``megafixed.launch.world``.
     """
     import torch.distributed as dist
 
     from ..launch import world as launch
-    from .layout import validate_layout
+    from ..plural import count
 
+    if not hasattr(plan, "dims"):  # the pre-plan call, setup_distributed(cfg): name the new one
+        raise TypeError(f"setup_distributed takes a RunPlan (megafixed.run_plan.RunPlan.for_launch(cfg)), "
+                        f"not {type(plan).__name__}")
     # Checked before anything waits on the network: an inconsistent environment fails in seconds.
-    lw = launch.detect_world()
+    lw = world if world is not None else launch.detect_world()
     launch.check_world(lw)
-    world, rank, local_rank = lw.size, lw.rank, lw.local_rank
-    dp = validate_layout(cfg, world).dp
-    backend, use_cuda = resolve_backend(cfg.parallel)
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    if lw.size != plan.world_size:
+        raise LayoutError(f"this launch has {count(lw.size, 'rank')} but the run plan was made for "
+                          f"{plan.world_size}; build the plan for this launch (RunPlan.for_launch)")
+    check_machine(plan)
+    rank, local_rank = lw.rank, lw.local_rank
+    tp, pp, dp = plan.tp, plan.pp, plan.dp
+    device = torch.device("cuda", local_rank) if plan.on_gpu else torch.device("cpu")
+    if plan.on_gpu:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         from ..launch import rendezvous
 
         launch.set_master_env(lw)  # a lone process gets a free loopback port, so two runs never collide
         # gives up after MEGAFIXED_RDZV_TIMEOUT, naming the missing ranks/nodes; collectives get their own bound
-        rendezvous.init_process_group(lw, backend, cfg.parallel.collective_timeout_s)
+        rendezvous.init_process_group(lw, plan.backend, plan.collective_timeout_s)
         launch.check_agreement(lw)  # same job, same master, every node of the step in this one world
-    pp_rank, dp_rank, tp_rank = coords_of(rank, tp, dp)
+    at = plan.dims.coords(rank)
     groups = {}
     if tp > 1 or pp > 1:
         # megatron-core's layers find their TP group through parallel_state, so its groups are the
-        # ones we keep. Its default order (tp-cp-ep-dp-pp) is DeepSpeed's pipe/data/model order.
+        # ones we keep. Its default order (tp-cp-ep-dp-pp) is the plan's grid order.
         from megatron.core import parallel_state as ps
 
         if not ps.model_parallel_is_initialized():
@@ -132,10 +144,10 @@ def setup_distributed(cfg) -> Topology:
                                          create_gloo_process_groups=False)
         groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
                       model_parallel_group=ps.get_model_parallel_group())
-    topo = Topology(world_size=world, rank=rank, local_rank=local_rank, tp=tp, pp=pp, dp=dp,
-                    sequence_parallel=cfg.parallel.sequence_parallel, tp_rank=tp_rank, pp_rank=pp_rank,
-                    dp_rank=dp_rank, device=device, backend=backend, **groups)
-    if groups and dist.get_rank(topo.tp_group) != tp_rank:
+    topo = Topology(world_size=plan.world_size, rank=rank, local_rank=local_rank, tp=tp, pp=pp, dp=dp,
+                    sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], pp_rank=at["pp"],
+                    dp_rank=at["dp"], device=device, backend=plan.backend, plan=plan, **groups)
+    if groups and dist.get_rank(topo.tp_group) != topo.tp_rank:
         # Only reachable if a caller initialised megatron's groups with another layout first.
         raise LayoutError(f"megatron-core's parallel_state was initialised with another layout than "
                           f"parallel.tp={tp}, parallel.pp={pp}; call setup_distributed once per process")

@@ -40,10 +40,11 @@ def train_run(config: Optional[str], overrides: list[str], run: StudyRun, stop=N
     """
     from ..data.prepare import prepare_data
     from ..parallel import setup_distributed
+    from ..run_plan import RunPlan
     from ..train.trainer import train
 
     cfg = run_config(config, overrides, run)
-    topo = setup_distributed(cfg)
+    topo = setup_distributed(RunPlan.for_launch(cfg))
     cfg = prepare_data(cfg, is_main=topo.is_main, progress=False)
     result = train(cfg, topo, stop=stop, log=lambda *_: None)
     if result.stopped:

@@ -21,6 +21,7 @@ def main(argv=None) -> None:
     prepare_runtime_env()
     from ..config import load_config
     from ..parallel import setup_distributed
+    from ..run_plan import RunPlan
     from .trainer import train
 
     ap = argparse.ArgumentParser()
@@ -41,7 +42,7 @@ def main(argv=None) -> None:
                                          "train.eval_interval=0", "train.tensorboard=false",
                                          f"train.log_interval={a.steps}", f"train.run_dir={d}/run",
                                          "train.keep_checkpoints=2", *extra])
-            topo = topo or setup_distributed(cfg)
+            topo = topo or setup_distributed(RunPlan.for_launch(cfg))
             t0 = time.perf_counter()
             train(cfg, topo, log=lambda *_: None)
             out[mode] = time.perf_counter() - t0

@@ -24,10 +24,9 @@ import torch
 
 from ..atomic import atomic_write_text
 from ..config import Config, save_config
-from ..parallel.layout import validate_layout
 from ..threads import apply_thread_policy
 from . import checkpoint, manifest, universal
-from .ds_config import deepspeed_config, resolve_precision
+from .ds_config import deepspeed_config
 from .engine import build_engine
 from .metrics import MetricsLog, flops_per_token, matmul_param_count, peak_flops_per_gpu, progress_line
 from .resume import check_resume, layout_changes, read_run_record, run_record
@@ -76,8 +75,9 @@ def _train(cfg: Config, topo, created_run_dir: bool, *, datasets: Optional[dict]
     say = log if topo.is_main else (lambda *_: None)
     apply_thread_policy(cfg.train.threads or None, log=say)
     stop = stop or StopRequest()
-    precision = resolve_precision(cfg)
-    layout = validate_layout(cfg, topo.world_size, precision)
+    plan = topo.plan  # built and validated once by the command (megafixed.run_plan), before any group
+    plan.check_made_from(cfg)  # the same config's plan, not a second validation
+    precision, layout = plan.precision, plan.batch
     ds_config = deepspeed_config(cfg, layout, precision)
     run_dir, max_steps = Path(cfg.train.run_dir), cfg.train.max_steps
     ckpt_dir = run_dir / "checkpoints"
@@ -92,8 +92,8 @@ def _train(cfg: Config, topo, created_run_dir: bool, *, datasets: Optional[dict]
         manifest.verify_for_reading(ckpt_dir / resume_tag, rank=topo.rank, world=topo.world_size)
         record = read_run_record(ckpt_dir / resume_tag)
         if record is not None:
-            changes = check_resume(record, cfg, topo, precision, cfg.zero.stage, ckpt_dir / resume_tag)
-            relayout = bool(layout_changes(record, topo, precision, cfg.zero.stage))
+            changes = check_resume(record, cfg, topo, precision, plan.zero_stage, ckpt_dir / resume_tag)
+            relayout = bool(layout_changes(record, topo, precision, plan.zero_stage))
     if relayout:
         universal.prepare(ckpt_dir / resume_tag, cfg.model, topo.is_main, log=say)
 
@@ -133,15 +133,15 @@ def _train(cfg: Config, topo, created_run_dir: bool, *, datasets: Optional[dict]
     validator = Validator(engine, datasets.get("valid"), layout, topo, cfg.train.eval_iters,
                           cfg.model.vocab_size, stop)
     validate = validator.enabled and cfg.train.eval_interval > 0
-    tokens_per_step = layout.global_batch * cfg.data.seq_len
+    tokens_per_step = layout.tokens_per_step
     peak = peak_flops_per_gpu() if engine.device.type == "cuda" else None
     flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), cfg.data.seq_len) if peak else None
     say(f"training {cfg.model.input} interface: {max_steps} steps, global batch {layout.global_batch} = micro "
         f"{layout.micro_batch} x accum {layout.accum} x dp {topo.dp}, tp {topo.tp}, pp {topo.pp}, {precision}, "
-        f"zero {cfg.zero.stage}, run dir {run_dir}")
+        f"zero {plan.zero_stage}, run dir {run_dir}")
 
     # What every checkpoint records besides the engine's state (the manifest, universal_checkpoint_info).
-    record_now = run_record(cfg, topo, precision, cfg.zero.stage)
+    record_now = run_record(cfg, topo, precision, plan.zero_stage)
     ckpt_meta = manifest.describe(cfg, record_now["layout"], step, consumed) if topo.is_main else {}
     uc_info = universal.client_state(cfg.model, topo.pp)
 

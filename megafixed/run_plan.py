@@ -1,0 +1,169 @@
+"""The run plan: what a run's config and world size decide, made and validated once.
+
+::
+
+    plan = RunPlan.build(cfg, world_size, gpu=...)   # or RunPlan.for_launch(cfg): this launch's world
+    topo = setup_distributed(plan)                  # process groups; topo.plan is this plan
+    train(cfg, topo)                                # reads topo.plan, never re-derives it
+
+``build`` runs every cross-field layout rule (``parallel.layout.validate_layout``) and resolves
+the precision, the device kind and the backend name, before any process group exists and on a
+CPU-only login node too (``megafixed train --dry-run``, ``megafixed submit``, ``megafixed plan``
+plan GPU runs there: ``gpu=True``). Everything downstream reads the plan instead of the whole
+``Config`` plus loose ``precision``/``zero_stage`` arguments, so a layout key is read from the
+config in one place (here) and checked once.
+
+The plan holds no process state (ranks, groups, devices): that is the ``Topology`` of one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .config import Config, ConfigError
+from .parallel import layout as _layout
+from .parallel.dims import ParallelDims
+from .parallel.layout import BatchLayout
+
+# The one engine today; issue 21 adds "torch" (FSDP2) and the config key choosing it.
+ENGINE = "deepspeed"
+
+# Every config key the build reads (its fields and the layout rules'): a plan is only valid for a
+# config that agrees on these (``check_made_from``). Data paths, seeds, intervals, the run dir: free.
+PLANNED_KEYS = (
+    "parallel.tp", "parallel.pp", "parallel.sequence_parallel", "parallel.backend", "parallel.collective_timeout_s",
+    "train.global_batch", "train.micro_batch", "train.precision", "data.seq_len", "zero.stage",
+    "optimizer.grad_clip", "model.n_heads", "model.n_kv_heads", "model.d_model", "model.mlp", "model.ffn_hidden",
+    "model.vocab_size", "model.n_layers", "model.tie_embeddings", "model.dropout", "model.fused_first_layer",
+)
+
+
+def _planned_values(cfg: Config) -> tuple:
+    values = []
+    for key in PLANNED_KEYS:
+        section, name = key.split(".")
+        values.append(getattr(getattr(cfg, section), name, None))
+    return tuple(values)
+
+
+def resolve_precision(cfg: Config, gpu: Optional[bool] = None) -> str:
+    """``auto`` means bf16 on a GPU and fp32 on CPU (CPU bf16 matmuls are slow and inexact).
+
+    ``gpu`` is the machine the run is *for*: ``--dry-run`` on a CPU login node plans a GPU run.
+    Not DeepSpeed's business: every engine trains in the precision the plan names.
+    """
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    p = cfg.train.precision
+    if p == "auto":
+        return "bf16" if gpu else "fp32"
+    if p in ("bf16", "fp16") and not gpu:
+        raise ConfigError(f"train.precision={p} needs a GPU; on CPU use train.precision=fp32 (or auto)")
+    return p
+
+
+@dataclass(frozen=True)
+class BatchPlan(BatchLayout):
+    """The batch arithmetic (global = micro * accum * dp) plus the sequence length."""
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run's layout and numerics, for ``world_size`` ranks; immutable once built."""
+    dims: ParallelDims  # named axes in grid order (megatron-core's tp-cp-ep-dp-pp)
+    batch: BatchPlan
+    precision: str  # resolved: "fp32" | "bf16" | "fp16"
+    zero_stage: int
+    engine: str  # "deepspeed"
+    device: str  # "cuda" | "cpu": where the ranks compute
+    backend: str  # the torch.distributed backend: "nccl" | "gloo"
+    sequence_parallel: bool
+    collective_timeout_s: float
+    planned_from: tuple = ()  # the values of PLANNED_KEYS this plan was built from
+
+    @classmethod
+    def build(cls, cfg: Config, world_size: int, *, gpu: Optional[bool] = None) -> "RunPlan":
+        """Validate ``cfg`` for ``world_size`` ranks (``LayoutError``/``ConfigError`` naming the fix).
+
+        ``gpu``: whether the machines the run is for have CUDA GPUs; None asks this machine.
+        ``parallel.backend=gloo`` computes on CPU even there (today's rule, kept), and the
+        precision follows the device the ranks compute on.
+        """
+        here = gpu is None
+        if here:
+            import torch
+
+            gpu = torch.cuda.is_available()
+        backend = cfg.parallel.backend
+        on_gpu = gpu and backend != "gloo"
+        if backend == "auto":
+            backend = "nccl" if on_gpu else "gloo"
+        elif backend == "nccl" and not gpu:
+            where = "this machine has none (torch sees no CUDA device)" if here else "the run is planned for CPUs"
+            raise _layout.LayoutError(f"parallel.backend=nccl needs CUDA GPUs, and {where}; use "
+                                      f"parallel.backend=gloo (or auto) on CPU")
+        precision = resolve_precision(cfg, gpu=on_gpu)
+        batch = _layout.validate_layout(cfg, world_size, precision)  # every cross-field rule, once
+        dims = ParallelDims.of(dp=batch.dp, **_layout.model_parallel_axes(cfg.parallel))
+        return cls(dims=dims,
+                   batch=BatchPlan(global_batch=batch.global_batch, micro_batch=batch.micro_batch,
+                                   accum=batch.accum, dp=batch.dp, seq_len=cfg.data.seq_len),
+                   precision=precision, zero_stage=cfg.zero.stage, engine=ENGINE,
+                   device="cuda" if on_gpu else "cpu", backend=backend,
+                   sequence_parallel=cfg.parallel.sequence_parallel,
+                   collective_timeout_s=cfg.parallel.collective_timeout_s, planned_from=_planned_values(cfg))
+
+    def check_made_from(self, cfg: Config) -> None:
+        """Refuse a config this plan was not built from (a Topology reused for another run's config
+        would otherwise train with the old batch or precision): a comparison, not a second validation."""
+        now = _planned_values(cfg)
+        changed = [f"{k} {a!r} -> {b!r}" for k, a, b in zip(PLANNED_KEYS, self.planned_from, now) if a != b]
+        if changed:
+            raise ConfigError(f"the run plan was built for another config ({', '.join(changed[:3])}); build the "
+                              f"plan (and the Topology) for this config: setup_distributed(RunPlan.for_launch(cfg))")
+
+    @classmethod
+    def for_launch(cls, cfg: Config) -> "RunPlan":
+        """The plan for this launch's world (torchrun, the deepspeed launcher, srun or one plain
+        process) on this machine; a half-set launcher environment fails first (``LaunchError``)."""
+        from .launch.world import check_world, detect_world
+
+        world = detect_world()
+        check_world(world)
+        return cls.build(cfg, world.size)
+
+    # The layout's numbers, read as a Topology reads them (resume checks take either).
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def describe(self) -> str:
+        """One line: ``8 ranks = tp 2 x pp 2 x dp 2; global batch 16 = micro 2 x accum 4 x dp 2``."""
+        from .plural import count
+
+        b = self.batch
+        return (f"{count(self.world_size, 'rank')} = tp {self.tp} x pp {self.pp} x dp {self.dp}; global batch "
+                f"{b.global_batch} = micro {b.micro_batch} x accum {b.accum} x dp {b.dp}")
