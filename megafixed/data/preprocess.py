@@ -148,7 +148,7 @@ def _startup_sample(paths: list, keys: list, text_split: str, max_chars: int, ma
     sample = []
     for p in picks:
         seen = 0
-        for batch in iter_batches([paths[p]], keys, 1, text_split=text_split):
+        for batch in iter_batches([paths[p]], keys, 1, batch_bytes=1 << 16, text_split=text_split):
             dec = decode_batch(batch, keys)
             for k in keys:
                 for text in dec.texts[k]:
