@@ -200,11 +200,12 @@ def gigatoken_facts(gt) -> tuple[int, Optional[int]]:
     return int(gt.vocab_size), None
 
 
-def verify_against(facts, gt, vocab_size: int, eod_id: Optional[int], sample: list[tuple[str, str]]) -> Optional[str]:
+def verify_against(facts, gt, vocab_size: int, eod_id: Optional[int], sample: list[tuple[str, str]],
+                   threads: int = 1) -> Optional[str]:
     """Why gigatoken (loaded as ``gt``, written with ``vocab_size``/``eod_id``) is not exactly the
     reference whose :class:`~.reference_check.ReferenceFacts` are ``facts``; None when it is."""
     docs = list(sample) + list(facts.probes)
-    why = first_mismatch(None, GigatokenEncoder(gt, 1), docs, ref_ids=(facts.flat, facts.lengths))
+    why = first_mismatch(None, GigatokenEncoder(gt, threads), docs, ref_ids=(facts.flat, facts.lengths))
     if why is None and (vocab_size, eod_id) != (facts.vocab_size, facts.eod_id):
         why = (f"vocabulary size / EOD id {facts.vocab_size}/{facts.eod_id} (reference) vs "
                f"{vocab_size}/{eod_id} (gigatoken)")

@@ -324,7 +324,7 @@ def _fast_with_check_beside(opts: PreprocessOptions, paths: list, keys: list, sa
 
         def verified():
             facts = check.result()  # a DataError here: the reference itself does not load
-            why = fast_backend.verify_against(facts, gt, vocab_size, eod_id, sample)
+            why = fast_backend.verify_against(facts, gt, vocab_size, eod_id, sample, workers)
             if why is not None:
                 raise _NotExact(why)
             return facts
