@@ -299,6 +299,10 @@ def _checked_beside(spec) -> bool:
     if isinstance(spec, (dict, Tokenizer)):
         return False
     try:
+        import gigatoken  # noqa: F401 (imported here anyway; without it the ordinary path says so)
+    except ImportError:
+        return False
+    try:
         return tokenizer_kind(spec) != "sentencepiece"
     except DataError:
         return False  # the ordinary path says what is wrong with it
