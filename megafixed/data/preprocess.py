@@ -3,9 +3,12 @@
 Order and output are deterministic for any worker count, chunk size and backend: the inputs are
 cut into ordered batches (:mod:`readers`), each batch is decoded and tokenized, and results are
 written strictly in batch order with a fixed number of batches in flight, so memory stays flat on
-any corpus. Two backends (:mod:`fast_backend`): gigatoken, used when a start-up check shows it
-gives the reference tokenizer's ids exactly (batches decoded in this process, tokenized on
-gigatoken's threads), and the reference engine (HF tokenizers / sentencepiece) in worker processes.
+any corpus. Two backends (:mod:`fast_backend`): gigatoken, used when a check on a sample of the
+input shows it gives the reference tokenizer's ids exactly (batches decoded in this process,
+tokenized on gigatoken's threads), and the reference engine (HF tokenizers / sentencepiece) in
+worker processes. For tokenizers given by their files (not sentencepiece) the check runs in a
+child process beside the fast pass (:mod:`reference_check`) and gates the commit: a mismatch
+discards the fast output and redoes the run on the reference.
 
 Shards appear atomically: everything is written under temporary names and renamed into place
 at the very end (``.bin`` first, ``.idx`` last), so an interrupted run leaves nothing that looks
