@@ -230,3 +230,53 @@ def test_orjson_decoding_gives_exactly_what_json_gives_on_odd_records(monkeypatc
     slow = readers.decode_batch(batch, keys)
     assert (fast.texts, fast.bad, fast.examples, fast.blank) == (slow.texts, slow.bad, slow.examples, slow.blank)
     assert fast.texts["text"][0] == "plain" and sum(fast.bad.values()) > 5  # the odd records did go the slow way
+
+
+def test_the_check_beside_the_fast_pass_gates_the_commit(tokenizers, texts, tmp_path, monkeypatch):
+    """The check runs in a forked child while gigatoken writes temporary shards: a wrong EOD guess
+    falls back (output = the reference's), a reference that does not load or a check process that
+    dies is an error that leaves no file behind."""
+    from megafixed.data import reference_check
+
+    jsonl, tok = _write_jsonl(tmp_path / "c.jsonl", texts[:30]), tokenizers["train-bpe"]
+    preprocess(PreprocessOptions([jsonl], str(tmp_path / "ref"), tok, backend="reference", progress=False))
+    real = fb.gigatoken_facts
+    monkeypatch.setattr(fb, "gigatoken_facts", lambda gt: (real(gt)[0], real(gt)[1] + 1))  # a wrong EOD id
+    rep = preprocess(PreprocessOptions([jsonl], str(tmp_path / "eod"), tok, progress=False))
+    assert rep.backend == "reference" and "EOD id 1024/0 (reference) vs 1024/1 (gigatoken)" in rep.backend_note
+    want = {k.replace("ref", "eod"): v for k, v in _files(str(tmp_path / "ref")).items()}
+    assert _files(str(tmp_path / "eod")) == want
+    monkeypatch.setattr(fb, "gigatoken_facts", real)
+
+    def broken(spec, sample):
+        raise DataError("tokenizer X is broken for the reference")
+
+    monkeypatch.setattr(reference_check, "reference_facts", broken)  # the forked child inherits the patch
+    with pytest.raises(DataError, match="broken for the reference"):
+        preprocess(PreprocessOptions([jsonl], str(tmp_path / "broken"), tok, backend="gigatoken", progress=False))
+    monkeypatch.setattr(reference_check, "reference_facts", lambda spec, sample: os._exit(9))
+    with pytest.raises(DataError, match=r"reference check process died \(exit code 9\)"):
+        preprocess(PreprocessOptions([jsonl], str(tmp_path / "died"), tok, backend="gigatoken", progress=False))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(("broken", "died"))]
+
+
+def test_jsonl_blocks_give_the_lines_of_the_file(tmp_path):
+    """JSONL is cut from whole blocks (C readlines): the same records, numbering and byte counts as
+    iterating the file line by line, for any block size, with or without a last newline, gzipped."""
+    from megafixed.data import readers
+
+    rng = np.random.default_rng(0)
+    pieces = [b"\n", b'{"text": "a"}', b"\r", b"  ", "é🚀".encode(), b'{"text": "' + b"x" * 300 + b'"}']
+    for name, data in {"empty": b"", "no-newline": b'{"text": "a"}', "blank-lines": b'\n\n{"t": 1}\r\n\n x \n',
+                       "random": b"".join(pieces[i] for i in rng.integers(0, len(pieces), 300))}.items():
+        for suffix in ("", ".gz"):
+            path = tmp_path / f"{name}.jsonl{suffix}"
+            (gzip.open if suffix else open)(path, "wb").write(data)
+            with readers.open_binary(str(path)) as fh:
+                want = list(fh)
+            for block, records in ((5, 1), (97, 3), (4096, 256), (1 << 22, 16384)):
+                batches = list(readers.iter_batches([str(path)], ["text"], records, batch_bytes=block))
+                assert [r for b in batches for r in b.records] == want, (name, suffix, block)
+                firsts = np.cumsum([0] + [len(b.records) for b in batches])[:-1] + 1
+                assert [b.first_record for b in batches] == firsts.tolist()
+                assert all(len(b.records) <= records and b.nbytes == sum(map(len, b.records)) for b in batches)

@@ -127,8 +127,9 @@ import json, resource, subprocess, sys, time
 t0 = time.perf_counter()
 rc = subprocess.call(json.loads(sys.argv[1]), stdout=subprocess.DEVNULL)
 seconds = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-print(json.dumps({"rc": rc, "seconds": seconds, "max_rss_mb": peak}))
+usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"rc": rc, "seconds": seconds, "cpu_s": usage.ru_utime + usage.ru_stime,
+                  "max_rss_mb": usage.ru_maxrss / 1024}))
 """
 
 
@@ -141,7 +142,7 @@ def _timed(cmd: list[str], env: dict) -> dict:
         got = {"rc": out.returncode}
     if got.get("rc") != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({got.get('rc')}): {out.stderr[-2000:]}")
-    return {"seconds": got["seconds"], "max_rss_mb": got["max_rss_mb"]}
+    return {"seconds": got["seconds"], "cpu_s": got["cpu_s"], "max_rss_mb": got["max_rss_mb"]}
 
 
 def _corpus(inputs: list[str], key: str, mb: float, path: str) -> int:
@@ -185,6 +186,7 @@ def run(args) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = args.workers or cpus
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # HF on one thread, as the issue measured it
+    load_before = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory(prefix="bench-preprocess-") as tmp:
         corpus = os.path.join(tmp, "corpus.jsonl")
         size = _corpus(args.input, args.json_key, args.corpus_mb, corpus)
@@ -208,7 +210,8 @@ def run(args) -> int:
                 if i == 2 and rep >= max(1, hf_runs):
                     continue
                 runs[name].append(_timed(cmd, env))
-                print(f"{name}: {runs[name][-1]['seconds']:.2f}s", file=sys.stderr)
+                last = runs[name][-1]
+                print(f"{name}: {last['seconds']:.2f}s ({last['cpu_s']:.2f} CPU s)", file=sys.stderr)
         tokens = IndexedShard(os.path.join(tmp, "ours")).num_tokens
         outputs = {name: open(out, "rb").read() for name, (_, out, _) in rows.items()}
         identical = len(set(outputs.values())) == 1
@@ -216,15 +219,20 @@ def run(args) -> int:
         results = []
         for name, (_, _, cores) in rows.items():
             secs = statistics.median(r["seconds"] for r in runs[name])
+            # CPU seconds (user + system, the process and its children): what a loaded machine
+            # distorts least, so the figure to compare when the wall times are noisy
+            cpu = statistics.median(r["cpu_s"] for r in runs[name])
             results.append({"tool": name, "seconds": round(secs, 3), "runs_s": [round(r["seconds"], 3)
                                                                                for r in runs[name]],
+                            "cpu_s": round(cpu, 3),
                             "cores": cores, "tokens": tokens, "tokens_per_s": round(tokens / secs),
                             "tokens_per_s_per_core": round(tokens / secs / cores),
                             "mb_per_s": round(size / 1e6 / secs, 2),
                             "max_rss_mb": round(max(r["max_rss_mb"] for r in runs[name]), 1)})
-        bare = results[1]["seconds"]
+        bare, bare_cpu = results[1]["seconds"], results[1]["cpu_s"]
         for r in results:
             r["speed_vs_bare_gigatoken"] = round(bare / r["seconds"], 3)
+            r["cpu_vs_bare_gigatoken"] = round(bare_cpu / max(r["cpu_s"], 1e-9), 3)
         # peak memory against corpus size: the same command on 1x and N x the corpus
         big = os.path.join(tmp, "corpus_big.jsonl")
         with open(big, "wb") as dst:
@@ -246,7 +254,8 @@ def run(args) -> int:
     result = {"benchmark": "preprocess", "inputs": args.input, "tokenizer": tok_spec, "tokenizer_kind": tok.kind,
               "corpus_mb": round(size / 1e6, 2), "cpus": cpus, "workers": workers, "repeat": args.repeat,
               "outputs_identical": identical, "results": results, "memory": memory,
-              "load_average_1m": round(os.getloadavg()[0], 2),  # other work on the machine skews the figures
+              # other work on the machine skews the figures: the 1-minute load at the start and the end
+              "load_average_1m": [load_before, round(os.getloadavg()[0], 2)],
               "machine": platform.platform(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(json.dumps(result, indent=1))
     if args.index_tokens:

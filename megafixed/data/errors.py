@@ -1,7 +1,7 @@
 """Error types of the data pipeline; every message names the file or value at fault and the fix."""
 from __future__ import annotations
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 class DataError(ConfigError):

@@ -87,19 +87,30 @@ class GigatokenEncoder:
         return np.concatenate(docs), lengths
 
 
-def _gpt2_tokenizer_json(vocab_file: str, merges_file: str) -> str:
+def _gpt2_tokenizer_json(vocab_file: str, merges_file: str) -> bytes:
     """GPT-2's vocab + merges as the tokenizer.json that :class:`~.tokenizers.GPT2Tokenizer` builds
-    (byte-level, ``<|endoftext|>`` special), so gigatoken loads without waiting for HF to."""
-    import json
-
+    (byte-level, ``<|endoftext|>`` special), so gigatoken loads without waiting for HF to. orjson
+    and merges as ``"a b"`` strings (tokenizer.json's older form, which both engines read): this runs
+    on every start-up, and ``json`` with per-merge lists cost a tenth of a second of it."""
     from .tokenizers import EOD_TOKEN
 
-    with open(vocab_file, encoding="utf-8") as fh:
-        vocab = json.load(fh)
+    try:
+        import orjson
+
+        loads, dumps = orjson.loads, orjson.dumps
+    except ImportError:
+        import json
+
+        loads, dumps = json.loads, lambda obj: json.dumps(obj).encode()
+    with open(vocab_file, "rb") as fh:
+        vocab = loads(fh.read())
     with open(merges_file, encoding="utf-8") as fh:
-        merges = [line.rstrip("\r\n").split(" ") for line in fh if line.strip() and not line.startswith("#version")]
+        lines = [line.rstrip("\r") for line in fh.read().split("\n")]
+    merges = [line for line in lines if line.strip() and not line.startswith("#version")]
+    if any(line.count(" ") != 1 for line in merges):  # not a pair per line: keep the split form, as before
+        merges = [line.split(" ") for line in merges]
     byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    return json.dumps({
+    return dumps({
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": vocab[EOD_TOKEN], "content": EOD_TOKEN, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": True}] if EOD_TOKEN in vocab else [],
@@ -173,6 +184,34 @@ class PreparedFast:
         return self.gt, self.ids
 
 
+def gigatoken_facts(gt) -> tuple[int, Optional[int]]:
+    """(vocab size, EOD id) as gigatoken's port sees them, chosen by the reference's rule (the
+    first of :data:`~.tokenizers.EOD_CANDIDATES` that is a token), to write with before the
+    reference has loaded; the check compares both with the reference's own, so a wrong guess here
+    costs a fallback, never a wrong shard. A candidate is a token when it encodes to one id: cheap,
+    where gigatoken's ``vocab`` builds a 50k-entry dict and its special-token list parses the whole
+    tokenizer.json again."""
+    from .tokenizers import EOD_CANDIDATES
+
+    for piece in EOD_CANDIDATES:
+        ids = gt.encode(piece)
+        if len(ids) == 1:
+            return int(gt.vocab_size), int(ids[0])
+    return int(gt.vocab_size), None
+
+
+def verify_against(facts, gt, vocab_size: int, eod_id: Optional[int], sample: list[tuple[str, str]],
+                   threads: int = 1) -> Optional[str]:
+    """Why gigatoken (loaded as ``gt``, written with ``vocab_size``/``eod_id``) is not exactly the
+    reference whose :class:`~.reference_check.ReferenceFacts` are ``facts``; None when it is."""
+    docs = list(sample) + list(facts.probes)
+    why = first_mismatch(None, GigatokenEncoder(gt, threads), docs, ref_ids=(facts.flat, facts.lengths))
+    if why is None and (vocab_size, eod_id) != (facts.vocab_size, facts.eod_id):
+        why = (f"vocabulary size / EOD id {facts.vocab_size}/{facts.eod_id} (reference) vs "
+               f"{vocab_size}/{eod_id} (gigatoken)")
+    return why
+
+
 def special_strings(tok) -> list[str]:
     """The tokenizer's special-token strings (HF added tokens; sentencepiece control/unknown pieces)."""
     inner = getattr(tok, "_tok", None)
@@ -189,11 +228,11 @@ def special_probes(tok) -> list[str]:
     return [f"before{s}after {s} end" for s in special_strings(tok)[:16]]
 
 
-def first_mismatch(reference, fast, sample: list[tuple[str, str]], fast_ids=None) -> Optional[str]:
+def first_mismatch(reference, fast, sample: list[tuple[str, str]], fast_ids=None, ref_ids=None) -> Optional[str]:
     """Encode ``sample`` ((where, text) pairs) with both; describe the first document that differs.
-    ``fast_ids``: gigatoken's (flat, lengths) for the sample, when already computed."""
+    ``fast_ids`` / ``ref_ids``: gigatoken's / the reference's (flat, lengths), when already computed."""
     texts = [t for _, t in sample]
-    ref_flat, ref_len = reference.encode_flat(texts)
+    ref_flat, ref_len = ref_ids if ref_ids is not None else reference.encode_flat(texts)
     got_flat, got_len = fast_ids if fast_ids is not None else fast.encode_flat(texts)
     if np.array_equal(ref_len, got_len) and np.array_equal(ref_flat.astype(np.int64), got_flat.astype(np.int64)):
         return None

@@ -3,9 +3,12 @@
 Order and output are deterministic for any worker count, chunk size and backend: the inputs are
 cut into ordered batches (:mod:`readers`), each batch is decoded and tokenized, and results are
 written strictly in batch order with a fixed number of batches in flight, so memory stays flat on
-any corpus. Two backends (:mod:`fast_backend`): gigatoken, used when a start-up check shows it
-gives the reference tokenizer's ids exactly (batches decoded in this process, tokenized on
-gigatoken's threads), and the reference engine (HF tokenizers / sentencepiece) in worker processes.
+any corpus. Two backends (:mod:`fast_backend`): gigatoken, used when a check on a sample of the
+input shows it gives the reference tokenizer's ids exactly (batches decoded in this process,
+tokenized on gigatoken's threads), and the reference engine (HF tokenizers / sentencepiece) in
+worker processes. For tokenizers given by their files (not sentencepiece) the check runs in a
+child process beside the fast pass (:mod:`reference_check`) and gates the commit: a mismatch
+discards the fast output and redoes the run on the reference.
 
 Shards appear atomically: everything is written under temporary names and renamed into place
 at the very end (``.bin`` first, ``.idx`` last), so an interrupted run leaves nothing that looks
@@ -27,11 +30,13 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..plural import count
+from . import fast_backend
 from .errors import DataError, check_vocab_fits
-from .fast_backend import PreparedFast, ReferenceEncoder, select_backend
+from .fast_backend import BACKENDS, GigatokenEncoder, PreparedFast, ReferenceEncoder, select_backend
 from .indexed import ShardWriter, bin_path, dtype_for_vocab, idx_path, meta_path
 from .readers import BAD_KINDS, Batch, decode_batch, expand_inputs, iter_batches
-from .tokenizers import Tokenizer, load_tokenizer, tokenizer_sha256
+from .reference_check import ReferenceCheck
+from .tokenizers import Tokenizer, load_tokenizer, tokenizer_kind, tokenizer_sha256
 
 
 @dataclass
@@ -146,7 +151,7 @@ def _startup_sample(paths: list, keys: list, text_split: str, max_chars: int, ma
     sample = []
     for p in picks:
         seen = 0
-        for batch in iter_batches([paths[p]], keys, 1, text_split=text_split):
+        for batch in iter_batches([paths[p]], keys, 1, batch_bytes=1 << 16, text_split=text_split):
             dec = decode_batch(batch, keys)
             for k in keys:
                 for text in dec.texts[k]:
@@ -250,20 +255,115 @@ def _progress(enabled: bool):
                 mininterval=0.5, disable=None)
 
 
+class _NotExact(Exception):
+    """The reference check, arriving after the fast pass, says gigatoken was not exact."""
+
+
 def preprocess(opts: PreprocessOptions) -> PreprocessReport:
     """Tokenize ``opts.inputs`` into shards; returns counts, timings and bad-record statistics."""
     if not opts.json_keys:
         raise DataError("--json-keys needs at least one key")
     if opts.shard_size_mb is not None and opts.shard_size_mb <= 0:
         raise DataError(f"--shard-size-mb must be > 0, got {opts.shard_size_mb}")
+    if opts.chunk_mb <= 0:
+        raise DataError(f"--chunk-mb must be > 0, got {opts.chunk_mb}")
     paths = expand_inputs(list(opts.inputs))
     keys = list(opts.json_keys)
+    if opts.backend not in BACKENDS:
+        raise DataError(f"--backend {opts.backend!r} unknown; use one of {BACKENDS}")
     sample, prepared = [], None
     if opts.backend != "reference":
         sample = _startup_sample(paths, keys, opts.text_split, opts.verify_chars)
+        if _checked_beside(opts.tokenizer):
+            report, note = _fast_with_check_beside(opts, paths, keys, sample)
+            if report is not None:
+                return report
+            if opts.backend == "gigatoken":
+                where = os.path.abspath(opts.tokenizer)
+                raise DataError(f"--backend gigatoken does not reproduce tokenizer {where}: {note}; use --backend auto")
+            note = f"backend: reference tokenizer, not gigatoken: {note}"
+            if opts.progress:
+                print(note, flush=True)  # the fallback, said at once (stdout: stderr is for the one error line)
+            tok = load_tokenizer(opts.tokenizer)
+            return _run(opts, paths, keys, tok, ReferenceEncoder(tok), note)
         if not isinstance(opts.tokenizer, (dict, Tokenizer)):  # from the files: loads beside the reference
             prepared = PreparedFast(opts.tokenizer, sample)
     tok = load_tokenizer(opts.tokenizer)
+    encoder, note = select_backend(tok, sample, opts.backend, max(1, int(opts.workers)), prepared)
+    if opts.progress and encoder.name == "reference" and opts.backend != "reference":
+        print(note, flush=True)  # the fallback, said at once (stdout: stderr is for the one error line)
+    return _run(opts, paths, keys, tok, encoder, note)
+
+
+def _checked_beside(spec) -> bool:
+    """Whether the start-up check can run beside the fast pass: a tokenizer given by its files, and
+    not a sentencepiece model (whose control-piece texts gigatoken must hand back to the reference,
+    which needs the reference loaded first: that kind keeps the check-then-run order)."""
+    if isinstance(spec, (dict, Tokenizer)):
+        return False
+    try:
+        import gigatoken  # noqa: F401 (imported here anyway; without it the ordinary path says so)
+    except ImportError:
+        return False
+    try:
+        return tokenizer_kind(spec) != "sentencepiece"
+    except DataError:
+        return False  # the ordinary path says what is wrong with it
+
+
+def _fast_with_check_beside(opts: PreprocessOptions, paths: list, keys: list, sample: list):
+    """gigatoken writes temporary shards while a child process checks it against the reference
+    (:mod:`reference_check`); they are committed only if the check passes. -> (report, None), or
+    (None, why gigatoken is not exact) with nothing written."""
+    check = ReferenceCheck(opts.tokenizer, sample)  # forks: before gigatoken starts any thread
+    try:
+        try:
+            gt = fast_backend.load_gigatoken(opts.tokenizer)
+        except DataError as exc:
+            return None, str(exc)
+        vocab_size, eod_id = fast_backend.gigatoken_facts(gt)
+        if eod_id is None:  # the reference's load will name what is missing
+            return None, "gigatoken's port has none of the end-of-document tokens"
+        workers = max(1, int(opts.workers))
+        if workers > 1:
+            os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
+        encoder = GigatokenEncoder(gt, workers)
+
+        def verified():
+            facts = check.result()  # a DataError here: the reference itself does not load
+            why = fast_backend.verify_against(facts, gt, vocab_size, eod_id, sample, workers)
+            if why is not None:
+                raise _NotExact(why)
+            return facts
+
+        note = f"backend: gigatoken (ids equal the reference on {len(sample)} sampled documents + probes)"
+        try:
+            return _run(opts, paths, keys, _Provisional(vocab_size, eod_id, opts.tokenizer), encoder, note,
+                        verified), None
+        except _NotExact as exc:
+            return None, str(exc)
+        except DataError:
+            # the input's own errors (bad records under --strict, nothing to write) are the same on
+            # either backend; but a reference that does not load must say so first
+            check.result()
+            raise
+    finally:
+        check.close()
+
+
+@dataclass
+class _Provisional:
+    """The tokenizer's facts as gigatoken gives them, until the reference confirms them."""
+    vocab_size: int
+    eod_id: int
+    path: Any
+
+
+def _run(opts: PreprocessOptions, paths: list, keys: list, tok, encoder, note: str,
+         verified=None) -> PreprocessReport:
+    """Tokenize every batch with ``encoder`` into temporary shards and commit them. ``verified``:
+    called before the commit; returns the tokenizer whose facts go into the metadata (default
+    ``tok``), or raises, which removes every temporary file."""
     if opts.code_bits is not None:
         check_vocab_fits(tok.vocab_size, code_bits=opts.code_bits, where=f"tokenizer {tok.path}")
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -271,17 +371,12 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
     shard_bytes = int(opts.shard_size_mb * (1 << 20)) if opts.shard_size_mb else None
     outputs = {k: _ShardedOutput(opts.output_prefix if len(keys) == 1 else f"{opts.output_prefix}_{k}",
                                  dtype, shard_bytes) for k in keys}
-    if opts.chunk_mb <= 0:
-        raise DataError(f"--chunk-mb must be > 0, got {opts.chunk_mb}")
-    encoder, note = select_backend(tok, sample, opts.backend, workers, prepared)
-    if opts.progress and encoder.name == "reference" and opts.backend != "reference":
-        print(note, flush=True)  # the fallback, said at once (stdout: stderr is for the one error line)
     report = PreprocessReport(outputs={}, dtype=str(dtype), workers=workers, backend=encoder.name, backend_note=note)
     bad: Counter = Counter()
     bar = _progress(opts.progress)
     t0 = time.perf_counter()
-    init_args = (tok.describe(), keys, opts.strict, opts.append_eod, str(dtype))
     fast = encoder.name != "reference"
+    init_args = None if fast else (tok.describe(), keys, opts.strict, opts.append_eod, str(dtype))
     batch_records = opts.batch_records or (16384 if fast else 256)
     batches = iter_batches(paths, keys, batch_records, batch_bytes=int(opts.chunk_mb * (1 << 20)),
                            text_split=opts.text_split)
@@ -344,6 +439,8 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
             example = f" (e.g. {report.bad_examples[0]})" if report.bad_examples else ""
             raise DataError(f"no document written: every record was skipped as bad {skipped}{example}; "
                             f"check --json-keys {' '.join(keys)} against the records' fields, or the input format")
+        if verified is not None:
+            tok = verified()
         meta = {"tokenizer": tok.describe(), "tokenizer_sha256": tokenizer_sha256(tok),
                 "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
                 "append_eod": opts.append_eod, "dtype": str(dtype), "inputs": [os.path.abspath(p) for p in paths],

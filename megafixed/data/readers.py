@@ -95,7 +95,7 @@ def iter_batches(paths: list[str], json_keys: list[str], batch_records: int = 25
         if fmt == "parquet":
             yield from _parquet_batches(path, json_keys, batch_records)
         elif fmt == "jsonl":
-            yield from _line_batches(path, "jsonl", _jsonl_records(path), batch_records, batch_bytes)
+            yield from _jsonl_batches(path, batch_records, batch_bytes)
         else:
             yield from _line_batches(path, "text", _text_records(path, text_split), batch_records, batch_bytes)
 
@@ -112,6 +112,33 @@ def _line_batches(path, kind, records, batch_records, batch_bytes) -> Iterator[B
             batch = Batch(path, n + 1, kind)
     if batch.records:
         yield batch
+
+
+def _jsonl_batches(path: str, batch_records: int, batch_bytes: int) -> Iterator[Batch]:
+    """A JSONL file's lines (each keeps its newline, as iterating the file gives them) in batches of
+    at most ``batch_records`` lines, cut from blocks read ``batch_bytes`` at a time: ``readlines`` of
+    a block runs in C, where iterating the file line by line cost a third of the JSON parse."""
+    first, pending = 1, []  # pending: the start of a line that runs past the block read so far
+    try:
+        with open_binary(path) as fh:
+            while True:
+                block = fh.read(max(1, batch_bytes))
+                if not block:
+                    break
+                if b"\n" not in block:
+                    pending.append(block)
+                    continue
+                lines = io.BytesIO(b"".join(pending) + block if pending else block).readlines()
+                pending = [] if lines[-1].endswith(b"\n") else [lines.pop()]
+                for i in range(0, len(lines), batch_records):
+                    part = lines[i:i + batch_records]
+                    yield Batch(path, first + i, "jsonl", part, sum(map(len, part)))
+                first += len(lines)
+    except _decompression_errors() as exc:
+        raise _corrupt(path, exc) from exc
+    if pending:  # a last line without its newline
+        last = b"".join(pending)
+        yield Batch(path, first, "jsonl", [last], len(last))
 
 
 def _corrupt(path: str, exc: BaseException) -> DataError:

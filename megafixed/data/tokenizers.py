@@ -170,20 +170,30 @@ def load_tokenizer(path_or_description: TokenizerSpec) -> Tokenizer:
             raise DataError(f"tokenizer description {spec!r} needs 'type' in {sorted(kinds)} and 'path'")
         _require(spec["path"])
         return kinds[spec["type"]](spec["path"])
-    path = os.fspath(spec)
+    kind, path = _resolve(os.fspath(spec))
+    return {"sentencepiece": SentencePieceTokenizer, "hf": HFTokenizer, "gpt2": GPT2Tokenizer}[kind](path)
+
+
+def tokenizer_kind(path) -> str:
+    """Which engine ``load_tokenizer(path)`` would use ("sentencepiece", "hf", "gpt2"), without loading it."""
+    return _resolve(os.fspath(path))[0]
+
+
+def _resolve(path: str) -> tuple[str, str]:
+    """(kind, the path that kind loads from), or DataError naming what is wrong."""
     _require(path)
     if os.path.isdir(path):
         if _gpt2_files(path):
-            return GPT2Tokenizer(path)
-        for name, cls in (("tokenizer.json", HFTokenizer), ("tokenizer.model", SentencePieceTokenizer)):
+            return "gpt2", path
+        for name, kind in (("tokenizer.json", "hf"), ("tokenizer.model", "sentencepiece")):
             if os.path.isfile(os.path.join(path, name)):
-                return cls(os.path.join(path, name))
+                return kind, os.path.join(path, name)
         raise DataError(f"directory {path} holds no tokenizer: expected vocab.json + merges.txt, "
                         f"tokenizer.json or tokenizer.model")
     if path.endswith(".json"):
-        return HFTokenizer(path)
+        return "hf", path
     if path.endswith(".model"):
-        return SentencePieceTokenizer(path)
+        return "sentencepiece", path
     raise DataError(f"cannot tell the tokenizer type of {path}; use a sentencepiece .model, a HF "
                     f"tokenizer.json, or a directory with GPT-2's vocab.json + merges.txt")
 
