@@ -35,3 +35,15 @@ def tiny_overrides(prefix: str, run_dir: str | os.PathLike, *extra: str) -> list
                          "train.eval_interval=10", "train.eval_iters=2", "train.save_interval=10",
                          "train.tensorboard=false", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4",
                          "schedule.warmup_steps=3", *extra]
+
+
+# The 4-step, checkpoint-every-2 run that several files compare layouts, resumes and checkpoints
+# against (tests/test_parallel_train.py, test_ckpt_universal.py, test_ckpt_integrity.py); one
+# session fixture (conftest.tiny_reference) trains it once per input kind for all of them.
+REFERENCE_STEPS = 4
+REFERENCE_EXTRA = (f"train.max_steps={REFERENCE_STEPS}", "train.save_interval=2", "train.eval_interval=0",
+                   "schedule.warmup_steps=1")
+
+
+def reference_overrides(prefix: str, run_dir: str | os.PathLike, kind: str, *extra: str) -> list[str]:
+    return tiny_overrides(prefix, run_dir, f"model.input={kind}", *REFERENCE_EXTRA, *extra)

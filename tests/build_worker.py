@@ -1,6 +1,11 @@
 """Builds this rank's model part under torchrun and reports what it allocated (rank 0 -> JSON).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/build_worker.py OUT.json key=value ...
+    python -m torch.distributed.run --nproc-per-node 2 tests/build_worker.py OUT.json --cases CASES.json key=value ...
+
+``--cases`` builds several layouts in ONE world (each launch costs every rank its torch/DeepSpeed/
+megatron imports): CASES.json is ``{case: [key=value, ...]}``, megatron's parallel_state is reset
+between cases, and OUT.json holds ``{case: what a single-case run saves}``.
 
 Records, while ``build_model`` runs: every ``GPT`` constructed and whether its parameters were on
 the meta device, and the largest tensor any op produced on a real device. Afterwards: this rank's
@@ -30,13 +35,12 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
-def main(argv) -> int:
+def build_case(overrides: list[str]) -> list:
     from megafixed.config import load_config
     from megafixed.model import gpt
     from megafixed.parallel import build_model, setup_distributed
     from megafixed.run_plan import RunPlan
 
-    out, overrides = argv[0], argv[1:]
     cfg = load_config(None, overrides)
     topo = setup_distributed(RunPlan.for_launch(cfg))
     built = []
@@ -51,13 +55,32 @@ def main(argv) -> int:
         module = build_model(cfg.model, topo, seed=cfg.train.seed)
     gpt.GPT.__init__ = original_init
     local = {n: p.detach().clone() for n, p in module.named_parameters()}
-    result = {"rank": topo.rank, "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
+    result = {"rank": topo.rank, "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank, "tp": topo.tp, "pp": topo.pp,
               "gpts_built_on_meta": built, "largest_allocation": mode.largest,
               "local_params": sum(p.numel() for p in local.values())}
     gathered = [None] * topo.world_size
     torch.distributed.all_gather_object(gathered, {"result": result, "params": local})
-    if topo.rank == 0:
-        torch.save(gathered, out)
+    return gathered
+
+
+def main(argv) -> int:
+    out, rest = argv[0], argv[1:]
+    if rest[:1] == ["--cases"]:
+        import json
+
+        from megatron.core import parallel_state as ps
+
+        with open(rest[1]) as fh:
+            cases = json.load(fh)
+        saved = {}
+        for case, overrides in cases.items():
+            if ps.model_parallel_is_initialized():  # the previous case's groups: let setup_distributed make new ones
+                ps.destroy_model_parallel()
+            saved[case] = build_case([*rest[2:], *overrides])
+    else:
+        saved = build_case(rest)
+    if torch.distributed.get_rank() == 0:
+        torch.save(saved, out)
     torch.distributed.barrier()
     return 0
 

@@ -1,4 +1,5 @@
-"""Shared test set-up: DeepSpeed on CPU, a cached JIT-extension dir, and a torchrun helper."""
+"""Shared test set-up: DeepSpeed on CPU, a cached JIT-extension dir, a torchrun helper, and the tiny
+reference runs several files compare against (trained once per session)."""
 from __future__ import annotations
 
 import os
@@ -39,6 +40,56 @@ def run_torchrun(nproc: int, args: list[str], cwd: str | os.PathLike | None = No
     return proc
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a plain function: module fixtures that share a launch use it too
 def torchrun():
     return run_torchrun
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory):
+    """The trainer tests' synthetic shards (tests/_train_data.py), written once per session."""
+    from _train_data import write_shards
+
+    return write_shards(tmp_path_factory.mktemp("tiny_shards"))
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_shards, tmp_path_factory):
+    """``tiny_reference(*kinds) -> {kind: run_dir}``: the single-process ``megafixed train`` of
+    _train_data.reference_overrides for each model.input kind, through the real CLI in its own
+    process. Each kind is trained once per session (kinds not yet trained run concurrently) and
+    shared by every file that compares against it; callers must treat the run dirs as read-only
+    (copy one to resume or damage it)."""
+    from _env import launch_free_env
+    from _train_data import reference_overrides
+
+    runs: dict[str, Path] = {}
+
+    def get(*kinds: str) -> dict[str, Path]:
+        started = {}
+        for kind in dict.fromkeys(kinds):
+            if kind in runs:
+                continue
+            run_dir = tmp_path_factory.mktemp(f"tiny_ref_{kind}") / "run"
+            log = open(run_dir.parent / "train.log", "w+")  # a file, not a pipe: a full pipe would stall it
+            cmd = [sys.executable, "-m", "megafixed.cli", "train", "/dev/null",
+                   *reference_overrides(tiny_shards, run_dir, kind)]
+            started[kind] = (run_dir, log, subprocess.Popen(cmd, cwd=ROOT, env=launch_free_env(), stdout=log,
+                                                            stderr=subprocess.STDOUT))
+        failed = []
+        for kind, (run_dir, log, proc) in started.items():  # wait for all before judging any
+            try:
+                code = proc.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            log.seek(0)
+            if code == 0:
+                runs[kind] = run_dir
+            else:
+                failed.append(f"reference run ({kind}) failed ({code}):\n{log.read()[-6000:]}")
+            log.close()
+        assert not failed, "\n".join(failed)
+        return {kind: runs[kind] for kind in kinds}
+
+    return get

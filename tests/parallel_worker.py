@@ -6,6 +6,14 @@ synthetic token batches that depend only on (seed, step), so every layout sees t
 batch. Rank 0 writes ``{"loss": [...], "grad_norm": [...]}`` as JSON.
 
     python tests/parallel_worker.py OUT.json [--save DIR] [--load DIR] [--steps N] key=value ...
+    python tests/parallel_worker.py OUT.json --cases CASES.json key=value ...
+
+``--cases`` runs several layouts in ONE world (one launch instead of one per layout: each launch
+costs every rank its torch/DeepSpeed/megatron imports, most of a tiny test's time). CASES.json is
+``{case: {"overrides": [...], "zero": "1,2", "save": DIR, "load": DIR}}``; between cases megatron's
+parallel_state is reset, so ``setup_distributed`` builds the case's own TP/PP/DP groups, exactly as
+in a fresh launch (DeepSpeed's engine takes its mpu anew per engine). OUT.json maps each case to
+what a single-case run writes.
 """
 from __future__ import annotations
 
@@ -75,6 +83,37 @@ def measured_state(engine) -> dict:
     return {"local_params": params, "optimizer_bytes": opt_bytes}
 
 
+def run_case(args_overrides: list[str], inputs: str, steps: int, zero: str | None, save: str | None,
+             load: str | None, load_step: int) -> dict:
+    """One layout: every input kind (and ZeRO stage), then the optional converted-checkpoint load."""
+    from megafixed.config import load_config
+    from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
+
+    results = {}
+    topo = None
+    stages = zero.split(",") if zero else [None]
+    for name in inputs.split(","):
+        for stage in stages:
+            extra = [f"model.input={name}"] + ([f"zero.stage={stage}"] if stage else [])
+            cfg = load_config(None, [*args_overrides, *extra])
+            topo = topo or setup_distributed(RunPlan.for_launch(cfg))
+            key = name if stage is None else f"{name}/zero{stage}"
+            results[key] = run_one(cfg, topo, steps, save and os.path.join(save, name), None, 0) if steps else {}
+        if load:
+            loaded = run_one(cfg, topo, 1, None, os.path.join(load, name), load_step)
+            results[key]["loaded_loss"] = loaded["loss"][0]
+    return results
+
+
+def reset_model_parallel() -> None:
+    """Forget the previous case's megatron-core groups, so the next setup_distributed makes its own."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -86,28 +125,23 @@ def main(argv=None) -> int:
                     help="after the runs, load module weights from LOAD/<input> into a fresh engine and "
                          "record its loss on batch --load-step as 'loaded_loss'")
     ap.add_argument("--load-step", type=int, default=3)
+    ap.add_argument("--cases", default=None, help="JSON file of cases, each one layout, all in this world")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
 
-    from megafixed.config import load_config
-    from megafixed.parallel import setup_distributed
-    from megafixed.run_plan import RunPlan
-
-    results = {}
-    topo = None
-    stages = args.zero.split(",") if args.zero else [None]
-    for name in args.inputs.split(","):
-        for stage in stages:
-            extra = [f"model.input={name}"] + ([f"zero.stage={stage}"] if stage else [])
-            cfg = load_config(None, [*args.overrides, *extra])
-            topo = topo or setup_distributed(RunPlan.for_launch(cfg))
-            key = name if stage is None else f"{name}/zero{stage}"
-            results[key] = run_one(cfg, topo, args.steps, args.save and os.path.join(args.save, name),
-                                   None, 0) if args.steps else {}
-        if args.load:
-            loaded = run_one(cfg, topo, 1, None, os.path.join(args.load, name), args.load_step)
-            results[key]["loaded_loss"] = loaded["loss"][0]
-    if topo.rank == 0:
+    if args.cases:
+        with open(args.cases) as fh:
+            cases = json.load(fh)
+        results = {}
+        for case, spec in cases.items():
+            reset_model_parallel()
+            results[case] = run_case([*args.overrides, *spec.get("overrides", [])], spec.get("inputs", args.inputs),
+                                     args.steps, spec.get("zero"), spec.get("save"), spec.get("load"),
+                                     args.load_step)
+            torch.distributed.barrier()  # every rank done with this layout before the next one's groups
+    else:
+        results = run_case(args.overrides, args.inputs, args.steps, args.zero, args.save, args.load, args.load_step)
+    if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as fh:
             json.dump(results, fh)
     torch.distributed.barrier()

@@ -5,7 +5,6 @@ All through the real CLI (``python -m megafixed.cli train``), single process, ti
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,21 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from _train_data import tiny_overrides, write_shards
+from _env import launch_free_env
+from _train_data import reference_overrides, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG2, TAG4 = "step_00000002", "step_00000004"
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_shards(tmp_path_factory.mktemp("shards"))
+def shards(tiny_shards):
+    return tiny_shards  # the session's, so the shared single-process reference run reads the same files
 
 
 def _cmd(shards, run_dir, *extra):
+    # the shared reference command (conftest.tiny_reference), keeping every checkpoint
     return [sys.executable, "-m", "megafixed.cli", "train", "/dev/null",
-            *tiny_overrides(shards, run_dir, "model.input=canonical", "train.max_steps=4", "train.save_interval=2",
-                            "train.eval_interval=0", "schedule.warmup_steps=1", "train.keep_checkpoints=0", *extra)]
+            *reference_overrides(shards, run_dir, "canonical", "train.keep_checkpoints=0", *extra)]
 
 
 def _train(shards, run_dir, *extra):
@@ -45,10 +45,20 @@ def _losses(run_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(shards, tmp_path_factory):
+def runs(shards, tiny_reference, tmp_path_factory):
+    """``sync``: the session's reference run (a copy; with 2 checkpoints in 4 steps, keep_checkpoints'
+    default of 2 keeps the same ones as _cmd's 0); ``async``: the same with train.async_save,
+    trained while the reference trains (if it was not trained yet)."""
     root = tmp_path_factory.mktemp("runs")
-    _train(shards, root / "sync")
-    _train(shards, root / "async", "train.async_save=true")
+    with open(root / "async.log", "w+") as log:  # a file, not a pipe: a full pipe would stall the run
+        proc = subprocess.Popen(_cmd(shards, root / "async", "train.async_save=true"), cwd=ROOT,
+                                env=launch_free_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            shutil.copytree(tiny_reference("canonical")["canonical"], root / "sync", symlinks=True)
+        finally:
+            code = proc.wait(timeout=600)
+        log.seek(0)
+        assert code == 0, log.read()[-6000:]
     return root
 
 
@@ -141,26 +151,67 @@ def test_a_damaged_file_is_named_by_inspect_and_on_resume(runs, tmp_path, capsys
         manifest.verify(victim.parent)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_kill_9_mid_save_leaves_the_previous_checkpoint_latest_and_loadable(shards, runs, tmp_path, mode):
-    run_dir = tmp_path / "run"
-    extra = ("train.async_save=true",) if mode == "async" else ()
-    env = {**os.environ, "MEGAFIXED_TEST_SLOW_SAVE": TAG4}  # the step-4 save stalls after its first file
-    proc = subprocess.Popen(_cmd(shards, run_dir, *extra), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    tag4 = run_dir / "checkpoints" / TAG4
-    deadline = time.time() + 240
-    while time.time() < deadline and not any(tag4.glob("*.pt")):
-        time.sleep(0.05)
-    assert any(tag4.glob("*.pt")), "the step-4 save never started"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    ckpt = run_dir / "checkpoints"
-    assert (ckpt / "latest").read_text().strip() == TAG2
-    assert not (tag4 / "manifest.json").exists()
+@pytest.fixture(scope="module")
+def killed_mid_save(shards, tmp_path_factory):
+    """Both modes' kill -9 scenario side by side (each a lone process, so the pair uses two cores
+    where one after the other would leave one idle): start the run with its step-4 save stalled after
+    its first file, SIGKILL it once that file exists, note what is on disk, then run the same
+    command again to resume. {mode: what the test asserts}."""
     from megafixed.train import manifest
-    assert manifest.verify(ckpt / TAG2)["step"] == 2
-    # the same command resumes from step 2 and logs what the uninterrupted run logged
-    _train(shards, run_dir, *extra)
+
+    root = tmp_path_factory.mktemp("killed")
+    env = {**launch_free_env(), "MEGAFIXED_TEST_SLOW_SAVE": TAG4}  # the step-4 save stalls after its first file
+    runs = {}
+    for mode in ("sync", "async"):
+        extra = ("train.async_save=true",) if mode == "async" else ()
+        run_dir = root / mode / "run"
+        proc = subprocess.Popen(_cmd(shards, run_dir, *extra), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        runs[mode] = {"run_dir": run_dir, "extra": extra, "proc": proc}
+    deadline = time.time() + 240
+    waiting = dict(runs)
+    while waiting and time.time() < deadline:  # each killed as soon as its own stalled save has begun
+        for mode, r in list(waiting.items()):
+            if any((r["run_dir"] / "checkpoints" / TAG4).glob("*.pt")):
+                r["proc"].send_signal(signal.SIGKILL)
+                del waiting[mode]
+        time.sleep(0.05)
+    for r in runs.values():
+        tag4 = r["run_dir"] / "checkpoints" / TAG4
+        r["save_started"] = any(tag4.glob("*.pt"))
+        r["proc"].send_signal(signal.SIGKILL)  # a run whose save never started is stopped too
+        r["proc"].wait(timeout=60)
+        ckpt = r["run_dir"] / "checkpoints"
+        r["latest"] = (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None
+        r["tag4_manifest"] = (tag4 / "manifest.json").exists()
+        try:
+            r["tag2_step"] = manifest.verify(ckpt / TAG2)["step"]
+        except Exception as exc:  # asserted (and shown) by the test
+            r["tag2_step"] = exc
+    # the same command resumes from step 2, both modes at once
+    for r in runs.values():
+        r["log"] = open(r["run_dir"].parent / "resume.log", "w+")  # a file, not a pipe: a full pipe would stall it
+        r["resume"] = subprocess.Popen(_cmd(shards, r["run_dir"], *r["extra"]), cwd=ROOT, env=launch_free_env(),
+                                       stdout=r["log"], stderr=subprocess.STDOUT)
+    for r in runs.values():
+        r["resume_code"] = r["resume"].wait(timeout=600)
+        r["log"].seek(0)
+        r["resume_output"] = r["log"].read()[-6000:]
+        r["log"].close()
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_9_mid_save_leaves_the_previous_checkpoint_latest_and_loadable(killed_mid_save, runs, mode):
+    r = killed_mid_save[mode]
+    run_dir = r["run_dir"]
+    assert r["save_started"], "the step-4 save never started"
+    ckpt = run_dir / "checkpoints"
+    assert r["latest"] == TAG2
+    assert not r["tag4_manifest"]
+    assert r["tag2_step"] == 2, r["tag2_step"]
+    # the same command resumed from step 2 and logged what the uninterrupted run logged
+    assert r["resume_code"] == 0, r["resume_output"]
+    from megafixed.train import manifest
     assert _losses(run_dir)[-2:] == _losses(runs / "sync")[-2:]
     assert (ckpt / "latest").read_text().strip() == TAG4 and manifest.verify(ckpt / TAG4)["step"] == 4

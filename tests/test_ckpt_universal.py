@@ -14,22 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from _train_data import tiny_overrides, write_shards
+from _train_data import reference_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_shards(tmp_path_factory.mktemp("shards"))
+def shards(tiny_shards):
+    return tiny_shards  # the session's, so the shared single-process reference run reads the same files
 
 
 def _args(shards, run_dir, steps, *extra):
+    # the reference command (zero.stage=1 is the default, named because the universal path needs 1/2)
     return ["-m", "megafixed.cli", "train", "/dev/null",
-            *tiny_overrides(shards, run_dir, "model.input=canonical", f"train.max_steps={steps}",
-                            "train.save_interval=2", "train.eval_interval=0", "schedule.warmup_steps=1",
-                            "zero.stage=1", *extra)]
+            *reference_overrides(shards, run_dir, "canonical", f"train.max_steps={steps}", "zero.stage=1", *extra)]
 
 
 def _train(torchrun, nproc, args):
@@ -45,11 +44,10 @@ def _metrics(run_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
-    """Single process, 4 steps, checkpoints at 2 and 4: the losses every layout must reproduce."""
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    _train(None, 1, _args(shards, run_dir, 4))
-    return run_dir
+def reference(tiny_reference):
+    """Single process, 4 steps, checkpoints at 2 and 4: the losses every layout must reproduce
+    (conftest: trained once per session, ``_args(shards, run_dir, 4)`` without its explicit default)."""
+    return tiny_reference("canonical")["canonical"]
 
 
 def _assert_resumed_like_reference(run_dir, ref_dir, what):

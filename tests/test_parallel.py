@@ -50,18 +50,33 @@ def _assert_same_run(got: dict, ref: dict, what: str, grad_norm: bool = True) ->
 
 
 # ----------------------------------------------------------------------------- single process
+RICH = ["model.mlp=swiglu", "model.bias=true", "model.norm=layernorm", "model.n_kv_heads=2"]
+
+
+def _run_cases(launch, tmp: Path, cases: dict) -> dict:
+    """All ``cases`` (one layout each) in one world: one launch, each rank importing torch and
+    DeepSpeed once instead of once per layout. Returns {case: the worker's per-input results}."""
+    spec, out = tmp / "cases.json", tmp / "out.json"
+    spec.write_text(json.dumps(cases))
+    launch([WORKER, str(out), "--cases", str(spec), *TINY])
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process: 3 steps for each input kind, its checkpoint, and its loss on batch 3 after
-    loading that checkpoint module-only (what a converted checkpoint must reproduce)."""
+    loading that checkpoint module-only (what a converted checkpoint must reproduce); and, in the
+    same process, the rich-architecture model's 3 steps (the reference of the TP paths it adds)."""
     tmp = tmp_path_factory.mktemp("ref")
-    out = tmp / "ref.json"
-    cmd = [sys.executable, WORKER, str(out), "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"), *TINY]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads(out.read_text())
+
+    def one_process(cmd):
+        proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+
+    runs = _run_cases(one_process, tmp, {"plain": {"save": str(tmp / "ckpt"), "load": str(tmp / "ckpt")},
+                                         "rich": {"overrides": RICH}})
     weights = {name: gather_state_dict(tmp / "ckpt" / name) for name in INPUTS}
-    return {"results": results, "ckpt": tmp / "ckpt", "weights": weights}
+    return {"results": runs["plain"], "rich": runs["rich"], "ckpt": tmp / "ckpt", "weights": weights}
 
 
 def _converted(reference, tmp: Path, tp: int, pp: int) -> Path:
@@ -70,12 +85,6 @@ def _converted(reference, tmp: Path, tp: int, pp: int) -> Path:
     for name in INPUTS:
         write_checkpoint(reference["weights"][name], root / name, tp=tp, pp=pp)
     return root
-
-
-def _launch(torchrun, nproc: int, tmp: Path, overrides: list[str], *extra: str) -> dict:
-    out = tmp / "out.json"
-    torchrun(nproc, [WORKER, str(out), *extra, *TINY, *overrides])
-    return json.loads(out.read_text())
 
 
 def _assert_weights_equal(ckpt_root: Path, reference, what: str) -> None:
@@ -92,16 +101,41 @@ def _assert_weights_equal(ckpt_root: Path, reference, what: str) -> None:
 
 
 # ----------------------------------------------------------------------------- launches
+# Every layout of one world size runs in one launch (a module fixture); each test asserts its own
+# layout's results, so a failure still names the layout.
+@pytest.fixture(scope="module")
+def two_procs(reference, torchrun, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two_procs")
+    cases = {"dp2 zero": {"zero": "1,2,3"},
+             "tp2+sp": {"overrides": ["parallel.tp=2", "parallel.sequence_parallel=true"]},
+             "tp2+sp rich": {"overrides": [*RICH, "parallel.tp=2", "parallel.sequence_parallel=true"]}}
+    for layout, overrides, tp, pp in (("tp2", ["parallel.tp=2"], 2, 1), ("pp2", ["parallel.pp=2"], 1, 2)):
+        cases[layout] = {"overrides": overrides, "save": str(tmp / layout / "ckpt"),
+                         "load": str(_converted(reference, tmp / layout, tp, pp))}
+    return {"results": _run_cases(lambda args: torchrun(2, args), tmp, cases), "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def four_procs(reference, torchrun, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("four_procs")
+    cases = {"pp2xdp2": {"overrides": ["parallel.pp=2", "train.micro_batch=1"]},
+             "tp2+sp x dp2": {"overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch=1"],
+                              "zero": "1,2"},
+             "tp2xpp2": {"overrides": ["parallel.tp=2", "parallel.pp=2"], "save": str(tmp / "tp2xpp2" / "ckpt"),
+                         "load": str(_converted(reference, tmp / "tp2xpp2", 2, 2))}}
+    return {"results": _run_cases(lambda args: torchrun(4, args), tmp, cases), "tmp": tmp}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout,overrides,tp,pp", [
     ("tp2", ["parallel.tp=2"], 2, 1),
     ("pp2", ["parallel.pp=2"], 1, 2),
 ])
-def test_model_parallel_matches_one_process_and_converts(reference, torchrun, tmp_path, layout, overrides, tp, pp):
-    conv = _converted(reference, tmp_path, tp, pp)
-    got = _launch(torchrun, 2, tmp_path, overrides, "--save", str(tmp_path / "ckpt"), "--load", str(conv))
+def test_model_parallel_matches_one_process_and_converts(reference, two_procs, layout, overrides, tp, pp):
+    got = two_procs["results"][layout]
     for name in INPUTS:
         ref = reference["results"][name]
+        assert (got[name]["tp"], got[name]["pp"]) == (tp, pp), f"{layout}/{name}: ran as another layout"
         _assert_same_run(got[name], ref, f"{layout}/{name}")  # grad_norm counts TP/PP params once
         # the single-process checkpoint, re-sharded for this layout, gives the single-process loss
         assert _close(got[name]["loaded_loss"], ref["loaded_loss"]), f"{layout}/{name}: converted load"
@@ -110,35 +144,31 @@ def test_model_parallel_matches_one_process_and_converts(reference, torchrun, tm
         assert got[name]["local_params"] == stage_params(model_cfg, Layout(tp=tp, pp=pp))[0]
         assert got[name]["optimizer_bytes"] == 8 * got[name]["local_params"]
     # this layout's checkpoint, gathered, is the single-process model
-    _assert_weights_equal(tmp_path / "ckpt", reference, layout)
+    _assert_weights_equal(two_procs["tmp"] / layout / "ckpt", reference, layout)
 
 
 @pytest.mark.multiprocess
-def test_sequence_parallel_matches_one_process(reference, torchrun, tmp_path):
-    got = _launch(torchrun, 2, tmp_path, ["parallel.tp=2", "parallel.sequence_parallel=true"])
+def test_sequence_parallel_matches_one_process(reference, two_procs):
+    got = two_procs["results"]["tp2+sp"]
     for name in INPUTS:
+        assert (got[name]["tp"], got[name]["pp"]) == (2, 1), f"tp2+sp/{name}: ran as another layout"
         _assert_same_run(got[name], reference["results"][name], f"tp2+sp/{name}")
         # ZeRO-1: the SP gradients are summed over TP by one coalesced all-reduce per step
         assert got[name]["grad_syncs"] == 3, f"tp2+sp/{name}: {got[name]['grad_syncs']} TP all-reduces in 3 steps"
 
 
 @pytest.mark.multiprocess
-def test_tp_sp_with_swiglu_bias_layernorm_and_gqa_matches_one_process(torchrun, tmp_path):
+def test_tp_sp_with_swiglu_bias_layernorm_and_gqa_matches_one_process(reference, two_procs):
     """The other TP paths: w_gate, column and row biases, LayerNorm bias grads under SP, kv heads."""
-    rich = ["model.mlp=swiglu", "model.bias=true", "model.norm=layernorm", "model.n_kv_heads=2"]
-    ref_out = tmp_path / "ref.json"
-    proc = subprocess.run([sys.executable, WORKER, str(ref_out), *TINY, *rich], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    ref = json.loads(ref_out.read_text())
-    got = _launch(torchrun, 2, tmp_path, [*rich, "parallel.tp=2", "parallel.sequence_parallel=true"])
+    ref, got = reference["rich"], two_procs["results"]["tp2+sp rich"]
     for name in INPUTS:
+        assert got[name]["tp"] == 2, f"tp2+sp rich/{name}: ran as another layout"
         _assert_same_run(got[name], ref[name], f"tp2+sp rich/{name}")
 
 
 @pytest.mark.multiprocess
-def test_zero_data_parallel_matches_one_process(reference, torchrun, tmp_path):
-    got = _launch(torchrun, 2, tmp_path, [], "--zero", "1,2,3")
+def test_zero_data_parallel_matches_one_process(reference, two_procs):
+    got = two_procs["results"]["dp2 zero"]
     for name in INPUTS:
         for stage in (1, 2, 3):
             run = got[f"{name}/zero{stage}"]
@@ -151,36 +181,35 @@ def test_zero_data_parallel_matches_one_process(reference, torchrun, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.four_procs
-def test_pipeline_times_data_parallel_matches_one_process(reference, torchrun, tmp_path):
-    got = _launch(torchrun, 4, tmp_path, ["parallel.pp=2", "train.micro_batch=1"])
+def test_pipeline_times_data_parallel_matches_one_process(reference, four_procs):
+    got = four_procs["results"]["pp2xdp2"]
     for name in INPUTS:
-        assert got[name]["dp"] == 2
+        assert (got[name]["dp"], got[name]["pp"]) == (2, 2)
         _assert_same_run(got[name], reference["results"][name], f"pp2xdp2/{name}")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.four_procs
-def test_tensor_sequence_times_zero_data_parallel_matches_one_process(reference, torchrun, tmp_path):
+def test_tensor_sequence_times_zero_data_parallel_matches_one_process(reference, four_procs):
     """TP=2 with SP x DP=2: megatron's TP groups and DeepSpeed's ZeRO partitions over topo.mpu's DP group."""
-    got = _launch(torchrun, 4, tmp_path, ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                          "train.micro_batch=1"], "--zero", "1,2")
+    got = four_procs["results"]["tp2+sp x dp2"]
     for name in INPUTS:
         for stage in (1, 2):
-            assert got[f"{name}/zero{stage}"]["dp"] == 2
+            assert (got[f"{name}/zero{stage}"]["dp"], got[f"{name}/zero{stage}"]["tp"]) == (2, 2)
             _assert_same_run(got[f"{name}/zero{stage}"], reference["results"][name], f"tp2+sp x dp2 zero{stage}/{name}")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.four_procs
-def test_tp2_pp2_matches_one_process_and_converts(reference, torchrun, tmp_path):
-    conv = _converted(reference, tmp_path, 2, 2)
-    got = _launch(torchrun, 4, tmp_path, ["parallel.tp=2", "parallel.pp=2"], "--save", str(tmp_path / "ckpt"),
-                  "--load", str(conv))
+def test_tp2_pp2_matches_one_process_and_converts(reference, four_procs):
+    got = four_procs["results"]["tp2xpp2"]
     for name in INPUTS:
         ref = reference["results"][name]
+        layout = (got[name]["tp"], got[name]["pp"], got[name]["dp"])
+        assert layout == (2, 2, 1), f"tp2xpp2/{name}: ran as {layout}"
         _assert_same_run(got[name], ref, f"tp2xpp2/{name}")
         assert _close(got[name]["loaded_loss"], ref["loaded_loss"]), f"tp2xpp2/{name}: converted load"
-    _assert_weights_equal(tmp_path / "ckpt", reference, "tp2xpp2")  # TP2*PP2 -> TP1*PP1
+    _assert_weights_equal(four_procs["tmp"] / "tp2xpp2" / "ckpt", reference, "tp2xpp2")  # TP2*PP2 -> TP1*PP1
 
 
 # ----------------------------------------------------------------------------- no processes

@@ -17,20 +17,41 @@ TINY = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=4", "model.n
         "data.seq_len=32", "model.code_bits=9", "train.global_batch=4", "train.micro_batch=1", "train.seed=5"]
 
 
-def _build(torchrun, tmp_path, nproc, *overrides):
-    out = tmp_path / "built.pt"
-    torchrun(nproc, [WORKER, str(out), *TINY, *overrides])
+CASES = {"tp2 learned": ["model.input=learned", "parallel.tp=2"],
+         "tp2 canonical": ["model.input=canonical", "parallel.tp=2"],
+         "pp2 canonical": ["model.input=canonical", "parallel.pp=2"]}
+
+
+@pytest.fixture(scope="module")
+def built(torchrun, tmp_path_factory):
+    """Every case of this file built in one 2-process world (one launch, not one per case):
+    {case: [each rank's {"result", "params"}]}."""
+    import json
+
+    tmp = tmp_path_factory.mktemp("built")
+    out, spec = tmp / "built.pt", tmp / "cases.json"
+    spec.write_text(json.dumps(CASES))
+    torchrun(2, [WORKER, str(out), "--cases", str(spec), *TINY])
     return torch.load(out, weights_only=False)
+
+
+def _build(built, *overrides):
+    case = next(name for name, o in CASES.items() if o == list(overrides))
+    ranks = built[case]
+    cfg = load_config(None, [*TINY, *overrides])
+    for r in ranks:  # the world really ran this case's layout
+        assert (r["result"]["tp"], r["result"]["pp"]) == (cfg.parallel.tp, cfg.parallel.pp), case
+    return ranks
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["learned", "canonical"])
-def test_a_tp2_rank_never_holds_the_full_model_and_its_shard_is_the_single_process_slice(torchrun, tmp_path, kind):
+def test_a_tp2_rank_never_holds_the_full_model_and_its_shard_is_the_single_process_slice(built, kind):
     cfg = load_config(None, [*TINY, f"model.input={kind}"])
     full = GPT(cfg.model, seed=cfg.train.seed)
     full_params = {n: p.detach() for n, p in full.named_parameters()}
     total = sum(p.numel() for p in full_params.values())
-    ranks = _build(torchrun, tmp_path, 2, f"model.input={kind}", "parallel.tp=2")
+    ranks = _build(built, f"model.input={kind}", "parallel.tp=2")
     for r in ranks:
         res = r["result"]
         # every GPT built during build_model was on the meta device: no full model was materialised
@@ -46,12 +67,12 @@ def test_a_tp2_rank_never_holds_the_full_model_and_its_shard_is_the_single_proce
 
 
 @pytest.mark.multiprocess
-def test_a_pipeline_stage_materialises_only_its_layers(torchrun, tmp_path):
+def test_a_pipeline_stage_materialises_only_its_layers(built):
     from megafixed.parallel.pipeline import pipe_key_to_gpt
 
     cfg = load_config(None, [*TINY, "model.input=canonical"])
     full_params = {n: p.detach() for n, p in GPT(cfg.model, seed=cfg.train.seed).named_parameters()}
-    ranks = _build(torchrun, tmp_path, 2, "model.input=canonical", "parallel.pp=2")
+    ranks = _build(built, "model.input=canonical", "parallel.pp=2")
     expected = stage_params(cfg.model, Layout(pp=2))
     seen = set()
     for r in ranks:

@@ -6,29 +6,26 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _train_data import tiny_overrides, write_shards
+from _train_data import REFERENCE_STEPS, reference_overrides
 from megafixed.parallel.convert import gather_state_dict
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 4
+STEPS = REFERENCE_STEPS
 RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_shards(tmp_path_factory.mktemp("shards"))
+def shards(tiny_shards):
+    return tiny_shards  # the session's, so the shared single-process reference runs read the same files
 
 
 def _overrides(shards, run_dir, kind, *extra):
-    return tiny_overrides(shards, run_dir, f"model.input={kind}", f"train.max_steps={STEPS}",
-                          "train.save_interval=2", "train.eval_interval=0", "schedule.warmup_steps=1", *extra)
+    return reference_overrides(shards, run_dir, kind, *extra)
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -37,17 +34,10 @@ def _metrics(run_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
-    """Single-process ``megafixed train`` for both input kinds."""
-    runs = {}
-    for kind in ("canonical", "learned"):
-        run_dir = tmp_path_factory.mktemp(f"ref_{kind}")
-        proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", "/dev/null",
-                               *_overrides(shards, run_dir, kind)], cwd=ROOT, capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        runs[kind] = run_dir
-    return runs
+def reference(tiny_reference):
+    """Single-process ``megafixed train`` for both input kinds (conftest: trained once per session,
+    the very command ``_overrides`` gives without a layout)."""
+    return tiny_reference("canonical", "learned")
 
 
 def _train(torchrun, nproc, shards, run_dir, kind, *layout):
