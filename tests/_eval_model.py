@@ -56,7 +56,7 @@ def train_model(tok_path: str, steps: int = 40, seed: int = 0):
 
 
 def write_run(cfg, model, run_dir: Path, tp: int = 1, tag: str = "global_step40") -> Path:
-    from megafixed.parallel.convert import write_checkpoint
+    from megafixed.engine.weights import write_checkpoint
     from megafixed.train.resume import RUN_RECORD
 
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _train_data import tiny_overrides, write_shards
-from megafixed.parallel.convert import gather_state_dict
+from megafixed.engine.weights import gather_state_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4

@@ -19,7 +19,7 @@ from pathlib import Path
 MODULES = {"torch": "torch", "numpy": "numpy", "yaml": "pyyaml", "deepspeed": "deepspeed",
            "megatron.core": "megatron-core", "sentencepiece": "sentencepiece", "tokenizers": "tokenizers",
            "zstandard": "zstandard", "pydantic": "pydantic", "hjson": "hjson", "megafixed": None,
-           "megafixed.kernels.fused_first_layer": None, "megafixed.train.step": None}
+           "megafixed.kernels.fused_first_layer": None, "megafixed.engine.deepspeed.step": None}
 
 
 def _version(dist):
@@ -59,9 +59,9 @@ def preflight() -> tuple[dict, list[str]]:
 
     problems += engine_problems()
     try:
-        from deepspeed.accelerator import get_accelerator
+        from ..engine import accelerator_name
 
-        info["deepspeed_accelerator"] = get_accelerator().device_name()
+        info["deepspeed_accelerator"] = accelerator_name()
         if cuda and info["deepspeed_accelerator"] != "cuda":
             problems.append(f"DeepSpeed picked the {info['deepspeed_accelerator']!r} accelerator, not cuda: "
                             f"unset DS_ACCELERATOR")

@@ -89,29 +89,26 @@ class FrameworkLoop(_Loop):
     name = "framework"
 
     def __init__(self, cfg, topo, layout, datasets, precision: str):
-        from ..data.gpt_dataset import micro_batches
-        from ..train.ds_config import deepspeed_config
-        from ..train.engine import build_engine
+        import copy
 
-        self.bundle = build_engine(cfg, topo, deepspeed_config(cfg, layout, precision), precision)
-        super().__init__(self.bundle.engine.device)
+        from ..data.gpt_dataset import micro_batches
+        from ..engine import build_engine
+
+        cfg = copy.deepcopy(cfg)
+        cfg.train.on_nonfinite = "skip"  # a benchmark measures time; a non-finite loss must not stop it
+        self.engine = build_engine(cfg, topo, layout, precision)
+        super().__init__(self.engine.device)
         self.cfg, self.topo, self.layout = cfg, topo, layout
         self.batches = micro_batches(datasets["train"], start_sample=0, micro_batch=layout.micro_batch,
                                      dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
         self.n = 0
 
     def step(self) -> None:
-        from ..train.step import train_step
-
-        for group in self.bundle.optimizer.param_groups:
-            group["lr"] = self.cfg.optimizer.lr
-        train_step(self.bundle.engine, self.bundle.optimizer, self.batches, self.layout.accum, dp=self.topo.dp,
-                   dp_group=self.topo.dp_group, on_nonfinite="skip", step=self.n, grad_sync=self.bundle.grad_sync,
-                   vocab_size=self.cfg.model.vocab_size)
+        self.engine.train_step(self.batches, self.cfg.optimizer.lr, self.n)
         self.n += 1
 
     def close(self) -> None:
-        self.bundle = self.batches = None
+        self.engine = self.batches = None
 
 
 class BareLoop(_Loop):
@@ -128,7 +125,7 @@ class BareLoop(_Loop):
                                      dp_size=1, num_workers=cfg.data.num_workers)
 
     def step(self) -> None:
-        from ..train.step import split_tokens
+        from ..engine import split_tokens
 
         self.state.step([split_tokens(next(self.batches), self.device, self.cfg.model.vocab_size)
                          for _ in range(self.accum)])
@@ -161,8 +158,8 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     steps, so a run stopped at a time limit (the 1.7B engine build) still reports the bare loop."""
     from ..model.gpt import init_draws_on
     from ..parallel.layout import validate_layout
-    from ..train.ds_config import resolve_precision
     from ..train.metrics import flops_per_token, matmul_param_count, peak_flops_per_gpu
+    from ..train.precision import resolve_precision
 
     precision = resolve_precision(cfg)
     layout = validate_layout(cfg, topo.world_size, precision)
@@ -258,9 +255,9 @@ def report_lines(r: dict) -> list[str]:
 def run(args) -> int:
     from ..config import ConfigError, load_config
     from ..data.prepare import prepare_data
+    from ..engine import prepare_runtime_env
     from ..outputs import claim_output
     from ..parallel import setup_distributed
-    from ..train.env import prepare_runtime_env
 
     if args.steps < 1 or args.warmup_steps < 0 or (args.rounds is not None and args.rounds < 1) or (
             args.threads is not None and args.threads < 1):

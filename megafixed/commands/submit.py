@@ -98,14 +98,15 @@ def _check_plan(cfg, world: int, gpu: bool, data: bool) -> None:
     data paths) and the resume check the job would make at its start against an existing run
     directory. A dry run only warns about missing data: scripts are often written where the shards
     are not (yet)."""
+    from ..engine import engine_config
     from ..launch.preflight import check_run_dir_takes
     from ..parallel.layout import validate_layout
-    from ..train.ds_config import deepspeed_config, resolve_precision
+    from ..train.precision import resolve_precision
     from .train import _check_data_paths
 
     precision = resolve_precision(cfg, gpu=gpu)
     layout = validate_layout(cfg, world, precision)
-    deepspeed_config(cfg, layout, precision, gpu=gpu)
+    engine_config(cfg, layout, precision, gpu=gpu)
     check_run_dir_takes(cfg, world, precision, layout)
     try:
         _check_data_paths(cfg)

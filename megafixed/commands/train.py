@@ -36,8 +36,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    from ..engine import prepare_runtime_env
     from ..errors import report
-    from ..train.env import prepare_runtime_env
 
     if args.dry_run:
         try:
@@ -93,9 +93,10 @@ def dry_run(args) -> int:
     import yaml
 
     from ..config import resolve_code
+    from ..engine import engine_config
     from ..parallel.layout import validate_layout
     from ..parallel.topology import launch_world
-    from ..train.ds_config import deepspeed_config, resolve_precision
+    from ..train.precision import resolve_precision
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or launch_world()[0]
@@ -109,7 +110,7 @@ def dry_run(args) -> int:
         print(f"warning: {exc} (a dry run plans anyway; the shards must exist where the run starts)",
               file=sys.stderr)
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if gpu else "gloo")
-    ds = deepspeed_config(cfg, layout, precision, gpu=gpu)
+    ds = engine_config(cfg, layout, precision, gpu=gpu)
     print("# resolved config")
     print(yaml.safe_dump(resolve_code(cfg).to_dict(), sort_keys=False).rstrip())
     print("# deepspeed config (written to <run_dir>/ds_config.json by a real run)")

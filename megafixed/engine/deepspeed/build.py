@@ -1,26 +1,12 @@
 """The model, its optimizer and the DeepSpeed engine around them, for one rank of a layout."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
-from .optim import build_optimizer
+from ...config import ConfigError
+from ...train.optim import build_optimizer
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass
-class EngineBundle:
-    engine: object  # deepspeed.DeepSpeedEngine or PipelineEngine
-    optimizer: torch.optim.Optimizer
-    grad_sync: Optional[object]  # TPGradSync the step must finish at the boundary (plain engine, SP, ZeRO 0/1)
-
-    @property
-    def is_pipeline(self) -> bool:
-        from .step import is_pipeline_engine
-        return is_pipeline_engine(self.engine)
 
 
 def restore_exact_buffers(module) -> None:
@@ -31,20 +17,36 @@ def restore_exact_buffers(module) -> None:
             sub.reset_buffers()
 
 
-def build_engine(cfg, topo, ds_config: dict, precision: str) -> EngineBundle:
+def check_supported(cfg, topo) -> None:
+    """What this engine refuses by name, before it starts anything."""
+    if cfg.train.compile and topo.pp > 1:
+        # DeepSpeed's pipeline engine runs its stages' layers through its own schedule (activation
+        # checkpointing, p2p buffers); compiling them is untested there, and silently running eager
+        # would make `train.compile=true` a lie.
+        raise ConfigError(f"train.compile=true is not supported with pipeline parallelism (parallel.pp="
+                          f"{topo.pp}); set train.compile=false, or parallel.pp=1")
+
+
+def build(cfg, topo, layout, precision: str):
+    """A ``DeepSpeedEngine`` for this rank of the layout (``layout``: ``parallel.layout.Layout``)."""
     import deepspeed
 
-    from ..model import GPT
-    from ..parallel import build_model
-    from ..parallel.grads import TPGradSync
-    from .ds_ops import prepare_ops
+    from ...model import GPT
+    from ...parallel import build_model
+    from ...parallel.grads import TPGradSync
+    from .config import deepspeed_config
+    from .engine import DeepSpeedEngine, hp_grad
+    from .ops import prepare_ops
+    from .pipeline import build_pipeline
 
+    check_supported(cfg, topo)
+    ds_config = deepspeed_config(cfg, layout, precision)
     # Before anything starts deepspeed.comm (the pipeline grid inside build_model, or initialize).
     prepare_ops(topo.world_size, topo.local_rank, accelerator_is_cpu=topo.device.type == "cpu")
     model = build_model(cfg.model, topo, seed=cfg.train.seed, pp_partition=cfg.parallel.pp_partition,
                         activation_checkpointing=cfg.train.activation_checkpointing,
-                        compute_dtype=COMPUTE_DTYPES[precision])
-    if cfg.train.compile and isinstance(model, GPT):
+                        compute_dtype=COMPUTE_DTYPES[precision], build_stages=build_pipeline)
+    if cfg.train.compile:  # a plain GPT here: check_supported refused a pipeline
         for block in model.blocks:
             block.compile()  # in place: parameter names (and so checkpoints) stay unchanged
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -56,7 +58,7 @@ def build_engine(cfg, topo, ds_config: dict, precision: str) -> EngineBundle:
         restore_exact_buffers(engine.module)
 
     step_sync = None
-    grad_sync = TPGradSync.for_module(engine.module, topo)
+    grad_sync = TPGradSync.for_module(engine.module, topo, grad_of=hp_grad)
     if grad_sync is not None:
         if cfg.zero.stage >= 2:
             grad_sync.install_hooks()  # ZeRO 2/3 reduce inside backward: see parallel/grads.py
@@ -67,4 +69,5 @@ def build_engine(cfg, topo, ds_config: dict, precision: str) -> EngineBundle:
             # sum and then engine.allreduce_gradients() itself (Megatron's finalize_model_grads).
             engine.enable_backward_allreduce = False
             step_sync = grad_sync
-    return EngineBundle(engine=engine, optimizer=optimizer, grad_sync=step_sync)
+    return DeepSpeedEngine(engine, optimizer, cfg=cfg, topo=topo, layout=layout, ds_config=ds_config,
+                           grad_sync=step_sync)
