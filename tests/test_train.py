@@ -264,7 +264,7 @@ def test_pipeline_engine_branch_matches_plain_engine(shards, tmp_path):
 
 
 def test_half_precision_keeps_the_code_buffers_exact():
-    from megafixed.engine.deepspeed.build import restore_exact_buffers
+    from megafixed.engine.dtypes import restore_exact_buffers
     from megafixed.model import GPT
 
     model = GPT(load_config(None, ["model.input=gf2", "model.code_scale=0.3", "model.n_layers=1",

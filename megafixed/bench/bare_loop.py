@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.deepspeed.build import COMPUTE_DTYPES
+from ..engine.dtypes import COMPUTE_DTYPES
 
 
 class BareLoopState:

@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 from ..atomic import atomic_write_text
 from . import manifest
-from .resume import check_resume, layout_changes, read_run_record, run_record, write_run_record
+from .resume import check_resume, layout_changes
 from .run_dir import LATEST, TAG_RE, CheckpointError, RunDirectory, read_latest, tag_for, tag_step  # noqa: F401
+from .run_record import read_run_record, run_record, write_run_record
 
 
 def write_latest(ckpt_dir: str | os.PathLike, tag: str) -> None:

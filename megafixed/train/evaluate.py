@@ -120,7 +120,7 @@ def load_trained_model(cfg, run_dir: str | os.PathLike, tag: Optional[str] = Non
     checked against the config on load (a mismatch raises naming the code fields).
     """
     from ..model import GPT
-    from .resume import read_run_record
+    from .run_record import read_run_record
 
     ckpt_dir = RunDirectory(run_dir).checkpoints
     tag = tag or read_latest(ckpt_dir)

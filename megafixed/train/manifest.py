@@ -85,8 +85,8 @@ def derived(src_tag_dir: Path, layout: dict, **extra) -> tuple[dict, Optional[di
     ``layout`` (``megafixed convert``): the source's step, tokens, code and config carry over, the
     layout and git revision are the new ones. The run record is None when the source has none."""
     from ..config import config_from_dict
-    from .resume import read_run_record
     from .run_dir import tag_step
+    from .run_record import read_run_record
 
     src_tag_dir = Path(src_tag_dir)
     src = read(src_tag_dir) or {}

@@ -10,48 +10,16 @@ reported.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Optional
 
-from ..atomic import atomic_write_text
 from .config_diff import DERIVED_KEYS, config_diff, resolved_cfg
-from .run_dir import LATEST, RUN_RECORD, CheckpointError, RunDirectory
+from .run_dir import RunDirectory
+from .run_record import RUN_RECORD, ResumeError, read_run_record, run_record, write_run_record  # noqa: F401
 
 # Keys whose change makes the checkpoint's weights mean something else. Everything else is safe.
 FROZEN_PREFIXES = ("model.",)
 FROZEN_KEYS = ("data.tokenizer", "data.prefixes", "data.weights", "data.seq_len", "data.split", "data.source",
                "data.source_json_key", "train.seed", "train.global_batch")
-
-
-class ResumeError(CheckpointError):
-    """A rerun whose config no longer fits the run's checkpoint."""
-
-
-def _resolved(cfg):
-    from ..config import resolve_code
-    return resolve_code(cfg)
-
-
-def run_record(cfg, topo, precision: str, zero_stage: int) -> dict:
-    return {"config": _resolved(cfg).to_dict(),
-            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero_stage,
-                       "precision": precision}}
-
-
-def write_run_record(tag_dir: Path, record: dict) -> None:
-    atomic_write_text(tag_dir / RUN_RECORD, json.dumps(record, indent=1, default=str))
-
-
-def read_run_record(tag_dir: Path) -> Optional[dict]:
-    path = Path(tag_dir) / RUN_RECORD
-    if not path.exists():
-        return None  # a checkpoint from before run records: only DeepSpeed's own load checks apply
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ResumeError(f"{path} is unreadable ({exc}); the checkpoint is damaged: point "
-                          f"{Path(tag_dir).parent / LATEST} at an earlier tag or start a new train.run_dir") from exc
 
 
 def _frozen(key: str) -> bool:

@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
+from .checkpoint_error import CheckpointError  # noqa: F401  (re-exported: raised by every reader)
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 CONFIG = "config.yaml"
@@ -42,10 +44,6 @@ def tag_step(tag: str) -> int:
     """The step a tag names (-1: not a step tag, e.g. an imported checkpoint)."""
     m = TAG_RE.match(tag)
     return int(m.group(1)) if m else -1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message says why and what to change."""
 
 
 class RunDirectory:

@@ -65,7 +65,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     A failed run that created its run directory and saved nothing leaves nothing behind."""
     run_dir = RunDirectory(cfg.train.run_dir)
     created = not run_dir.path.exists()
-    with hold_run_dir(cfg.train.run_dir, topo.is_main):
+    with hold_run_dir(run_dir, topo.is_main):
         try:
             return _train(cfg, topo, datasets=datasets, stop=stop or StopRequest(),
                           say=log if topo.is_main else (lambda *_: None))

@@ -1,20 +1,9 @@
 """The model, its optimizer and the DeepSpeed engine around them, for one rank of a layout."""
 from __future__ import annotations
 
-import torch
-
 from ...config import ConfigError
 from ...train.optim import build_optimizer
-
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def restore_exact_buffers(module) -> None:
-    """Rewrite buffers that must stay exact after DeepSpeed casts the module to bf16/fp16 (the
-    fixed code's scale). RoPE tables need nothing: they are an fp32 cache, not buffers."""
-    for sub in module.modules():
-        if hasattr(sub, "reset_buffers"):
-            sub.reset_buffers()
+from ..dtypes import COMPUTE_DTYPES, restore_exact_buffers
 
 
 def check_supported(cfg, topo) -> None:

@@ -267,7 +267,7 @@ def write_checkpoint(sd: dict, out: str | os.PathLike, tp: int, pp: int, tag: st
     a temporary name and renamed into place, so files of an earlier conversion to another layout (an
     extra ``mp_rank_03``) never mix with the new ones, and a crash never leaves a half tag."""
     from ...train import manifest
-    from ...train.resume import write_run_record
+    from ...train.run_record import write_run_record
 
     check_target_layout(sd, tp, pp)
     files = shard_state_dict(sd, tp, pp)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import ConfigError
-from .build import restore_exact_buffers
+from ..dtypes import restore_exact_buffers
 from .convert import model_file, write_checkpoint
 
 TAG = "init"
