@@ -85,15 +85,15 @@ def trained_state_dict(ckpt_dir: str | os.PathLike, tag: str) -> dict:
 
     The engine's reader gathers it (``megafixed.engine.read_state_dict``: TP/PP shards, ZeRO 0-3).
     """
-    from ..engine import weights_in_every_rank_file
-    from .manifest import model_files, verify_for_reading
+    from ..engine import is_model_file, weights_in_every_rank_file
+    from .manifest import verify_for_reading
 
     tag_dir = Path(ckpt_dir) / tag
     if not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir} does not exist; pass a tag that is under {ckpt_dir}")
     # Before any tensor is read: ZeRO-3 keeps the weights in every rank's files, others in the model files.
     unverified: list = []
-    verify_for_reading(tag_dir, only=None if weights_in_every_rank_file(tag_dir) else model_files,
+    verify_for_reading(tag_dir, only=None if weights_in_every_rank_file(tag_dir) else is_model_file,
                        warn=unverified.append)
     state = _read_state_dict(tag_dir)
     if unverified:

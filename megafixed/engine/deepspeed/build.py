@@ -18,6 +18,7 @@ def check_supported(cfg, topo) -> None:
 
 def build(cfg, topo, layout, precision: str):
     """A ``DeepSpeedEngine`` for this rank of the layout (``layout``: ``parallel.layout.Layout``)."""
+    check_supported(cfg, topo)  # before DeepSpeed is even imported
     import deepspeed
 
     from ...model import GPT
@@ -28,7 +29,6 @@ def build(cfg, topo, layout, precision: str):
     from .ops import prepare_ops
     from .pipeline import build_pipeline
 
-    check_supported(cfg, topo)
     ds_config = deepspeed_config(cfg, layout, precision)
     # Before anything starts deepspeed.comm (the pipeline grid inside build_model, or initialize).
     prepare_ops(topo.world_size, topo.local_rank, accelerator_is_cpu=topo.device.type == "cpu")

@@ -182,8 +182,8 @@ def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None, verify: b
     tag_dir = resolve_tag_dir(ckpt, tag)
     unverified: list = []  # a pre-manifest checkpoint's warning, said once it has been read
     if verify:
-        from ...train.manifest import model_files, verify_for_reading
-        verify_for_reading(tag_dir, only=model_files, warn=unverified.append)
+        from ...train.manifest import verify_for_reading
+        verify_for_reading(tag_dir, only=lambda name: bool(MODEL_FILE_RE.match(name)), warn=unverified.append)
     sd = _gather(tag_dir)
     if unverified:
         from ...train.manifest import warn
