@@ -18,6 +18,7 @@ class FileEngine:
 
     name = "fake"
     saves_in_background = False
+    derived_dirs = ()
 
     def __init__(self, fail_with: BaseException | None = None):
         self.module, self.device = torch.nn.Linear(2, 2), torch.device("cpu")

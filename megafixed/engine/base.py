@@ -69,6 +69,7 @@ class Engine(Protocol):
         thread: the engine may save asynchronously). A failure goes through ``on_failed``."""
 
     saves_in_background: bool  # save() may return before the files are written
+    derived_dirs: tuple  # sub-folders of a tag the engine may make from it later (a re-layout copy): not saved files
 
     def wait_for_saves(self) -> None:
         """Block until a save in flight is written (and its ``on_written`` has run); raise its error."""

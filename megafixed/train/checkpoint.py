@@ -117,8 +117,10 @@ def _latest_or_none(ckpt_dir) -> Optional[str]:
         return None
 
 
-def commit(ckpt_dir: Path, tag: str, world: int, keep: int, record: Optional[dict], meta: dict) -> None:
-    """Rank 0, after its own files: wait for every rank's, check them, write run record, manifest, latest."""
+def commit(ckpt_dir: Path, tag: str, world: int, keep: int, record: Optional[dict], meta: dict,
+           derived: tuple = ()) -> None:
+    """Rank 0, after its own files: wait for every rank's, check them, write run record, manifest, latest.
+    ``derived``: sub-folders the engine makes from a checkpoint later (not part of what was saved)."""
     tag_dir = ckpt_dir / tag
     markers = [tag_dir / MARKER.format(r) for r in range(world)]
     deadline = time.monotonic() + COMMIT_TIMEOUT_S
@@ -141,8 +143,7 @@ def commit(ckpt_dir: Path, tag: str, world: int, keep: int, record: Optional[dic
     hidden = {m.name for m in markers} | {manifest.MANIFEST}
     for path in sorted(tag_dir.rglob("*")):  # files written outside the engine (run.json, ...)
         rel = str(path.relative_to(tag_dir))
-        # a re-layout folder made from this checkpoint (the DeepSpeed engine's `universal/`) is derived, not saved
-        if path.is_file() and rel not in files and path.name not in hidden and not rel.startswith("universal"):
+        if path.is_file() and rel not in files and path.name not in hidden and not rel.startswith(derived):
             files[rel] = manifest.record_existing(path)
     manifest.write(tag_dir, {**meta, "tag": tag}, files)
     for m in markers:
@@ -243,7 +244,7 @@ class Checkpointer:
             mine = {os.path.relpath(path, tag_dir): rec for path, rec in records.items()}
             atomic_write_text(tag_dir / MARKER.format(rank), json.dumps(mine))
             if is_main:
-                commit(self.ckpt_dir, tag, world, self.keep, self.record, meta)
+                commit(self.ckpt_dir, tag, world, self.keep, self.record, meta, engine.derived_dirs)
 
         try:
             engine.save(tag_dir, client_state, on_written=on_written, on_failed=failed)

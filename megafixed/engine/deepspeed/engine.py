@@ -38,6 +38,7 @@ class DeepSpeedEngine:
     """One rank's DeepSpeed engine (plain or pipeline) behind the engine seam."""
 
     name = NAME
+    derived_dirs = ("universal",)  # universal.UNIVERSAL_DIR: DeepSpeed's re-layout copy, made on a layout change
 
     def __init__(self, ds_engine, optimizer, *, cfg, topo, layout, ds_config: dict, grad_sync=None):
         self.ds = ds_engine  # deepspeed.DeepSpeedEngine or PipelineEngine
