@@ -32,8 +32,8 @@ class LargestAllocation(TorchDispatchMode):
 
 def main(argv) -> int:
     from megafixed.config import load_config
-    from megafixed.model import gpt
     from megafixed.engine.deepspeed.pipeline import build_pipeline  # the engine's stages under PP
+    from megafixed.model import gpt
     from megafixed.parallel import build_model, setup_distributed
 
     out, overrides = argv[0], argv[1:]
