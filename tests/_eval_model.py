@@ -2,7 +2,7 @@
 
 A 512-token byte-level BPE trained on a slice of the bundled corpus, a 2-layer fixed-code GPT
 trained ~40 Adam steps on that corpus (its scores need not be good, only deterministic and not
-flat), written as a module-only checkpoint with ``megafixed.parallel.convert.write_checkpoint`` for
+flat), written as a module-only checkpoint with ``megafixed.engine.weights.write_checkpoint`` for
 any TP degree, with the run record (``run.json``) that ``load_trained_model`` reads the config from.
 """
 from __future__ import annotations
