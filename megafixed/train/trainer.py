@@ -82,7 +82,7 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
     sinks = [WandbLog(cfg, Path(cfg.train.run_dir))] if cfg.train.wandb and topo.is_main else []  # fails here
     checkpointer = Checkpointer(cfg, topo, precision)
     resume = checkpointer.resume_point()  # verified and checked before anything in the run dir is touched
-    datasets = datasets or _datasets(cfg)
+    datasets = _datasets(cfg) if datasets is None else datasets
     engine = build_engine(cfg, topo, layout, precision)
     seed_everything(cfg.train.seed + 1 + topo.rank)  # dropout differs per rank; initial weights do not
     step, consumed = _start(cfg, topo, engine, checkpointer, resume, say)
@@ -125,7 +125,7 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
         steps.close()
     if resume is not None and step == tag_step(resume.tag) and not stopped:
         say(f"nothing to do: the run already reached train.max_steps={cfg.train.max_steps}")
-    return TrainResult(run_dir=str(cfg.train.run_dir), step=step, consumed_samples=consumed,
+    return TrainResult(run_dir=str(Path(cfg.train.run_dir)), step=step, consumed_samples=consumed,
                        resumed_from=resume and resume.tag, last_loss=last_loss, last_val_loss=last_val,
                        checkpoint=checkpointer.latest, stopped=stopped, history=steps.history)
 
@@ -166,4 +166,4 @@ def _write_run_files(cfg, topo, engine) -> None:
 def _start_line(cfg, topo, layout, precision: str) -> str:
     return (f"training {cfg.model.input} interface: {cfg.train.max_steps} steps, global batch {layout.global_batch} "
             f"= micro {layout.micro_batch} x accum {layout.accum} x dp {topo.dp}, tp {topo.tp}, pp {topo.pp}, "
-            f"{precision}, zero {cfg.zero.stage}, run dir {cfg.train.run_dir}")
+            f"{precision}, zero {cfg.zero.stage}, run dir {Path(cfg.train.run_dir)}")
