@@ -15,6 +15,7 @@ with no exceptions at all. Imports under ``if TYPE_CHECKING:`` do not run and do
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -52,9 +53,16 @@ def _absolute(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(module: str, function_level: bool) -> list[tuple[str, int]]:
+@functools.lru_cache(maxsize=None)
+def _tree(module: str) -> ast.Module:
+    path = MODULES[module][0]
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(module: str, function_level: bool) -> tuple[tuple[str, int], ...]:
     """(imported module name, line) of every import in ``module`` (inside functions too, if asked)."""
-    path, is_pkg = MODULES[module]
+    is_pkg = MODULES[module][1]
     found: list[tuple[str, int]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
@@ -76,10 +84,11 @@ def _imports(module: str, function_level: bool) -> list[tuple[str, int]]:
             inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             visit(child, inner)
 
-    visit(ast.parse(path.read_text(), filename=str(path)), True)
-    return found
+    visit(_tree(module), True)
+    return tuple(found)
 
 
+@functools.lru_cache(maxsize=None)
 def _graph(function_level: bool) -> dict[str, set[str]]:
     return {m: {t for t, _ in _imports(m, function_level) if t in MODULES and t != m} for m in MODULES}
 
