@@ -112,13 +112,17 @@ class RunPlan:
         precision = resolve_precision(cfg, gpu=on_gpu)
         batch = _layout.validate_layout(cfg, world_size, precision)  # every cross-field rule, once
         dims = ParallelDims.of(dp=batch.dp, **_layout.model_parallel_axes(cfg.parallel))
-        return cls(dims=dims,
+        plan = cls(dims=dims,
                    batch=BatchPlan(global_batch=batch.global_batch, micro_batch=batch.micro_batch,
                                    accum=batch.accum, dp=batch.dp, seq_len=cfg.data.seq_len),
                    precision=precision, zero_stage=cfg.zero.stage, engine=ENGINE,
                    device="cuda" if on_gpu else "cpu", backend=backend,
                    sequence_parallel=cfg.parallel.sequence_parallel,
                    collective_timeout_s=cfg.parallel.collective_timeout_s, planned_from=_planned_values(cfg))
+        from .engine import check_supported  # light: the engine's own refusals, by name
+
+        check_supported(cfg, plan)
+        return plan
 
     def check_made_from(self, cfg: Config) -> None:
         """Refuse a config this plan was not built from (a Topology reused for another run's config

@@ -7,7 +7,7 @@ the installed and the tested version and the pip command that fixes it. ``MEGAFI
 turns the failure into a warning (to try a newer release on purpose).
 
 Versions are read from the installed distributions' metadata, so the check does not import the
-engines (DeepSpeed picks its accelerator at import; see ``train.env``). Keep ``TESTED`` in step with
+engines (DeepSpeed picks its accelerator at import; see ``engine/deepspeed/env.py``). Keep ``TESTED`` in step with
 ``install_requires`` in setup.py.
 """
 from __future__ import annotations

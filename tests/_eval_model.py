@@ -2,7 +2,7 @@
 
 A 512-token byte-level BPE trained on a slice of the bundled corpus, a 2-layer fixed-code GPT
 trained ~40 Adam steps on that corpus (its scores need not be good, only deterministic and not
-flat), written as a module-only checkpoint with ``megafixed.parallel.convert.write_checkpoint`` for
+flat), written as a module-only checkpoint with ``megafixed.engine.weights.write_checkpoint`` for
 any TP degree, with the run record (``run.json``) that ``load_trained_model`` reads the config from.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def train_model(tok_path: str, steps: int = 40, seed: int = 0):
 
 
 def write_run(cfg, model, run_dir: Path, tp: int = 1, tag: str = "global_step40") -> Path:
-    from megafixed.parallel.convert import write_checkpoint
+    from megafixed.engine.weights import write_checkpoint
     from megafixed.train.resume import RUN_RECORD
 
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}

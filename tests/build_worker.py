@@ -37,6 +37,7 @@ class LargestAllocation(TorchDispatchMode):
 
 def build_case(overrides: list[str]) -> list:
     from megafixed.config import load_config
+    from megafixed.engine.deepspeed.pipeline import build_pipeline  # the engine's stages under PP
     from megafixed.model import gpt
     from megafixed.parallel import build_model, setup_distributed
     from megafixed.run_plan import RunPlan
@@ -52,7 +53,7 @@ def build_case(overrides: list[str]) -> list:
 
     gpt.GPT.__init__ = recording_init
     with LargestAllocation() as mode:
-        module = build_model(cfg.model, topo, seed=cfg.train.seed)
+        module = build_model(cfg.model, topo, seed=cfg.train.seed, build_stages=build_pipeline)
     gpt.GPT.__init__ = original_init
     local = {n: p.detach().clone() for n, p in module.named_parameters()}
     result = {"rank": topo.rank, "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank, "tp": topo.tp, "pp": topo.pp,

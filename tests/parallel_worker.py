@@ -1,7 +1,7 @@
 """A minimal DeepSpeed driver for parallel-layout tests (launched by torchrun, or run alone).
 
-It uses the same seam as the trainer (``setup_distributed``, ``train.engine.build_engine`` and
-``train.step.train_step``: pipeline or plain dispatch, the once-per-step SP gradient sum), on
+It uses the same seam as the trainer (``setup_distributed``, ``megafixed.engine.build_engine`` and
+``Engine.train_step``: pipeline or plain dispatch, the once-per-step SP gradient sum), on
 synthetic token batches that depend only on (seed, step), so every layout sees the same global
 batch. Rank 0 writes ``{"loss": [...], "grad_norm": [...]}`` as JSON.
 
@@ -33,28 +33,27 @@ def global_batch(seed: int, step: int, n: int, seq: int, vocab: int) -> tuple[to
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def ds_config(cfg, dp: int) -> dict:
-    return {
-        "train_batch_size": cfg.train.global_batch,
-        "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
-        "gradient_accumulation_steps": cfg.train.global_batch // (cfg.train.micro_batch * dp),
-        "gradient_clipping": cfg.optimizer.grad_clip,
-        "zero_optimization": {"stage": cfg.zero.stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10 ** 9,
-        "wall_clock_breakdown": False,
-    }
+class CountingSync:
+    """Counts the TP all-reduces of the sequence-parallel gradient sum (one per step expected)."""
+
+    def __init__(self, sync):
+        self.sync, self.all_reduces = sync, 0
+
+    def finish(self):
+        self.sync.finish()
+        self.all_reduces += 1
 
 
 def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: int) -> dict:
-    from megafixed.train.engine import build_engine
-    from megafixed.train.step import train_step
+    from megafixed.engine import build_engine
 
-    bundle = build_engine(cfg, topo, ds_config(cfg, topo.dp), "fp32")
-    engine, opt = bundle.engine, bundle.optimizer
+    # topo.plan is the first case's plan: batch and precision are the same for every input and ZeRO
+    # stage of a case; the engine takes the stage from cfg.
+    engine = build_engine(cfg, topo)
+    sync = engine.grad_sync = CountingSync(engine.grad_sync) if engine.grad_sync is not None else None
     if load:  # weights only: how a checkpoint converted to another layout is loaded
-        engine.load_checkpoint(load, load_module_only=True, load_optimizer_states=False,
-                               load_lr_scheduler_states=False)
+        engine.ds.load_checkpoint(load, load_module_only=True, load_optimizer_states=False,
+                                  load_lr_scheduler_states=False)
     per_rank = cfg.train.global_batch // topo.dp
     micro = cfg.train.micro_batch
     losses, norms = [], []
@@ -63,14 +62,13 @@ def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: in
         tokens = torch.cat([x, y[:, -1:]], dim=1)[topo.dp_rank * per_rank:(topo.dp_rank + 1) * per_rank]
         batches = iter([tokens[i:i + micro] for i in range(0, per_rank, micro)])
         # the trainer's own step: pipeline or plain dispatch, the SP gradient sync, the DP-mean loss
-        result = train_step(engine, opt, batches, per_rank // micro, dp=topo.dp, dp_group=topo.dp_group,
-                            grad_sync=bundle.grad_sync)
+        result = engine.train_step(batches, cfg.optimizer.lr, step)
         losses.append(result.loss)
         norms.append(float("nan") if result.grad_norm is None else result.grad_norm)
     if save:
-        engine.save_checkpoint(save, tag="ckpt")
+        engine.ds.save_checkpoint(save, tag="ckpt")
     return {"loss": losses, "grad_norm": norms, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp,
-            "grad_syncs": bundle.grad_sync.all_reduces if bundle.grad_sync else None, **measured_state(engine)}
+            "grad_syncs": sync.all_reduces if sync else None, **measured_state(engine.ds)}
 
 
 def measured_state(engine) -> dict:

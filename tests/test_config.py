@@ -9,7 +9,7 @@ import yaml
 
 from megafixed.codes import FixedCode, make_code
 from megafixed.config import Config, ConfigError, load_config, resolve_code, save_config
-from megafixed.train.ds_config import batch_layout
+from megafixed.parallel.layout import batch_layout
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 

@@ -67,7 +67,7 @@ def test_cuda_rng_state_is_the_ranks_own_device(monkeypatch):
 
 
 def test_batches_for_cuda_are_pinned_before_the_copy(monkeypatch):
-    from megafixed.train.step import pinned_for
+    from megafixed.engine.batches import pinned_for
 
     tokens = torch.arange(12).reshape(2, 6)
     assert pinned_for(tokens, "cpu") is tokens  # nothing to do on a CPU run
@@ -80,7 +80,7 @@ def test_batches_for_cuda_are_pinned_before_the_copy(monkeypatch):
 
 
 def test_async_snapshot_is_an_independent_contiguous_copy():
-    from megafixed.train.async_save import CheckpointWriter, HostCopier, snapshot
+    from megafixed.engine.deepspeed.async_save import CheckpointWriter, HostCopier, snapshot
 
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     state = {"w": base, "wt": base.t(), "row": base[1], "nested": [base[:, 2], (1, "x")], "step": 7}

@@ -63,7 +63,7 @@ def random_state(m: ModelConfig, seed=0) -> dict:
 def write_run(run_dir: Path, m: ModelConfig, sd: dict, tokenizer: str, tp: int = 1, step: int = 7) -> Path:
     """A run directory as the trainer leaves it: checkpoints/<tag> in layout ``tp``, run.json, config.yaml."""
     from megafixed.config import save_config
-    from megafixed.parallel.convert import write_checkpoint
+    from megafixed.engine.weights import write_checkpoint
     from megafixed.train.resume import write_run_record
 
     cfg = Config(model=m)

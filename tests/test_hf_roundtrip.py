@@ -43,7 +43,7 @@ def tokenizer(tmp_path_factory):
 
 def write_run(run_dir: Path, m: ModelConfig, model: GPT, tokenizer: Path) -> Path:
     from megafixed.config import save_config
-    from megafixed.parallel.convert import write_checkpoint
+    from megafixed.engine.weights import write_checkpoint
     from megafixed.train.resume import write_run_record
 
     cfg = Config(model=m)

@@ -137,7 +137,7 @@ def test_tied_head_shares_the_table_and_init_scales_residual_outputs():
 
 
 def test_ids_beyond_the_model_vocab_are_refused_on_the_host_with_the_fix():
-    from megafixed.train.step import TokenRangeError, split_tokens
+    from megafixed.engine.batches import TokenRangeError, split_tokens
 
     ok = torch.tensor([[0, 999, 5]])
     inputs, labels = split_tokens(ok, "cpu", vocab_size=1000)

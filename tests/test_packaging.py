@@ -149,19 +149,19 @@ def test_failed_preparation_leaves_no_cache_folders(tmp_path, monkeypatch):
 
 
 def test_runtime_env_defaults_extensions_dir_to_the_user_cache(tmp_path, monkeypatch):
-    from megafixed.train.env import prepare_runtime_env
+    from megafixed.engine.deepspeed.env import prepare_runtime_env
 
     monkeypatch.setenv("MEGAFIXED_CACHE_DIR", str(tmp_path / "mf"))
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     prepare_runtime_env()
-    # One folder per environment (python, torch, DeepSpeed, compiler flags, CPU): train/ds_ops.py.
-    from megafixed.train.ds_ops import build_key
+    # One folder per environment (python, torch, DeepSpeed, compiler flags, CPU): engine/deepspeed/ops.py.
+    from megafixed.engine.deepspeed.ops import build_key
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mf" / "torch_extensions" / build_key())
     assert not (tmp_path / "mf").exists()
 
 
 def test_known_library_noise_is_filtered_and_the_rest_is_not():
-    from megafixed.train.env import quiet_library_noise
+    from megafixed.engine.deepspeed.env import quiet_library_noise
 
     quiet_library_noise()
     quiet_library_noise()  # idempotent

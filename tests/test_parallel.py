@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from megafixed.config import load_config
+from megafixed.engine.weights import gather_state_dict, shard_state_dict, write_checkpoint
 from megafixed.parallel import LayoutError, check_layout
-from megafixed.parallel.convert import gather_state_dict, shard_state_dict, write_checkpoint
 from megafixed.parallel.dims import ParallelDims
 from megafixed.parallel.memory import Layout, estimate, stage_params
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _train_data import REFERENCE_STEPS, reference_overrides
-from megafixed.parallel.convert import gather_state_dict
+from megafixed.engine.weights import gather_state_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = REFERENCE_STEPS
@@ -111,7 +111,7 @@ def test_train_pp2_learned_matches_and_resumes(shards, reference, torchrun, tmp_
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind,layout", [
-    # ZeRO-0: the trainer computes the norm itself (megafixed.parallel.grad_norm), with SP's
+    # ZeRO-0: the trainer computes the norm itself (megafixed.engine.deepspeed.grad_norm), with SP's
     # all-reduced norm gradients counted once
     ("learned", ("parallel.tp=2", "parallel.sequence_parallel=true", "zero.stage=0")),
     ("canonical", ("zero.stage=3",)),

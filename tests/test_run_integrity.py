@@ -209,18 +209,24 @@ def test_convert_writes_a_manifest_and_run_record_that_inspect_and_readers_verif
 
 # ----------------------------------------------------------------------------------- one writer
 def test_resume_loads_the_tag_it_was_given_not_a_moved_latest(ws, tmp_path):
-    from megafixed.train import checkpoint
+    from types import SimpleNamespace
+
+    from megafixed.config import load_config
+    from megafixed.train.checkpoint import Checkpointer, ResumePoint
 
     run = _copy_run(ws, tmp_path)
+    point = ResumePoint(tag=TAG2, tag_dir=run / "checkpoints" / TAG2)  # what the resume read and verified
     (run / "checkpoints" / "latest").write_text(TAG4 + "\n")  # another process moved it after we read TAG2
     seen = []
 
     class Engine:
-        def load_checkpoint(self, load_dir, tag, **kw):
-            seen.append(tag)
-            return load_dir, {"rng": []}
+        def load(self, tag_dir, relayout=False):
+            seen.append(tag_dir.name)
+            return {"rng": []}
 
-    checkpoint.load(Engine(), run / "checkpoints", 0, tag=TAG2)
+    cfg = load_config(str(run / "config.yaml"), [f"train.run_dir={run}"])
+    topo = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, is_main=True)
+    Checkpointer(cfg, topo, "fp32").load(Engine(), point)
     assert seen == [TAG2]
 
 

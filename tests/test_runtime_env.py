@@ -6,8 +6,8 @@ import sys
 import types
 import warnings
 
-from megafixed.train import ds_ops
-from megafixed.train.env import quiet_library_noise
+from megafixed.engine.deepspeed import ops as ds_ops
+from megafixed.engine.deepspeed.env import quiet_library_noise
 
 
 def test_the_extensions_folder_changes_with_what_changes_the_build(monkeypatch):

@@ -112,9 +112,11 @@ def test_codes_round_trip_through_checkpoints_and_a_changed_seed_is_refused(shar
 def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line_naming_the_run_config(tmp_path):
     # torch's load_state_dict error lists every mismatched tensor on its own line; the CLI error
     # used to be dozens of lines long. Now: one line, the first few mismatches, the fix.
+    from megafixed.engine.deepspeed.engine import load_files
     from megafixed.train import checkpoint
 
-    (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)
+    tag_dir = tmp_path / "checkpoints" / "step_00000003"
+    tag_dir.mkdir(parents=True)
     checkpoint.write_latest(tmp_path / "checkpoints", "step_00000003")
     lines = [f"\tsize mismatch for blocks.{i}.attn.wq.weight: copying a param with shape [32, 32]" for i in range(20)]
 
@@ -123,7 +125,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line_naming_the_run_co
             raise RuntimeError("Error(s) in loading state_dict for GPT:\n" + "\n".join(lines))
 
     with pytest.raises(CheckpointError) as err:
-        checkpoint.load(Engine(), tmp_path / "checkpoints", rank=0)
+        load_files(Engine(), tag_dir, tag_dir.parent, tag_dir.name)
     msg = str(err.value)
     assert "\n" not in msg and "(+18 more)" in msg and "blocks.1.attn" in msg and "blocks.2.attn" not in msg
     assert f"model.* back to the run's own {tmp_path / 'config.yaml'}" in msg
@@ -134,7 +136,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line_naming_the_run_co
 
     with pytest.raises(CheckpointError, match=r"step_00000003: it is incomplete or corrupt .*optim_states\.pt.*"
                                               r"point .*latest at an earlier tag"):
-        checkpoint.load(Truncated(), tmp_path / "checkpoints", rank=0)
+        load_files(Truncated(), tag_dir, tag_dir.parent, tag_dir.name)
 
 
 def test_latest_pointer_and_pruning(shards, tmp_path):
@@ -157,7 +159,7 @@ def _poison_lr(*extra):
 
 
 def test_nonfinite_loss_stops_with_a_clear_message(shards, tmp_path):
-    from megafixed.train.step import NonFiniteLossError
+    from megafixed.engine import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError, match=r"step 2: the training loss is nan.*on_nonfinite=skip"):
         run(shards, tmp_path, *_poison_lr("train.max_steps=4"), poison_lr=True)
@@ -166,9 +168,10 @@ def test_nonfinite_loss_stops_with_a_clear_message(shards, tmp_path):
 def _engine(cfg, module):
     import deepspeed
 
+    from megafixed.engine.deepspeed.config import deepspeed_config
     from megafixed.parallel import setup_distributed
+    from megafixed.parallel.layout import batch_layout
     from megafixed.run_plan import RunPlan
-    from megafixed.train.ds_config import batch_layout, deepspeed_config
     from megafixed.train.optim import build_optimizer
 
     topo = setup_distributed(RunPlan.for_launch(cfg))
@@ -181,8 +184,8 @@ def _engine(cfg, module):
 @pytest.mark.parametrize("stage", [0, 1])
 def test_nonfinite_skip_drops_the_update(shards, tmp_path, stage):
     from megafixed.data.gpt_dataset import build_datasets, micro_batches
+    from megafixed.engine.deepspeed.step import train_step
     from megafixed.model import GPT
-    from megafixed.train.step import train_step
 
     cfg = load_config(None, tiny_overrides(shards, tmp_path, f"zero.stage={stage}"))
     model = GPT(cfg.model)
@@ -212,11 +215,11 @@ def test_pipeline_engine_branch_matches_plain_engine(shards, tmp_path):
     from torch import nn
 
     from megafixed.data.gpt_dataset import build_datasets, micro_batches
+    from megafixed.engine.deepspeed.step import eval_loss, train_step
     from megafixed.model import GPT
     from megafixed.parallel import setup_distributed
+    from megafixed.parallel.layout import batch_layout
     from megafixed.run_plan import RunPlan
-    from megafixed.train.ds_config import batch_layout
-    from megafixed.train.step import eval_loss, train_step
 
     cfg = load_config(None, tiny_overrides(shards, tmp_path, "model.input=canonical"))
     topo = setup_distributed(RunPlan.for_launch(cfg))
@@ -264,8 +267,8 @@ def test_pipeline_engine_branch_matches_plain_engine(shards, tmp_path):
 
 
 def test_half_precision_keeps_the_code_buffers_exact():
+    from megafixed.engine.dtypes import restore_exact_buffers
     from megafixed.model import GPT
-    from megafixed.train.engine import restore_exact_buffers
 
     model = GPT(load_config(None, ["model.input=gf2", "model.code_scale=0.3", "model.n_layers=1",
                                    "model.d_model=64", "model.n_heads=4", "model.vocab_size=256",

@@ -182,7 +182,7 @@ def test_dry_run_plans_a_gpu_run_on_a_cpu_machine(shards, capsys):
 
 
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_dir(shards, tmp_path):
-    from megafixed.train.step import NonFiniteLossError
+    from megafixed.engine import NonFiniteLossError
 
     cfg = load_config(None, tiny_overrides(shards, tmp_path / "run", "train.max_steps=4", "train.eval_interval=0",
                                            "optimizer.grad_clip=0.0", "zero.stage=0", "schedule.warmup_steps=0"))

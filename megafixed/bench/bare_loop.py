@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..train.engine import COMPUTE_DTYPES
+from ..engine.dtypes import COMPUTE_DTYPES
 
 
 class BareLoopState:

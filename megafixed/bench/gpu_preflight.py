@@ -16,10 +16,13 @@ import time
 from pathlib import Path
 
 # module -> distribution whose version is printed. triton is needed only where there is a GPU.
-MODULES = {"torch": "torch", "numpy": "numpy", "yaml": "pyyaml", "deepspeed": "deepspeed",
+# DeepSpeed is imported through the engine package (the only one that imports it): its module that
+# imports DeepSpeed at import time stands for it, and DeepSpeed's version is printed.
+MODULES = {"torch": "torch", "numpy": "numpy", "yaml": "pyyaml", "megafixed.engine.deepspeed.async_save": "deepspeed",
            "megatron.core": "megatron-core", "sentencepiece": "sentencepiece", "tokenizers": "tokenizers",
            "zstandard": "zstandard", "pydantic": "pydantic", "hjson": "hjson", "megafixed": None,
-           "megafixed.kernels.fused_first_layer": None, "megafixed.train.step": None}
+           "megafixed.kernels.fused_first_layer": None, "megafixed.engine.deepspeed.step": None}
+SAID_AS = {"megafixed.engine.deepspeed.async_save": "deepspeed"}  # a failed import names the library
 
 
 def _version(dist):
@@ -38,7 +41,7 @@ def preflight() -> tuple[dict, list[str]]:
         try:
             importlib.import_module(mod)
         except Exception as exc:  # noqa: BLE001 - any import failure is what we report
-            problems.append(f"cannot import {mod}: {type(exc).__name__}: {exc}"[:300])
+            problems.append(f"cannot import {SAID_AS.get(mod, mod)}: {type(exc).__name__}: {exc}"[:300])
             continue
         if dist:
             versions[dist] = _version(dist)
@@ -59,9 +62,9 @@ def preflight() -> tuple[dict, list[str]]:
 
     problems += engine_problems()
     try:
-        from deepspeed.accelerator import get_accelerator
+        from ..engine import accelerator_name
 
-        info["deepspeed_accelerator"] = get_accelerator().device_name()
+        info["deepspeed_accelerator"] = accelerator_name()
         if cuda and info["deepspeed_accelerator"] != "cuda":
             problems.append(f"DeepSpeed picked the {info['deepspeed_accelerator']!r} accelerator, not cuda: "
                             f"unset DS_ACCELERATOR")

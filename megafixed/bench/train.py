@@ -89,31 +89,27 @@ class FrameworkLoop(_Loop):
     name = "framework"
 
     def __init__(self, cfg, topo, datasets):
-        from ..data.gpt_dataset import micro_batches
-        from ..train.ds_config import deepspeed_config
-        from ..train.engine import build_engine
+        import copy
 
-        plan = topo.plan
-        layout = plan.batch
-        self.bundle = build_engine(cfg, topo, deepspeed_config(cfg, layout, plan.precision), plan.precision)
-        super().__init__(self.bundle.engine.device)
+        from ..data.gpt_dataset import micro_batches
+        from ..engine import build_engine
+
+        cfg = copy.deepcopy(cfg)
+        cfg.train.on_nonfinite = "skip"  # a benchmark measures time; a non-finite loss must not stop it
+        self.engine = build_engine(cfg, topo)
+        layout = topo.plan.batch
+        super().__init__(self.engine.device)
         self.cfg, self.topo, self.layout = cfg, topo, layout
         self.batches = micro_batches(datasets["train"], start_sample=0, micro_batch=layout.micro_batch,
                                      dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
         self.n = 0
 
     def step(self) -> None:
-        from ..train.step import train_step
-
-        for group in self.bundle.optimizer.param_groups:
-            group["lr"] = self.cfg.optimizer.lr
-        train_step(self.bundle.engine, self.bundle.optimizer, self.batches, self.layout.accum, dp=self.topo.dp,
-                   dp_group=self.topo.dp_group, on_nonfinite="skip", step=self.n, grad_sync=self.bundle.grad_sync,
-                   vocab_size=self.cfg.model.vocab_size)
+        self.engine.train_step(self.batches, self.cfg.optimizer.lr, self.n)
         self.n += 1
 
     def close(self) -> None:
-        self.bundle = self.batches = None
+        self.engine = self.batches = None
 
 
 class BareLoop(_Loop):
@@ -123,15 +119,16 @@ class BareLoop(_Loop):
         from ..data.gpt_dataset import micro_batches
         from .bare_loop import BareLoopState
 
-        super().__init__(topo.device)
         layout = topo.plan.batch
+
+        super().__init__(topo.device)
         self.state = BareLoopState(cfg, topo, topo.plan.precision)  # the engine's numerics in plain torch
         self.cfg, self.accum = cfg, layout.accum
         self.batches = micro_batches(datasets["train"], start_sample=0, micro_batch=layout.micro_batch, dp_rank=0,
                                      dp_size=1, num_workers=cfg.data.num_workers)
 
     def step(self) -> None:
-        from ..train.step import split_tokens
+        from ..engine import split_tokens
 
         self.state.step([split_tokens(next(self.batches), self.device, self.cfg.model.vocab_size)
                          for _ in range(self.accum)])
@@ -259,10 +256,10 @@ def report_lines(r: dict) -> list[str]:
 def run(args) -> int:
     from ..config import ConfigError, load_config
     from ..data.prepare import prepare_data
+    from ..engine import prepare_runtime_env
     from ..outputs import claim_output
     from ..parallel import setup_distributed
     from ..run_plan import RunPlan
-    from ..train.env import prepare_runtime_env
 
     if args.steps < 1 or args.warmup_steps < 0 or (args.rounds is not None and args.rounds < 1) or (
             args.threads is not None and args.threads < 1):

@@ -4,7 +4,7 @@ CKPT is a run's ``checkpoints`` directory (its ``latest`` tag is used), a tag di
 with ``--tag``. The weights of any (TP, PP) layout are gathered into a plain GPT state dict, then
 written as a module-only DeepSpeed checkpoint for (T, P) under OUT (or, with ``--plain``, as one
 ``torch.save`` file a plain ``GPT.load_state_dict`` reads). Optimizer state is not converted; see
-``megafixed.parallel.convert``.
+``megafixed.engine.weights``.
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ def run(args) -> int:
     import torch
 
     from ..atomic import atomic_path
-    from ..outputs import claim_output, ensure_parent, writing
-    from ..parallel.convert import (
+    from ..engine.weights import (
         ConvertError,
         check_target_layout,
         detect_layout,
@@ -41,6 +40,7 @@ def run(args) -> int:
         resolve_tag_dir,
         write_checkpoint,
     )
+    from ..outputs import claim_output, ensure_parent, writing
 
     if args.tp < 1 or args.pp < 1:  # cheap checks before reading gigabytes
         raise ConvertError(f"--tp {args.tp} and --pp {args.pp} must both be >= 1")
@@ -75,20 +75,20 @@ def run(args) -> int:
 
 
 def _universal(args, tag_dir) -> int:
-    """ZeRO-1/2 checkpoint -> DeepSpeed universal checkpoint (``megafixed.train.universal``)."""
+    """ZeRO-1/2 checkpoint -> DeepSpeed universal checkpoint (``megafixed.engine.deepspeed.universal``)."""
     from pathlib import Path
 
     from ..config import config_from_dict
+    from ..engine.weights import ConvertError
     from ..outputs import claim_output, writing
-    from ..parallel.convert import ConvertError
     from ..train.resume import read_run_record
 
     record = read_run_record(tag_dir)
     if not record or "config" not in record:
         raise ConvertError(f"{tag_dir} has no run.json (written by `megafixed train`), so the model it belongs to "
                            f"is unknown; --universal converts checkpoints of megafixed runs only")
-    from ..train.env import prepare_runtime_env
-    from ..train.universal import to_universal
+    from ..engine import prepare_runtime_env
+    from ..engine.weights import to_relayout_format as to_universal
 
     prepare_runtime_env()
     model_cfg = config_from_dict(record["config"]).model

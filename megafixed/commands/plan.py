@@ -49,7 +49,7 @@ def _rank_key(est, budget):
 
 
 def run(args) -> int:
-    from ..train.env import prepare_runtime_env
+    from ..engine import prepare_runtime_env
 
     prepare_runtime_env()  # DeepSpeed's partitioner is imported below: quiet, CPU-safe
     from ..model.interfaces import interface_of

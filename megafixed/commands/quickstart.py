@@ -50,8 +50,8 @@ def run(args) -> int:
     import signal
 
     from .. import exit_codes
+    from ..engine import prepare_runtime_env
     from ..errors import report
-    from ..train.env import prepare_runtime_env
     from ..train.stop import StopRequest
 
     prepare_runtime_env()

@@ -37,10 +37,10 @@ def add_arguments(p):
 
 def run(args) -> int:
     from ..config import ConfigError
+    from ..engine import prepare_runtime_env
     from ..study.plan import parse_grid, parse_list, plan_runs
     from ..study.report import write_report
     from ..study.runner import StudyStopped, is_finished, run_config, run_study
-    from ..train.env import prepare_runtime_env
 
     prepare_runtime_env()
     out = Path(args.out).resolve()

@@ -98,13 +98,13 @@ def _check_plan(cfg, world: int, gpu: bool, data: bool) -> None:
     data paths) and the resume check the job would make at its start against an existing run
     directory. A dry run only warns about missing data: scripts are often written where the shards
     are not (yet)."""
+    from ..engine import engine_config
     from ..launch.preflight import check_run_dir_takes
     from ..run_plan import RunPlan
-    from ..train.ds_config import deepspeed_config
     from .train import _check_data_paths
 
     plan = RunPlan.build(cfg, world, gpu=gpu)  # what each rank of the job will build at its start
-    deepspeed_config(cfg, plan.batch, plan.precision, gpu=plan.on_gpu)
+    engine_config(cfg, plan)
     check_run_dir_takes(cfg, plan)
     try:
         _check_data_paths(cfg)

@@ -36,8 +36,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    from ..engine import prepare_runtime_env
     from ..errors import report
-    from ..train.env import prepare_runtime_env
 
     if args.dry_run:
         try:
@@ -95,9 +95,9 @@ def dry_run(args) -> int:
     import yaml
 
     from ..config import resolve_code
+    from ..engine import engine_config
     from ..parallel.topology import launch_world
     from ..run_plan import RunPlan
-    from ..train.ds_config import deepspeed_config
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or launch_world()[0]
@@ -108,7 +108,7 @@ def dry_run(args) -> int:
         # Planning a cluster run on a laptop or login node: the shards live where the run will start.
         print(f"warning: {exc} (a dry run plans anyway; the shards must exist where the run starts)",
               file=sys.stderr)
-    ds = deepspeed_config(cfg, plan.batch, plan.precision, gpu=plan.on_gpu)
+    ds = engine_config(cfg, plan)
     print("# resolved config")
     print(yaml.safe_dump(resolve_code(cfg).to_dict(), sort_keys=False).rstrip())
     print("# deepspeed config (written to <run_dir>/ds_config.json by a real run)")

@@ -473,8 +473,8 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Callab
     """``megafixed import hf``: a run-shaped folder ``out_dir`` (``config.yaml`` +
     ``checkpoints/imported``) that ``generate``/``export`` read and ``train.init_from`` starts from."""
     from ..config import Config, save_config
+    from ..engine.weights import write_checkpoint
     from ..outputs import claim_output, writing
-    from ..parallel.convert import write_checkpoint
     from ..train.manifest import describe
     from ..train.run_dir import RunDirectory
 

@@ -55,7 +55,7 @@ class FixedCodeInput(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # No range check here: it would cost a device-to-host sync on every micro batch. Ids are
         # checked where data enters (shards at preparation, every batch on the host before the
-        # copy to the device: ``megafixed.train.step.check_token_ids``).
+        # copy to the device: ``megafixed.engine.batches.check_token_ids``).
         # Imported lazily: the dispatch pulls in Triton only when a CUDA tensor needs it.
         from ..kernels import token_codes
         return token_codes(ids, self.code, self.d_model, dtype=self.out_dtype, validate=False)

@@ -7,9 +7,9 @@ The seam the trainer, evaluation and tests use::
 
 Each kind of parallelism lives in its own module and takes the model config plus the topology:
 ``layout.py`` (the one validator), ``topology.py`` (process groups), ``tensor.py`` (megatron-core
-TP/SP layers), ``pipeline.py`` (DeepSpeed pipeline stages), ``grads.py`` (the once-per-step
-sequence-parallel gradient sum), ``sequence.py`` (SP collectives), ``grad_norm.py``, ``convert.py``
-(checkpoint layouts) and ``memory.py`` (``megafixed plan``).
+TP/SP layers), ``pipeline.py`` (the layer list of pipeline stages; the stages are the engine's),
+``grads.py`` (the once-per-step sequence-parallel gradient sum), ``sequence.py`` (SP collectives)
+and ``memory.py`` (``megafixed plan``).
 """
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from .topology import Topology, setup_distributed  # noqa: F401
 
 
 def build_model(model_cfg, topo: "Topology", *, seed: int, pp_partition: str = "parameters",
-                activation_checkpointing: bool = False, compute_dtype=None):
+                activation_checkpointing: bool = False, compute_dtype=None, build_stages=None):
     """This rank's part of the model, with exactly the single-process initial values.
 
     The GPT is built on the meta device (no memory), TP swaps its layers (still meta), the
     pipeline keeps this stage's layers, and only then does each rank give *its* parameters storage
     and fill them from the per-parameter generators (``model.gpt.init_parameters``), sliced for
-    its TP shard. No rank ever holds the full model.
+    its TP shard. No rank ever holds the full model. Under PP the stages are the engine's:
+    ``build_stages`` (e.g. ``megafixed.engine.deepspeed.pipeline.build_pipeline``) makes them.
     """
     from ..model.gpt import meta_gpt
 
@@ -40,14 +41,17 @@ def build_model(model_cfg, topo: "Topology", *, seed: int, pp_partition: str = "
         _materialize(module, model_cfg, topo, seed, full_shapes, name_of)
 
     if topo.pp > 1:
-        from .pipeline import build_pipeline, pipe_key_to_gpt
+        from .pipeline import pipe_key_to_gpt
+
+        if build_stages is None:  # a caller bug, not input: stages are built through megafixed.engine
+            raise RuntimeError("parallel.pp > 1 needs an engine's build_stages (megafixed.engine.build_engine)")
 
         def stage_names(local: str) -> str:
             idx, rest = local.split(".", 1)
             return pipe_key_to_gpt(int(idx), rest, model_cfg.n_layers)
 
-        return build_pipeline(model, topo, pp_partition, activation_checkpointing,
-                              materialize=lambda stage: materialize(stage, stage_names))
+        return build_stages(model, topo, pp_partition, activation_checkpointing,
+                            materialize=lambda stage: materialize(stage, stage_names))
     materialize(model)
     model.activation_checkpointing = activation_checkpointing
     return model

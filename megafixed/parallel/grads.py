@@ -7,6 +7,9 @@ Megatron does that once per optimizer step, at the accumulation boundary, with o
 all-reduce (``finalize_model_grads``); so do we wherever DeepSpeed leaves the gradients in place
 until the boundary:
 
+The engine tells it where a gradient is at the boundary (``grad_of``: DeepSpeed's BF16 optimizer
+keeps it in ``_hp_grad``, ``megafixed.engine.deepspeed.engine.hp_grad``). In the DeepSpeed engine:
+
 * plain engine, ZeRO 0/1: ``TPGradSync.finish`` runs after the last micro batch's backward with
   DeepSpeed's backward all-reduce deferred (``engine.enable_backward_allreduce = False``), then
   hands over to ``engine.allreduce_gradients()``;
@@ -19,6 +22,8 @@ design), so there is no later point: the TP sum has to happen in a gradient hook
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,30 +33,23 @@ def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.requires_grad]
 
 
-def _grad_of(p: torch.Tensor):
-    # DeepSpeed's BF16 optimizer moves each micro batch's gradient into an fp32 ``_hp_grad``
-    # accumulator and frees ``p.grad``; that accumulator is the gradient at the boundary.
-    hp = getattr(p, "_hp_grad", None)
-    return hp if hp is not None else p.grad
-
-
 class TPGradSync:
     """Sum sequence-parallel gradients over the TP group: once per step, coalesced."""
 
-    def __init__(self, params: list[nn.Parameter], group):
+    def __init__(self, params: list[nn.Parameter], group, grad_of: Callable = lambda p: p.grad):
         self.params = params
         self.group = group
-        self.all_reduces = 0  # how many collectives ran (tests check "one per step")
+        self.grad_of = grad_of  # where the engine keeps a parameter's gradient at the boundary
 
     @classmethod
-    def for_module(cls, module: nn.Module, topo) -> "TPGradSync | None":
+    def for_module(cls, module: nn.Module, topo, grad_of: Callable = lambda p: p.grad) -> "TPGradSync | None":
         params = sequence_parallel_params(module)
-        return cls(params, topo.tp_group) if params and topo.tp > 1 else None
+        return cls(params, topo.tp_group, grad_of) if params and topo.tp > 1 else None
 
     @torch.no_grad()
     def finish(self) -> None:
         """One all-reduce of every sequence-parallel gradient, flattened (per dtype)."""
-        grads = [g for g in (_grad_of(p) for p in self.params) if g is not None]
+        grads = [g for g in (self.grad_of(p) for p in self.params) if g is not None]
         by_dtype: dict = {}
         for g in grads:
             by_dtype.setdefault((g.dtype, g.device), []).append(g)
@@ -60,7 +58,6 @@ class TPGradSync:
             dist.all_reduce(flat, group=self.group)
             for g, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                 g.copy_(synced)
-            self.all_reduces += 1
 
     def install_hooks(self) -> None:
         """ZeRO >= 2 only: sum each gradient over TP as autograd produces it (see module docstring)."""

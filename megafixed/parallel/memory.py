@@ -105,18 +105,18 @@ def layer_params(m, tp: int = 1) -> list[int]:
 def stage_bounds(m, layout: Layout, partition: str = "parameters") -> list[int]:
     """Layer boundaries of the pipeline stages, computed by DeepSpeed's own partitioner with the
     same weights ``PipelineModule`` uses (so the plan matches the real split)."""
-    from deepspeed.runtime import utils as ds_utils
+    from ..engine import stage_bounds as engine_stage_bounds
 
     n_items = m.n_layers + 2
     if layout.pp == 1:
         return [0, n_items]
     if partition == "uniform":
-        return ds_utils.partition_uniform(num_items=n_items, num_parts=layout.pp)
+        return engine_stage_bounds([1] * n_items, layout.pp, "uniform")
     if partition == "type:Block":
         weights = [0] + [1] * m.n_layers + [0]
     else:
         weights = layer_params(m, layout.tp)
-    return ds_utils.partition_balanced(weights=weights, num_parts=layout.pp)
+    return engine_stage_bounds(weights, layout.pp, "balanced")
 
 
 def blocks_per_stage(m, layout: Layout, partition: str = "parameters") -> list[int]:

@@ -1,11 +1,14 @@
-"""Training on one node with DeepSpeed.
+"""Training, on any number of nodes, through the engine seam (``megafixed.engine``).
 
-* ``trainer.train(cfg)`` -- the loop: resume, step, log, validate, save (``megafixed train``).
-* ``step.train_step / eval_loss`` -- the one place that dispatches plain vs pipeline engines.
-* ``checkpoint`` -- DeepSpeed shards + our atomic ``latest`` pointer, RNG capture, pruning.
+* ``trainer.train(cfg, topo)`` -- the loop (``megafixed train``): resume, step, validate, log,
+  save, stop, each component deciding when it acts.
+* ``checkpoint.Checkpointer`` -- the engine-agnostic commit protocol (markers, sizes, run record,
+  manifest, atomic ``latest``, rotation, RNG), the resume point and its cadence; ``resume`` (the
+  config check), ``run_record``, ``manifest``, ``run_dir.RunDirectory`` (every file name).
+* ``validation.Validator``, ``step_log.StepLog`` (metrics records, progress lines), ``stop``.
 * ``evaluate.evaluate_loss / load_trained_model`` -- reusable evaluation.
-* ``schedule.LRSchedule``, ``optim.build_optimizer``, ``ds_config.batch_layout / deepspeed_config``,
-  ``metrics.MetricsLog``, ``env.prepare_runtime_env`` (call before importing deepspeed).
+* ``schedule.LRSchedule``, ``optim.build_optimizer``, ``metrics``.
 
+The engine itself (DeepSpeed today) is ``megafixed.engine``; nothing here imports DeepSpeed.
 Nothing is imported here so that ``import megafixed.train.schedule`` stays light.
 """

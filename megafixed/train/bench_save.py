@@ -16,7 +16,7 @@ import time
 
 
 def main(argv=None) -> None:
-    from ..train.env import prepare_runtime_env
+    from ..engine import prepare_runtime_env
 
     prepare_runtime_env()
     from ..config import load_config

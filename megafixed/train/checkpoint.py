@@ -1,13 +1,20 @@
-"""Checkpoints: DeepSpeed writes the shards, we own the ``latest`` pointer.
+"""Checkpoints: the engine writes its files into the tag directory, the ``Checkpointer`` does the
+rest, once, for any engine.
 
-Layout: ``<run_dir>/checkpoints/step_00000100/`` (DeepSpeed's files for that step, ``run.json``,
-``manifest.json``) and ``<run_dir>/checkpoints/latest`` (one line: the tag). DeepSpeed's own
-``latest`` is written before every rank has finished its shards; ours is written by rank 0 only
-after every rank reported its files written and fsynced (``MARKER``), their sizes checked and the
-manifest written, via a temporary file and ``os.replace`` -- so a crash (kill -9) mid-save leaves
-``latest`` on the previous, complete checkpoint. The files themselves go through
-``async_save.CheckpointWriter`` (checksums as written; in the background with
-``train.async_save=true``).
+Layout (``RunDirectory``): ``<run_dir>/checkpoints/step_00000100/`` (the engine's files for that
+step, ``run.json`` and ``manifest.json``) and ``<run_dir>/checkpoints/latest`` (one line: the
+tag). The commit protocol: every rank's RNG state gathered into the client state; the engine
+writes its files (in the background with ``train.async_save=true``) and reports each one's size
+and sha256; each rank then writes a marker (``MARKER``) listing them; rank 0 waits for every
+rank's marker, checks every file's size on disk, writes the run record and the manifest and only
+then moves ``latest`` -- via a temporary file and ``os.replace`` -- and rotates old tags
+(``train.keep_checkpoints``). A crash (kill -9) at any point leaves ``latest`` on the previous,
+complete checkpoint; a full disk or a refused write is named (``save_faults.py``). Loading is the
+same in reverse: verify the files against the manifest, check the run record against the new
+config (``resume.py``), let the engine load (re-layout if the layout changed), restore RNG.
+
+The checkpointer also decides its own cadence: ``train.save_interval``, the last step and a stop
+request (``save(..., force=True)``).
 """
 from __future__ import annotations
 
@@ -16,24 +23,19 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_write_text
-from .run_dir import LATEST, TAG_RE, CheckpointError, read_latest  # noqa: F401 -- re-exported
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def tag_step(tag: str) -> int:
-    m = TAG_RE.match(tag)
-    return int(m.group(1)) if m else -1
+from . import manifest
+from .resume import check_resume, layout_changes
+from .run_dir import LATEST, TAG_RE, CheckpointError, RunDirectory, read_latest, tag_for, tag_step  # noqa: F401
+from .run_record import read_run_record, run_record, write_run_record
 
 
 def write_latest(ckpt_dir: str | os.PathLike, tag: str) -> None:
@@ -93,73 +95,19 @@ def gather_rng_states() -> list[dict]:
     return out
 
 
-# ----------------------------------------------------------------------------------- save / load
+def restore_rng(client: dict, rank: int) -> None:
+    states = client.get("rng") or []
+    if len(states) == (dist.get_world_size() if dist.is_initialized() else 1):
+        set_rng_state(states[rank])
+    elif states:
+        # A different world size: RNG streams cannot map one to one; keep rank 0's, offset by rank.
+        set_rng_state(states[0])
+        torch.manual_seed(torch.initial_seed() + rank)
+
+
+# ----------------------------------------------------------------------------------- commit
 MARKER = ".files.rank{:05d}.json"  # a rank's written files, its signal that they are complete
 COMMIT_TIMEOUT_S = 3600.0
-
-
-def writer_of(engine, async_save: Optional[bool] = None):
-    """The engine's ``CheckpointWriter`` (installed on first use; ``async_save`` switches the mode)."""
-    from .async_save import CheckpointWriter
-
-    writer = getattr(engine, "checkpoint_engine", None)
-    if not isinstance(writer, CheckpointWriter):
-        writer = CheckpointWriter(bool(async_save), getattr(engine, "_config", None))
-        engine.checkpoint_engine = writer
-    elif async_save is not None:
-        writer.async_save = bool(async_save)
-    return writer
-
-
-def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, keep: int, is_main: bool,
-         run_record: Optional[dict] = None, meta: Optional[dict] = None) -> str:
-    """DeepSpeed's shards (through our ``CheckpointWriter``), then -- once every rank's files are
-    written -- the run record, the manifest and ``latest`` (rank 0). A crash at any point leaves
-    ``latest`` on the previous complete checkpoint. With an async writer this returns while the
-    files are still being written; the next ``save`` (or ``wait_for_saves``) waits for them."""
-    tag = tag_for(step)
-    tag_dir = Path(ckpt_dir) / tag
-    writer = writer_of(engine)
-    writer.begin()  # a save in flight completes first
-    distributed = dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    if is_main and tag_dir.exists() and _latest_or_none(ckpt_dir) != tag:
-        shutil.rmtree(tag_dir)  # left by an interrupted save: its files must not mix with ours
-    client_state = {**client_state, "rng": gather_rng_states()}
-    if distributed:
-        dist.barrier()
-
-    def failed(exc: BaseException, asynchronous: bool = False) -> BaseException:
-        # full disk / quota / permissions named; the partial tag removed; `latest` untouched
-        from .save_faults import named
-        return named(exc, Path(ckpt_dir), tag, is_main, writer.handed_bytes, asynchronous)
-
-    def on_written(records: dict) -> None:
-        mine = {os.path.relpath(path, tag_dir): rec for path, rec in records.items()}
-        atomic_write_text(tag_dir / MARKER.format(rank), json.dumps(mine))
-        if is_main:
-            _commit(Path(ckpt_dir), tag, world, keep, run_record, meta or {})
-
-    try:
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-        writer.finish(on_written, on_failed=lambda exc: failed(exc, asynchronous=True))
-    except Exception as exc:
-        err = failed(exc)
-        if err is exc:
-            raise
-        raise err from exc
-    if distributed and not writer.async_save:
-        dist.barrier()  # sync: when save returns on any rank, `latest` names this checkpoint
-    return tag
-
-
-def wait_for_saves(engine) -> None:
-    """Block until this rank's save in flight is written (rank 0: and committed)."""
-    from .async_save import CheckpointWriter
-
-    writer = getattr(engine, "checkpoint_engine", None)
-    if isinstance(writer, CheckpointWriter):
-        writer.wait()
 
 
 def _latest_or_none(ckpt_dir) -> Optional[str]:
@@ -169,11 +117,10 @@ def _latest_or_none(ckpt_dir) -> Optional[str]:
         return None
 
 
-def _commit(ckpt_dir: Path, tag: str, world: int, keep: int, run_record: Optional[dict], meta: dict) -> None:
-    """Rank 0, after its own files: wait for every rank's, check them, write run record, manifest, latest."""
-    from . import manifest
-    from .resume import write_run_record
-
+def commit(ckpt_dir: Path, tag: str, world: int, keep: int, record: Optional[dict], meta: dict,
+           derived: tuple = ()) -> None:
+    """Rank 0, after its own files: wait for every rank's, check them, write run record, manifest, latest.
+    ``derived``: sub-folders the engine makes from a checkpoint later (not part of what was saved)."""
     tag_dir = ckpt_dir / tag
     markers = [tag_dir / MARKER.format(r) for r in range(world)]
     deadline = time.monotonic() + COMMIT_TIMEOUT_S
@@ -191,12 +138,12 @@ def _commit(ckpt_dir: Path, tag: str, world: int, keep: int, run_record: Optiona
         if why:
             raise CheckpointError(f"checkpoint {tag_dir}: {name} is {why} right after writing; `latest` stays "
                                   f"on the previous checkpoint")
-    if run_record is not None:
-        write_run_record(tag_dir, run_record)
+    if record is not None:
+        write_run_record(tag_dir, record)
     hidden = {m.name for m in markers} | {manifest.MANIFEST}
     for path in sorted(tag_dir.rglob("*")):  # files written outside the engine (run.json, ...)
         rel = str(path.relative_to(tag_dir))
-        if path.is_file() and rel not in files and path.name not in hidden and not rel.startswith("universal"):
+        if path.is_file() and rel not in files and path.name not in hidden and not rel.startswith(derived):
             files[rel] = manifest.record_existing(path)
     manifest.write(tag_dir, {**meta, "tag": tag}, files)
     for m in markers:
@@ -205,46 +152,111 @@ def _commit(ckpt_dir: Path, tag: str, world: int, keep: int, run_record: Optiona
     prune(ckpt_dir, keep, protect=tag)
 
 
-def _summarize(msg: str, keep: int = 3) -> str:
-    """torch's load_state_dict error lists every tensor on its own line; keep one line and the first few."""
-    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
-    more = f" (+{len(lines) - keep} more)" if len(lines) > keep else ""
-    return " ".join(lines[:keep]) + more
+@dataclass
+class ResumePoint:
+    """Where a rerun continues: a verified tag, the safe config changes, whether the layout changed."""
+    tag: str
+    tag_dir: Path
+    changes: list = field(default_factory=list)
+    relayout: bool = False
 
 
-def load(engine, ckpt_dir: str | os.PathLike, rank: int, universal: bool = False,
-         tag: Optional[str] = None) -> Optional[dict]:
-    """Restore model, optimizer and RNG from ``tag`` (default: ``latest``); returns the client state
-    (None: nothing to load). The trainer passes the tag it read (once) and verified.
+class Checkpointer:
+    """Saves and loads a run's checkpoints for any engine; decides when to save.
 
-    ``universal``: read ``<tag>/universal`` (``universal.prepare``) with an engine built with
-    ``checkpoint.load_universal`` -- the resume on another layout."""
-    tag = tag or read_latest(ckpt_dir)
-    if tag is None:
-        return None
-    load_dir, load_tag = (Path(ckpt_dir) / tag, "universal") if universal else (Path(ckpt_dir), tag)
-    try:
-        path, client = engine.load_checkpoint(str(load_dir), tag=load_tag, load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
-    except (RuntimeError, OSError) as exc:
-        msg = str(exc)
-        if isinstance(exc, OSError) or "PytorchStreamReader" in msg:  # a missing or truncated file, not a model change
-            raise CheckpointError(f"cannot resume from {Path(ckpt_dir) / tag}: it is incomplete or corrupt "
-                                  f"({_summarize(msg, keep=1)}); point {Path(ckpt_dir) / LATEST} at an earlier "
-                                  f"tag, or delete it to start from scratch") from exc
-        if "fixed code mismatch" in msg:
-            lines = [ln.strip() for ln in msg.splitlines() if "fixed code mismatch" in ln]
-            raise CheckpointError(f"cannot resume from {Path(ckpt_dir) / tag}: " + "; ".join(lines)) from None
-        raise CheckpointError(f"cannot resume from {Path(ckpt_dir) / tag}: the checkpoint does not fit this "
-                              f"model; set model.* back to the run's own {Path(ckpt_dir).parent / 'config.yaml'} "
-                              f"or use a new train.run_dir. DeepSpeed said: {_summarize(msg)}") from exc
-    if path is None:
-        raise CheckpointError(f"DeepSpeed found no loadable checkpoint in {Path(ckpt_dir) / tag}")
-    states = client.get("rng") or []
-    if len(states) == (dist.get_world_size() if dist.is_initialized() else 1):
-        set_rng_state(states[rank])
-    elif states:
-        # A different world size: RNG streams cannot map one to one; keep rank 0's, offset by rank.
-        set_rng_state(states[0])
-        torch.manual_seed(torch.initial_seed() + rank)
-    return client
+    Built from the config's ``train`` section, the topology and the run's precision (the plan's
+    ``precision``/``zero_stage`` at the merge)."""
+
+    def __init__(self, cfg, topo, precision: str):
+        self.cfg, self.topo, self.precision = cfg, topo, precision
+        self.run_dir = RunDirectory(cfg.train.run_dir)
+        self.ckpt_dir = self.run_dir.checkpoints
+        self.interval, self.keep, self.last_step = cfg.train.save_interval, cfg.train.keep_checkpoints, \
+            cfg.train.max_steps
+        self.record = run_record(cfg, topo, precision, cfg.zero.stage)
+        self.latest: Optional[str] = None  # the newest complete (or, async: in-flight) tag of this run
+        self._meta: Optional[dict] = None
+
+    # ---- resume
+    def resume_point(self) -> Optional[ResumePoint]:
+        """The checkpoint ``latest`` names, its files verified against its manifest and its run
+        record checked against the new config -- before anything in the run dir is touched."""
+        tag = read_latest(self.ckpt_dir)
+        if tag is None:
+            return None
+        tag_dir = self.run_dir.tag_dir(tag)
+        manifest.verify_for_reading(tag_dir, rank=self.topo.rank, world=self.topo.world_size)
+        point = ResumePoint(tag=tag, tag_dir=tag_dir)
+        old = read_run_record(tag_dir)
+        if old is not None:
+            point.changes = check_resume(old, self.cfg, self.topo, self.precision, self.cfg.zero.stage, tag_dir)
+            point.relayout = bool(layout_changes(old, self.topo, self.precision, self.cfg.zero.stage))
+        self.latest = tag
+        return point
+
+    def load(self, engine, point: ResumePoint) -> dict:
+        """The engine's state from ``point`` (re-laid out if needed), then this rank's RNG; returns
+        the client state."""
+        client = engine.load(point.tag_dir, relayout=point.relayout)
+        restore_rng(client, self.topo.rank)
+        return client
+
+    # ---- save
+    def due(self, step: int) -> bool:
+        return step == self.last_step or (self.interval > 0 and step % self.interval == 0)
+
+    def save(self, engine, step: int, consumed_samples: int, run_state: Callable[[], dict],
+             force: bool = False) -> Optional[str]:
+        """Save after ``step`` if it is due (or ``force``: a stop request); returns the tag or None.
+        ``run_state()``: what the run needs back besides the engine and the position (schedule, config)."""
+        if not (force or self.due(step)):
+            return None
+        state = {"step": step, "consumed_samples": consumed_samples, **run_state()}
+        if self._meta is None:  # what every checkpoint's manifest describes besides its progress
+            self._meta = manifest.describe(self.cfg, self.record["layout"], step, state["consumed_samples"]) \
+                if self.topo.is_main else {}
+        meta = {**self._meta, **manifest.progress(step, state["consumed_samples"], self.cfg.data.seq_len)}
+        self.latest = self.write(engine, step, state, meta)
+        return self.latest
+
+    def write(self, engine, step: int, client_state: dict, meta: dict) -> str:
+        """The engine's files, then -- once every rank's files are written -- the run record, the
+        manifest and ``latest`` (rank 0). With an engine that saves in the background this returns
+        while the files are still being written; the next ``write`` (or ``wait``) waits for them."""
+        tag = tag_for(step)
+        tag_dir = self.ckpt_dir / tag
+        is_main = self.topo.is_main
+        engine.wait_for_saves()  # a save in flight completes first
+        distributed = dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        if is_main and tag_dir.exists() and _latest_or_none(self.ckpt_dir) != tag:
+            shutil.rmtree(tag_dir)  # left by an interrupted save: its files must not mix with ours
+        client_state = {**client_state, "rng": gather_rng_states()}
+        if distributed:
+            dist.barrier()
+
+        def failed(exc: BaseException, asynchronous: bool = False) -> BaseException:
+            # full disk / quota / permissions named; the partial tag removed; `latest` untouched
+            from .save_faults import named
+            return named(exc, self.ckpt_dir, tag, is_main, engine.saved_bytes, asynchronous)
+
+        def on_written(records: dict) -> None:
+            mine = {os.path.relpath(path, tag_dir): rec for path, rec in records.items()}
+            atomic_write_text(tag_dir / MARKER.format(rank), json.dumps(mine))
+            if is_main:
+                commit(self.ckpt_dir, tag, world, self.keep, self.record, meta, engine.derived_dirs)
+
+        try:
+            engine.save(tag_dir, client_state, on_written=on_written, on_failed=failed)
+        except Exception as exc:
+            err = failed(exc)
+            if err is exc:
+                raise
+            raise err from exc
+        if distributed and not getattr(engine, "saves_in_background", False):
+            dist.barrier()  # sync: when save returns on any rank, `latest` names this checkpoint
+        return tag
+
+    def wait(self, engine) -> None:
+        """Block until this rank's save in flight is written (rank 0: and committed)."""
+        engine.wait_for_saves()

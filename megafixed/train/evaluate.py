@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, read_latest
+from .run_dir import CheckpointError, RunDirectory, read_latest
 
 
 @dataclass
@@ -55,37 +55,30 @@ def evaluate_loss(cfg, model: nn.Module, dataset, *, micro_batch: Optional[int] 
 def trained_state_dict(ckpt_dir: str | os.PathLike, tag: str) -> dict:
     """The full plain-GPT state dict of ``ckpt_dir/tag``, whatever layout wrote it.
 
-    TP/PP shards (any ZeRO stage below 3) are gathered by ``megafixed.parallel.convert``; ZeRO-3
-    partitions by DeepSpeed's own ``zero_to_fp32`` reader.
+    The engine's reader gathers it (``megafixed.engine.read_state_dict``: TP/PP shards, ZeRO 0-3).
     """
-    from .manifest import model_files, verify_for_reading
+    from ..engine import is_model_file, weights_in_every_rank_file
+    from .manifest import verify_for_reading
 
     tag_dir = Path(ckpt_dir) / tag
     if not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir} does not exist; pass a tag that is under {ckpt_dir}")
-    zero3 = any(tag_dir.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")) and \
-        not any(tag_dir.glob("mp_rank_*_model_states.pt"))
     # Before any tensor is read: ZeRO-3 keeps the weights in every rank's files, others in the model files.
     unverified: list = []
-    verify_for_reading(tag_dir, only=None if zero3 else model_files, warn=unverified.append)
-    state = _read_state_dict(ckpt_dir, tag, tag_dir, zero3)
+    verify_for_reading(tag_dir, only=None if weights_in_every_rank_file(tag_dir) else is_model_file,
+                       warn=unverified.append)
+    state = _read_state_dict(tag_dir)
     if unverified:
         from .manifest import warn
         warn(unverified[0])
     return state
 
 
-def _read_state_dict(ckpt_dir, tag: str, tag_dir: Path, zero3: bool) -> dict:
-    from ..parallel.convert import ConvertError, gather_state_dict
+def _read_state_dict(tag_dir: Path) -> dict:
+    from ..engine import ConvertError, read_state_dict
 
-    if zero3:
-        if any(tag_dir.glob("zero_pp_rank_*_mp_rank_01_model_states.pt")):
-            raise CheckpointError(f"{tag_dir} is a ZeRO-3 checkpoint with tensor parallelism, which this loader "
-                                  f"does not gather; resume it on its own layout with zero.stage=3 instead")
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag))
     try:
-        return gather_state_dict(tag_dir, verify=False)
+        return read_state_dict(tag_dir, verify=False)
     except ConvertError as exc:
         raise CheckpointError(str(exc)) from None
 
@@ -99,9 +92,9 @@ def load_trained_model(cfg, run_dir: str | os.PathLike, tag: Optional[str] = Non
     checked against the config on load (a mismatch raises naming the code fields).
     """
     from ..model import GPT
-    from .resume import read_run_record
+    from .run_record import read_run_record
 
-    ckpt_dir = Path(run_dir) / "checkpoints"
+    ckpt_dir = RunDirectory(run_dir).checkpoints
     tag = tag or read_latest(ckpt_dir)
     if tag is None:
         raise CheckpointError(f"no checkpoint under {ckpt_dir}; train first (megafixed train ...)")
@@ -128,7 +121,7 @@ def _run_config(run_dir, record):
 
     if record is not None:
         return config_from_dict(record["config"])
-    path = Path(run_dir) / "config.yaml"
+    path = RunDirectory(run_dir).config_file
     if not path.exists():
         raise CheckpointError(f"{run_dir} has no config.yaml and its checkpoint no run record; pass the run's "
                               f"config explicitly")

@@ -22,7 +22,6 @@ import functools
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -35,12 +34,6 @@ from .run_dir import LATEST, MANIFEST, RUN_RECORD, CheckpointError
 FORMAT = 1
 CHUNK = 8 << 20
 HASH_THREADS = 4
-# The files that hold the model weights of a ZeRO 0-2 checkpoint (all a weights-only reader opens).
-MODEL_FILE_RE = re.compile(r"^(mp_rank_\d+_model_states|layer_\d+-model_\d+-model_states)\.pt$")
-
-
-def model_files(name: str) -> bool:
-    return bool(MODEL_FILE_RE.match(name))
 
 
 def sha256_file(path: Path) -> str:
@@ -82,8 +75,8 @@ def derived(src_tag_dir: Path, layout: dict, **extra) -> tuple[dict, Optional[di
     ``layout`` (``megafixed convert``): the source's step, tokens, code and config carry over, the
     layout and git revision are the new ones. The run record is None when the source has none."""
     from ..config import config_from_dict
-    from .checkpoint import tag_step
-    from .resume import read_run_record
+    from .run_dir import tag_step
+    from .run_record import read_run_record
 
     src_tag_dir = Path(src_tag_dir)
     src = read(src_tag_dir) or {}
@@ -197,7 +190,7 @@ def _old_import(tag_dir: Path) -> bool:
 def verify_for_reading(tag_dir, *, only: Optional[Callable[[str], bool]] = None, rank: int = 0, world: int = 1,
                        group=None, warn: Callable[[str], None] = warn) -> Optional[dict]:
     """The check every reader runs before using a tensor of ``tag_dir`` (``only``: the files it will
-    open, e.g. ``model_files``). Returns the manifest, or None for a pre-manifest checkpoint, after
+    open, e.g. ``megafixed.engine.is_model_file``). Returns the manifest, or None for a pre-manifest checkpoint, after
     passing its one-line warning to ``warn`` (readers pass a list's ``append`` and print it once the
     files were read, so a failed read still ends in one ``error:`` line)."""
     tag_dir = Path(tag_dir)

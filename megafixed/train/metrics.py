@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ..atomic import atomic_write_text
+from .run_dir import RunDirectory
 
 
 def peak_flops_per_gpu() -> Optional[float]:
@@ -80,7 +81,7 @@ class MetricsLog:
         self.enabled = enabled
         self.sinks = list(sinks)  # more writers of the same records (train/wandb_log.py)
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = RunDirectory(self.run_dir).metrics_file
         self.tensorboard = tensorboard
         self.resume_step = resume_step
         self.fh = None
@@ -96,8 +97,9 @@ class MetricsLog:
             from .tb_resume import truncate_events_after
 
             # As metrics.jsonl above: what an interrupted run logged past its checkpoint goes.
-            truncate_events_after(self.run_dir / "tensorboard", self.resume_step)
-            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self.resume_step + 1)
+            events = RunDirectory(self.run_dir).tensorboard_dir
+            truncate_events_after(events, self.resume_step)
+            self.writer = SummaryWriter(log_dir=str(events), purge_step=self.resume_step + 1)
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():

@@ -10,62 +10,16 @@ reported.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Optional
 
-from ..atomic import atomic_write_text
-from .checkpoint import CheckpointError
-
-RUN_RECORD = "run.json"
+from .config_diff import DERIVED_KEYS, config_diff, resolved_cfg
+from .run_dir import RunDirectory
+from .run_record import RUN_RECORD, ResumeError, read_run_record, run_record, write_run_record  # noqa: F401
 
 # Keys whose change makes the checkpoint's weights mean something else. Everything else is safe.
 FROZEN_PREFIXES = ("model.",)
 FROZEN_KEYS = ("data.tokenizer", "data.prefixes", "data.weights", "data.seq_len", "data.split", "data.source",
                "data.source_json_key", "train.seed", "train.global_batch")
-
-# Resolved from other keys (model.input, model.code_seed, model.code_bits, model.code_affine) unless given.
-DERIVED_KEYS = ("model.code_rows", "model.code_shift")
-
-
-class ResumeError(CheckpointError):
-    """A rerun whose config no longer fits the run's checkpoint."""
-
-
-def _resolved(cfg):
-    from ..config import resolve_code
-    return resolve_code(cfg)
-
-
-def run_record(cfg, topo, precision: str, zero_stage: int) -> dict:
-    return {"config": _resolved(cfg).to_dict(),
-            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero_stage,
-                       "precision": precision}}
-
-
-def write_run_record(tag_dir: Path, record: dict) -> None:
-    atomic_write_text(tag_dir / RUN_RECORD, json.dumps(record, indent=1, default=str))
-
-
-def read_run_record(tag_dir: Path) -> Optional[dict]:
-    path = Path(tag_dir) / RUN_RECORD
-    if not path.exists():
-        return None  # a checkpoint from before run records: only DeepSpeed's own load checks apply
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ResumeError(f"{path} is unreadable ({exc}); the checkpoint is damaged: point "
-                          f"{Path(tag_dir).parent / 'latest'} at an earlier tag or start a new train.run_dir") from exc
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _frozen(key: str) -> bool:
@@ -74,12 +28,12 @@ def _frozen(key: str) -> bool:
 
 def check_resume(record: dict, cfg, topo, precision: str, zero_stage: int, tag_dir: Path) -> list[str]:
     """Raise ``ResumeError`` naming the first incompatible change; return the safe changes."""
-    old, new = _flatten(record.get("config", {})), _flatten(_resolved(cfg).to_dict())
-    if old.get("model.code_rows") is not None and old.get("model.code_rows") == new.get("model.code_rows"):
-        for key in ("model.code_seed", "model.code_affine"):  # the rows and shift are the code itself
-            old.pop(key, None), new.pop(key, None)
+    from .config_diff import flatten
+
+    diff = config_diff(flatten(record.get("config", {})), resolved_cfg(cfg))
+    old, new = {k: a for k, (a, _) in diff.items()}, {k: b for k, (_, b) in diff.items()}
     run_dir = Path(tag_dir).parent.parent
-    frozen = [k for k in sorted(set(old) | set(new)) if _frozen(k) and old.get(k) != new.get(k)]
+    frozen = [k for k in diff if _frozen(k)]
     # Lead with a key the user can have typed, the interface first (a code_seed matters only under gf2);
     # the rows and shift follow from model.input/code_seed/... and come last.
     frozen.sort(key=lambda k: (k in DERIVED_KEYS, k != "model.input"))
@@ -88,15 +42,15 @@ def check_resume(record: dict, cfg, topo, precision: str, zero_stage: int, tag_d
         more = f" (and {', '.join(frozen[1:4])}{', ...' if len(frozen) > 4 else ''})" if len(frozen) > 1 else ""
         raise ResumeError(f"cannot resume {run_dir}: {k} changed from {old.get(k)!r} to {new.get(k)!r}{more} since "
                           f"checkpoint {Path(tag_dir).name}, whose weights were trained for the old value. Set it "
-                          f"back (the run's {run_dir / 'config.yaml'} records every value), or start a new run "
-                          f"with another train.run_dir")
+                          f"back (the run's {RunDirectory(run_dir).config_file} records every value), or start a "
+                          f"new run with another train.run_dir")
     lay = record.get("layout")
     changed = layout_changes(record, topo, precision, zero_stage)
     if changed:
-        from .universal import unsupported
+        from ..engine import relayout_refusal
 
         now = current_layout(topo, precision, zero_stage)
-        why = unsupported(lay, now)
+        why = relayout_refusal(lay, now)
         if why:
             raise ResumeError(
                 f"cannot resume {run_dir} on a different layout ({'; '.join(changed)}): {why}. Resume with the "
@@ -104,8 +58,7 @@ def check_resume(record: dict, cfg, topo, precision: str, zero_stage: int, tag_d
                 f"zero.stage={lay.get('zero_stage')}, {lay.get('precision')}), or move only the weights with "
                 f"`megafixed convert {Path(tag_dir).parent} OUT --tp {now['tp']} --pp {now['pp']}` and start a new "
                 f"run from them")
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)] + [f"layout: {c}" for c in changed]
+    return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()] + [f"layout: {c}" for c in changed]
 
 
 def current_layout(topo, precision: str, zero_stage: int) -> dict:

@@ -3,14 +3,16 @@
     <run_dir>/config.yaml            the resolved config of the latest (re)start
     <run_dir>/ds_config.json         the DeepSpeed JSON it ran with
     <run_dir>/metrics.jsonl          one JSON object per logged step
-    <run_dir>/tensorboard/           TensorBoard event files (train.tensorboard)
+    <run_dir>/tensorboard/           TensorBoard events (``train.tensorboard=true``)
     <run_dir>/.megafixed.lock        the writer's lock while a trainer runs (``run_lock.py``)
     <run_dir>/checkpoints/latest     one line: the tag of the newest *complete* checkpoint
     <run_dir>/checkpoints/<tag>/     DeepSpeed's files, ``run.json`` and ``manifest.json``
 
-Every name above is spelled here and nowhere else (callers still spelling them are being moved
-onto this object). It imports nothing heavy (no torch), so the CLI's cheap checks (``submit``,
-``ckpt``) can use it, and nothing of ``megafixed.train`` imports it back.
+Every name above is spelled here and nowhere else in ``megafixed.train``, ``megafixed.parallel``
+and ``megafixed.engine``. ``ds_config.json`` is the engine's own config record
+(``engine_config_file``; the DeepSpeed engine's JSON). It imports nothing heavy (no torch), so
+the CLI's cheap checks (``submit``, ``ckpt``) can use it, and it imports nothing of
+``megafixed.train`` back (``lock`` imports ``run_lock`` when called).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import os
 import re
 from pathlib import Path
 from typing import Optional, Union
+
+from .checkpoint_error import CheckpointError  # noqa: F401  (re-exported: raised by every reader)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -32,8 +36,15 @@ RUN_RECORD = "run.json"
 TAG_RE = re.compile(r"^step_(\d+)$")  # a checkpoint tag: step_00000100
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message says why and what to change."""
+def tag_for(step: int) -> str:
+    """The tag of the checkpoint taken after ``step`` optimizer steps."""
+    return f"step_{step:08d}"
+
+
+def tag_step(tag: str) -> int:
+    """The step a tag names (-1: not a step tag, e.g. an imported checkpoint)."""
+    m = TAG_RE.match(tag)
+    return int(m.group(1)) if m else -1
 
 
 class RunDirectory:
@@ -63,6 +74,11 @@ class RunDirectory:
         return self.path / DS_CONFIG
 
     @property
+    def engine_config_file(self) -> Path:
+        """Where the engine's own config record goes (``Engine.config_record``)."""
+        return self.ds_config_file
+
+    @property
     def metrics_file(self) -> Path:
         return self.path / METRICS
 
@@ -82,6 +98,10 @@ class RunDirectory:
 
     def run_record_file(self, tag: str) -> Path:
         return self.tag_dir(tag) / RUN_RECORD
+
+    def init_scratch(self) -> Path:
+        """A scratch folder for ``train.init_from``'s re-sharded weights (removed after loading)."""
+        return self.path / ".init_from"
 
     # ---- what is there
     def tags(self) -> list[str]:

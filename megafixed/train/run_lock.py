@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .run_dir import CheckpointError
+from .checkpoint_error import CheckpointError
 
 HEARTBEAT_S = 60.0
 STALE_S = 600.0
@@ -247,13 +247,11 @@ def _remove_if_empty(dirs: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def hold_run_dir(run_dir, is_main: bool):
+def hold_run_dir(rd, is_main: bool):
     """The trainer's lock for its whole life: rank 0 takes ``<run_dir>/.megafixed.lock`` (creating
     the directory if needed, and removing it again at the end if nothing was written into it) and
-    every rank learns whether it got it, so a refused start ends on every rank with the same line."""
-    from .run_dir import RunDirectory
-
-    rd = RunDirectory(run_dir)
+    every rank learns whether it got it, so a refused start ends on every rank with the same line.
+    ``rd``: the run's ``RunDirectory``."""
     lock, refusal, made = rd.lock(), None, []
     if is_main:
         made = _make_dirs(rd.path)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
-from ..versions import check_engines
-from .ds_ops import extensions_dir
+from ...versions import check_engines
+from .ops import extensions_dir
 
 # Library noise, filtered in this one place. Each entry is a message that fires on every run of ours
 # and tells the user nothing actionable; anything else from these libraries still gets through.
@@ -23,7 +23,7 @@ HARMLESS_LOG_MESSAGES = (
     # DeepSpeed only whitelists its own optimizers; ours is torch.optim.AdamW with parameter groups,
     # which ZeRO 1-3 handle -- the parallel tests check losses against a single process to 1e-5.
     ("DeepSpeed", "You are using ZeRO with an untested optimizer"),
-    # A universal-checkpoint load without TP (no mpu): tp size 1 is exactly right (train/universal.py).
+    # A universal-checkpoint load without TP (no mpu): tp size 1 is exactly right (engine/deepspeed/universal.py).
     ("DeepSpeed", "MPU is not provided, setting tp size to 1 in checkpoint loading"),
 )
 # Python warnings megatron-core raises on import or first use, about paths megafixed never takes:
@@ -78,5 +78,12 @@ def prepare_runtime_env() -> None:
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # JIT-built ops go to the user cache (not the install tree), one folder per environment and CPU
-    # kind, so that two environments never rebuild over each other (train/ds_ops.py).
+    # kind, so that two environments never rebuild over each other (engine/deepspeed/ops.py).
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+
+
+def accelerator_name() -> str:
+    """The accelerator DeepSpeed picked at import ("cuda", "cpu", ...)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()

@@ -18,7 +18,7 @@ copied into a pinned host buffer on a side stream that first waits for the train
 copy sees the state as of the save. Two orderings keep it exact: the writer thread waits for the
 copy's event before it serialises (so the files, and therefore ``latest``, come after the copy),
 and the training stream waits for the same event before the next optimizer update (``fence``,
-called by ``train_step``), so no parameter or optimizer state changes under the copy. Forward and
+called by the engine's train step), so no parameter or optimizer state changes under the copy. Forward and
 backward of the next step overlap it.
 
 Completion is agreed through files, not collectives (a collective from a background thread could
@@ -147,7 +147,7 @@ class CheckpointWriter(TorchCheckpointEngine):
 
     # ---- DeepSpeed's CheckpointEngine interface
     def save(self, state_dict, path: str):
-        from .save_faults import tensor_bytes
+        from ...train.save_faults import tensor_bytes
 
         self.handed_bytes += tensor_bytes(state_dict)
         if self.async_save:

@@ -24,7 +24,7 @@ import platform
 import sys
 from pathlib import Path
 
-from ..paths import cache_dir
+from ...paths import cache_dir
 
 SHM_OP = "deepspeed_shm_comm"
 _BUILD_ENV = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS", "CPATH", "TORCH_CUDA_ARCH_LIST")

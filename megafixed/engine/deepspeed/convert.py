@@ -27,18 +27,37 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_text
-from .pipeline import gpt_key_to_pipe, pipe_key_to_gpt
-from .tensor import sharded_dim
-
-
-class ConvertError(ValueError):
-    """A checkpoint that cannot be gathered or a target layout that cannot hold the weights."""
-
+from ...atomic import atomic_write_text
+from ...parallel.pipeline import gpt_key_to_pipe, pipe_key_to_gpt
+from ...parallel.tensor import sharded_dim
+from ...train.run_dir import LATEST
+from ..base import ConvertError  # noqa: F401  -- engine-agnostic: every engine's reader raises it
 
 _LAYER_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 _MP_RE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
 _ZERO3_RE = re.compile(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")  # weights live in optim files
+# The model files (weights; not the optimizer partitions): what a weights-only reader must verify.
+MODEL_FILE_RE = re.compile(r"^(mp_rank_\d+_model_states|layer_\d+-model_\d+-model_states)\.pt$")
+
+
+def model_file(mp_rank: int) -> str:
+    """The model-states file of model-parallel rank ``mp_rank`` (``pp_rank * tp + tp_rank``)."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def is_zero3(tag_dir: Path) -> bool:
+    """ZeRO-3 keeps the weights in every rank's partition files, not in the model files."""
+    return any(tag_dir.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")) and \
+        not any(tag_dir.glob("mp_rank_*_model_states.pt"))
+
+
+def read_zero3_state_dict(tag_dir: Path) -> dict:
+    """A ZeRO-3 checkpoint's full fp32 state dict, by DeepSpeed's own ``zero_to_fp32`` reader."""
+    if any(tag_dir.glob("zero_pp_rank_*_mp_rank_01_model_states.pt")):
+        raise ConvertError(f"{tag_dir} is a ZeRO-3 checkpoint with tensor parallelism, which this loader "
+                           f"does not gather; resume it on its own layout with zero.stage=3 instead")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name))
 
 
 def resolve_tag_dir(ckpt: str | os.PathLike, tag: str | None = None) -> Path:
@@ -55,7 +74,7 @@ def resolve_tag_dir(ckpt: str | os.PathLike, tag: str | None = None) -> Path:
         return root / tag
     if any(_MP_RE.match(p.name) or _ZERO3_RE.match(p.name) for p in root.iterdir()):
         return root
-    latest = root / "latest"
+    latest = root / LATEST
     if latest.exists():
         name = latest.read_text(errors="replace").strip()
         if not name:
@@ -163,11 +182,11 @@ def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None, verify: b
     tag_dir = resolve_tag_dir(ckpt, tag)
     unverified: list = []  # a pre-manifest checkpoint's warning, said once it has been read
     if verify:
-        from ..train.manifest import model_files, verify_for_reading
-        verify_for_reading(tag_dir, only=model_files, warn=unverified.append)
+        from ...train.manifest import verify_for_reading
+        verify_for_reading(tag_dir, only=lambda name: bool(MODEL_FILE_RE.match(name)), warn=unverified.append)
     sd = _gather(tag_dir)
     if unverified:
-        from ..train.manifest import warn
+        from ...train.manifest import warn
         warn(unverified[0])
     return sd
 
@@ -219,7 +238,7 @@ def shard_state_dict(sd: dict, tp: int, pp: int) -> dict[str, dict]:
         raise ConvertError(f"{n_blocks} blocks cannot fill {pp} pipeline stages")
     common = {"dp_world_size": 1, "mp_world_size": tp * pp, "global_steps": 0, "global_samples": 0,
               "skipped_steps": 0, "buffer_names": [], "optimizer": None, "lr_scheduler": None,
-              "converted_by": "megafixed.parallel.convert"}
+              "converted_by": "megafixed.engine.deepspeed.convert"}
     files: dict[str, dict] = {}
     for r in range(tp):
         local = _shard_tp(sd, tp, r)
@@ -247,8 +266,8 @@ def write_checkpoint(sd: dict, out: str | os.PathLike, tp: int, pp: int, tag: st
     and, given ``run_record``, a ``run.json``, so every reader verifies it. The tag is written under
     a temporary name and renamed into place, so files of an earlier conversion to another layout (an
     extra ``mp_rank_03``) never mix with the new ones, and a crash never leaves a half tag."""
-    from ..train import manifest
-    from ..train.resume import write_run_record
+    from ...train import manifest
+    from ...train.run_record import write_run_record
 
     check_target_layout(sd, tp, pp)
     files = shard_state_dict(sd, tp, pp)
@@ -270,5 +289,5 @@ def write_checkpoint(sd: dict, out: str | os.PathLike, tp: int, pp: int, tag: st
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    atomic_write_text(Path(out) / "latest", tag + "\n")
+    atomic_write_text(Path(out) / LATEST, tag + "\n")
     return tag_dir

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .checkpoint import CheckpointError
+from ...train.run_dir import CheckpointError
 
 UNIVERSAL_DIR = "universal"  # inside the tag directory it was converted from
 DONE = ".complete"
@@ -46,15 +46,14 @@ DONE = ".complete"
 
 def gpt_param_names(model_cfg) -> list[str]:
     """Plain-GPT parameter names (tied weights once), without allocating anything."""
-
-    from ..model.gpt import meta_gpt
+    from ...model.gpt import meta_gpt
 
     return [n for n, _ in meta_gpt(model_cfg).named_parameters()]
 
 
 def layout_names(model_cfg, pp: int) -> dict[str, str]:
     """Plain-GPT name -> the name the engine of a layout with ``pp`` stages gives the parameter."""
-    from ..parallel.pipeline import gpt_key_to_pipe
+    from ...parallel.pipeline import gpt_key_to_pipe
 
     names = gpt_param_names(model_cfg)
     if pp == 1:
@@ -66,7 +65,7 @@ def universal_info(model_cfg, pp: int) -> dict:
     """``universal_checkpoint_info`` for the client state of a layout with ``pp`` stages."""
     from deepspeed.checkpoint import constants as C
 
-    from ..parallel.tensor import is_vocab_parameter, sharded_dim
+    from ...parallel.tensor import is_vocab_parameter, sharded_dim
 
     row, replicated, vocab = [], [], []
     for gpt_name, name in layout_names(model_cfg, pp).items():
@@ -126,7 +125,7 @@ def to_universal(tag_dir: Path, model_cfg, out: Optional[Path] = None, log=print
     from deepspeed.checkpoint import constants as C
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    from .manifest import verify_for_reading
+    from ...train.manifest import verify_for_reading
 
     tag_dir, out = Path(tag_dir), Path(out) if out else universal_dir(tag_dir)
     if verify:

@@ -1,18 +1,12 @@
-"""The DeepSpeed config dict built from our typed config and the run plan's batch and precision.
-
-The batch arithmetic lives in ``megafixed.parallel.layout`` (the one layout validator) and the
-precision in ``megafixed.run_plan``; ``batch_layout`` and ``resolve_precision`` are re-exported
-here for callers that only need them.
-"""
+"""The DeepSpeed config dict built from our typed config and the run plan's batch and precision."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from ..config import Config
-from ..parallel.layout import BatchLayout, batch_layout  # noqa: F401  (re-export)
-from ..run_plan import resolve_precision  # noqa: F401  (re-export)
+from ...config import Config
+from ...parallel.layout import BatchLayout
 
 
 def deepspeed_config(cfg: Config, layout: BatchLayout, precision: str, gpu: Optional[bool] = None) -> dict:

@@ -1,0 +1,90 @@
+"""The engine seam: what the trainer, validation, checkpointing and evaluation ask of an engine,
+and nothing else (torchtitan's ``ModelWrapper`` / OLMo-core's ``TrainModule`` are the shape).
+
+An engine owns the model on this rank, its optimizer, the gradient reductions and the shape of
+its checkpoint files. It is built from the run's layout and precision (``megafixed.engine.
+build_engine``); the trainer then only ever calls the methods below. The checkpoint commit
+protocol around ``save``/``load`` (markers, sizes, run record, manifest, ``latest``, rotation,
+RNG) is the engine-agnostic ``megafixed.train.checkpoint.Checkpointer``.
+
+Nothing here may name one engine's mechanics (ZeRO stages, skip flags, file names): the
+DeepSpeed engine (``megafixed.engine.deepspeed``) is one implementation, an FSDP2/DTensor engine
+will be the second.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the global batch (all data-parallel ranks)
+    grad_norm: Optional[float]
+    skipped: bool  # non-finite loss with on_nonfinite=skip: the update was dropped
+
+
+class ConvertError(ValueError):
+    """A checkpoint whose weights cannot be gathered, or a layout that cannot hold them."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN/Inf and ``train.on_nonfinite=stop``."""
+
+
+def nonfinite_message(step: int, value: float) -> str:
+    return (f"step {step + 1}: the training loss is {value} (non-finite). The run stops here; the last "
+            f"checkpoint is intact. Usual fixes: lower optimizer.lr or raise schedule.warmup_steps, lower "
+            f"optimizer.grad_clip, check the data for bad token ids; or set train.on_nonfinite=skip to drop "
+            f"such batches without an update")
+
+
+# What ``Engine.save`` hands back once this rank's files are on disk: relative path -> {"size", "sha256"}.
+FileRecords = dict
+OnWritten = Callable[[FileRecords], None]
+OnFailed = Callable[[BaseException, bool], BaseException]  # (error, asynchronous) -> the error to raise
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One rank's training engine."""
+
+    module: torch.nn.Module  # this rank's part of the model (a stage under PP, shards under TP)
+    device: torch.device
+    name: str  # "deepspeed": recorded in run records, chooses the reader of a checkpoint's files
+
+    def train_step(self, batches: Iterator[torch.Tensor], lr: float, step: int) -> StepResult:
+        """One optimizer step at learning rate ``lr`` over this rank's micro batches of one global
+        batch (pulled from ``batches``); the loss is averaged over data-parallel ranks."""
+
+    def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
+        """Mean loss over ``micro_batches`` micro batches on this rank, averaged over DP ranks."""
+
+    def save(self, tag_dir: Path, client_state: dict, *, on_written: OnWritten, on_failed: OnFailed) -> None:
+        """Write this rank's engine files (model, optimizer, ``client_state``) into ``tag_dir``;
+        call ``on_written(records)`` once they are written and fsynced (maybe from a background
+        thread: the engine may save asynchronously). A failure goes through ``on_failed``."""
+
+    saves_in_background: bool  # save() may return before the files are written
+    derived_dirs: tuple  # sub-folders of a tag the engine may make from it later (a re-layout copy): not saved files
+
+    def wait_for_saves(self) -> None:
+        """Block until a save in flight is written (and its ``on_written`` has run); raise its error."""
+
+    @property
+    def saved_bytes(self) -> int:
+        """Tensor bytes handed to the writer by the current save (a failed save says what it needed)."""
+
+    def load(self, tag_dir: Path, *, relayout: bool = False) -> dict:
+        """Restore model and optimizer from ``tag_dir``; return its client state. ``relayout``:
+        the checkpoint was written by another layout (``relayout_refusal`` said it can be read)."""
+
+    def load_weights(self, read_state_dict: Callable[[], dict], scratch: Path) -> None:
+        """Set the model's weights (only) from a full plain-GPT state dict; ``read_state_dict`` is
+        called on the ranks that need it; ``scratch`` is a folder the engine may use and delete."""
+
+    def config_record(self) -> Optional[dict]:
+        """The engine's own configuration as JSON, written next to the run's config (or None)."""

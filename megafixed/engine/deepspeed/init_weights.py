@@ -1,0 +1,54 @@
+"""Initial weights for a new run (``train.init_from``), loaded the DeepSpeed way.
+
+The full plain-GPT state dict (read on rank 0) is re-sharded for *this* run's layout
+(``convert.write_checkpoint``) into a scratch folder in the run directory (every rank reads it,
+as they read checkpoints), and loaded with DeepSpeed's ``load_module_only=True``: DeepSpeed then
+refreshes its fp32/ZeRO master copies from the loaded weights, which a plain ``load_state_dict``
+into the wrapped module would not. Adam moments, the step and the data position start from zero.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ...config import ConfigError
+from ..dtypes import restore_exact_buffers
+from .convert import model_file, write_checkpoint
+
+TAG = "init"
+
+
+def load_module_only(engine, read_state_dict: Callable[[], dict], scratch: Path) -> None:
+    topo = engine.topo
+    if topo.is_main:
+        sd = read_state_dict()
+        shutil.rmtree(scratch, ignore_errors=True)
+        write_checkpoint(sd, scratch, tp=topo.tp, pp=topo.pp, tag=TAG)
+    if dist.is_initialized():
+        dist.barrier()
+    try:
+        # Megatron's TP layers expect an (empty) `_extra_state` entry a converted checkpoint lacks;
+        # strict loading would refuse it, so with TP the keys are compared here instead.
+        strict = topo.tp == 1
+        if not strict and topo.pp == 1:
+            payload = torch.load(scratch / TAG / model_file(topo.tp_rank), map_location="cpu",
+                                 weights_only=False)["module"]
+            want = {k for k in engine.module.state_dict() if not k.endswith("_extra_state")}
+            if set(payload) != want:
+                missing, extra = sorted(want - set(payload))[:4], sorted(set(payload) - want)[:4]
+                raise ConfigError(f"its weights do not fit this model (missing {missing}, extra {extra})")
+        path, _ = engine.ds.load_checkpoint(str(scratch), tag=TAG, load_module_only=True,
+                                            load_optimizer_states=False, load_lr_scheduler_states=False,
+                                            load_module_strict=strict)
+        if path is None:
+            raise ConfigError("DeepSpeed loaded nothing")
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        if topo.is_main:
+            shutil.rmtree(scratch, ignore_errors=True)
+    restore_exact_buffers(engine.module)

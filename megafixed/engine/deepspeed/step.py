@@ -1,0 +1,110 @@
+"""One optimizer step and one validation pass, for both kinds of DeepSpeed engine.
+
+THE DISPATCH between them lives here (``DeepSpeedEngine`` calls these two functions): a
+``deepspeed.pipe.PipelineModule`` engine runs a whole global batch in ``train_batch`` /
+``eval_batch`` (its schedule does the accumulation); any other engine does forward / backward /
+step per micro batch and DeepSpeed accumulates (``gradient_accumulation_steps``) and all-reduces
+at the boundary.
+
+Micro batches arrive as token tensors ``[mb, seq_len + 1]``; inputs and labels are the two
+shifted views (``megafixed.engine.batches.split_tokens``).
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from ..base import NonFiniteLossError, StepResult, nonfinite_message
+from ..batches import dp_mean, dp_mean_and_flag, none_if_nan, split_tokens
+
+
+def _fence_checkpoint_copies(engine) -> None:
+    """An async checkpoint's device-to-host copies run on a side stream; the update that follows
+    must not change the state under them (``async_save.CheckpointWriter.fence``)."""
+    fence = getattr(getattr(engine, "checkpoint_engine", None), "fence", None)
+    if callable(fence):
+        fence()
+
+
+def is_pipeline_engine(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    return isinstance(engine, PipelineEngine)
+
+
+def _stage0_grad_norm(engine) -> Optional[float]:
+    """ZeRO 1-3 report the pre-clip norm; without ZeRO (fp32) DeepSpeed keeps none, so compute it."""
+    from .grad_norm import global_grad_norm  # counts TP-replicated params once
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    return global_grad_norm(params, mpu=engine.mpu) if params else None
+
+
+def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *, dp: int, dp_group=None,
+               on_nonfinite: str = "stop", step: int = 0, grad_sync=None,
+               vocab_size: Optional[int] = None) -> StepResult:
+    """Run one optimizer step over ``accum`` micro batches from ``batches`` on this rank.
+
+    ``grad_sync`` (plain engine, sequence parallelism, ZeRO 0/1) sums the sequence-parallel
+    gradients over TP once, after the last micro batch's backward, and then lets DeepSpeed do
+    its data-parallel reduction (``megafixed.parallel.grads``).
+    """
+    engine.train()
+    if is_pipeline_engine(engine):
+        # Exactly `accum` pairs: the pipeline schedule pulls one per micro batch on its first/last stage.
+        pairs = (split_tokens(next(batches), engine.device, vocab_size) for _ in range(accum))
+        _fence_checkpoint_copies(engine)  # train_batch ends in the update: no overlap to be had here
+        loss = engine.train_batch(data_iter=pairs)  # already averaged over micro batches and DP
+        value = float(loss)
+        nonfinite = not torch.isfinite(torch.tensor(value))
+        if nonfinite and on_nonfinite == "stop":
+            raise NonFiniteLossError(nonfinite_message(step, value))
+        # With ZeRO-1 (the pipeline engine's maximum) DeepSpeed itself skips an update whose
+        # gradients are non-finite, which is what a non-finite loss produces.
+        return StepResult(loss=value, grad_norm=none_if_nan(engine.get_global_grad_norm()), skipped=nonfinite)
+
+    local_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+    for k in range(accum):
+        inputs, labels = split_tokens(next(batches), engine.device, vocab_size)
+        loss = engine(inputs, labels)
+        engine.backward(loss)
+        local_sum += loss.detach().double()
+        if k < accum - 1:
+            engine.step()  # not a boundary: DeepSpeed only counts the micro step
+        elif grad_sync is not None:
+            grad_sync.finish()  # one TP all-reduce of the SP gradients, at the boundary
+            engine.allreduce_gradients()  # then DeepSpeed's DP reduction, which it deferred for us
+    value, nonfinite = dp_mean_and_flag(local_sum / accum, dp_group, dp)
+    if nonfinite:
+        if on_nonfinite == "stop":
+            raise NonFiniteLossError(nonfinite_message(step, value))
+        optimizer.skip_next_step = True
+    grad_norm = None
+    if not nonfinite and engine.zero_optimization_stage() == 0:
+        grad_norm = _stage0_grad_norm(engine)
+    _fence_checkpoint_copies(engine)
+    engine.step()
+    optimizer.skip_next_step = False  # ZeRO may have skipped on its own without consuming the flag
+    if grad_norm is None and not nonfinite:
+        grad_norm = none_if_nan(engine.get_global_grad_norm())
+    return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite)
+
+
+@torch.no_grad()
+def eval_loss(engine, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp_group=None,
+              vocab_size: Optional[int] = None) -> float:
+    """Mean loss over ``iters`` micro batches per rank, averaged over data-parallel ranks."""
+    if iters < 1:
+        return float("nan")
+    was_training = engine.training
+    if is_pipeline_engine(engine):
+        pairs = (split_tokens(next(batches), engine.device, vocab_size) for _ in range(iters))
+        value = float(engine.eval_batch(data_iter=pairs, num_micro_batches=iters))
+    else:
+        engine.eval()
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
+        for _ in range(iters):
+            inputs, labels = split_tokens(next(batches), engine.device, vocab_size)
+            total += engine.module(inputs, labels).double()
+        value = dp_mean(total / iters, dp_group, dp)
+    engine.train(was_training)
+    return value

@@ -1,0 +1,42 @@
+"""A checkpoint's run record (``<tag>/run.json``): the resolved config that trained its weights, with
+the GF(2) recoding's rows and shift spelled out, and the layout that wrote it. Written by rank 0
+before ``latest`` moves; read by the resume check (``resume.py``), the readers and ``megafixed
+ckpt``. A low-level module: it imports nothing of the trainer or of an engine."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from ..atomic import atomic_write_text
+from .run_dir import LATEST, RUN_RECORD, CheckpointError
+
+
+class ResumeError(CheckpointError):
+    """A rerun whose config no longer fits the run's checkpoint."""
+
+
+def _resolved(cfg):
+    from ..config import resolve_code
+    return resolve_code(cfg)
+
+
+def run_record(cfg, topo, precision: str, zero_stage: int) -> dict:
+    return {"config": _resolved(cfg).to_dict(),
+            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero_stage,
+                       "precision": precision}}
+
+
+def write_run_record(tag_dir: Path, record: dict) -> None:
+    atomic_write_text(tag_dir / RUN_RECORD, json.dumps(record, indent=1, default=str))
+
+
+def read_run_record(tag_dir: Path) -> Optional[dict]:
+    path = Path(tag_dir) / RUN_RECORD
+    if not path.exists():
+        return None  # a checkpoint from before run records: only the engine's own load checks apply
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ResumeError(f"{path} is unreadable ({exc}); the checkpoint is damaged: point "
+                          f"{Path(tag_dir).parent / LATEST} at an earlier tag or start a new train.run_dir") from exc

@@ -1,0 +1,66 @@
+"""What each step leaves behind: a metrics record and a progress line, every ``train.log_interval``
+steps, at the last step and whenever validation ran (``StepLog`` decides). Throughput (tokens/s,
+MFU) is measured over the steps since the last record, without the time spent saving."""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Optional
+
+from .metrics import MetricsLog, flops_per_token, matmul_param_count, peak_flops_per_gpu, progress_line
+from .run_dir import RunDirectory
+
+
+class StepLog:
+    def __init__(self, cfg, topo, layout, engine, *, resume_step: int, sinks: list, say):
+        self.interval, self.last_step, self.say, self.world = cfg.train.log_interval, cfg.train.max_steps, say, \
+            topo.world_size
+        self.metrics = MetricsLog(RunDirectory(cfg.train.run_dir).path, enabled=topo.is_main,
+                                  tensorboard=cfg.train.tensorboard, resume_step=resume_step, sinks=sinks)
+        self.tokens_per_step = layout.global_batch * cfg.data.seq_len
+        self.peak = peak_flops_per_gpu() if engine.device.type == "cuda" else None
+        self.flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), cfg.data.seq_len) \
+            if self.peak else None
+        self.history: list = []  # every record written (rank 0's are the run's)
+        self.window_t, self.window_steps, self.step_times = time.perf_counter(), 0, []
+
+    @contextlib.contextmanager
+    def timing(self):
+        """Around the optimizer step alone (validation and saves are not step time)."""
+        t0 = time.perf_counter()
+        yield
+        self.window_steps += 1
+        self.step_times.append(time.perf_counter() - t0)
+
+    def record(self, step: int, lr: float, result, val: Optional[float], consumed: int) -> None:
+        if not (step == self.last_step or (self.interval > 0 and step % self.interval == 0) or val is not None):
+            return
+        rec = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+               "tokens_per_s": self.tokens_per_step * self.window_steps
+               / max(time.perf_counter() - self.window_t, 1e-9),
+               "consumed_samples": consumed}
+        if self.flops_tok:
+            rec["mfu"] = rec["tokens_per_s"] * self.flops_tok / (self.peak * self.world)
+        if val is not None:
+            rec["val_loss"] = val
+        if result.skipped:
+            rec["skipped"] = True
+        self.write(rec)
+        recent = self.step_times[-50:]
+        self.say(progress_line(rec, self.last_step, (self.last_step - step) * sum(recent) / len(recent)))
+        self.window_t, self.window_steps = time.perf_counter(), 0
+
+    def initial_validation(self, val: float) -> None:
+        self.write({"step": 0, "val_loss": val, "consumed_samples": 0})
+        self.say(f"step 0/{self.last_step} | val {val:.4f}")
+
+    def write(self, rec: dict) -> None:
+        self.metrics.write(rec)
+        self.history.append(rec)
+
+    def not_charged(self) -> None:
+        """Time spent since the last step (a checkpoint save) does not count against tokens/s."""
+        self.window_t = time.perf_counter()
+
+    def close(self) -> None:
+        self.metrics.close()

@@ -1,0 +1,169 @@
+"""The package's import rules, read from the source with ``ast`` (nothing is imported, so this
+runs in well under a second):
+
+(a) only ``megafixed/engine/`` imports DeepSpeed -- at module level, inside a function, or by
+    name through ``importlib.import_module``/``__import__``;
+(b) the import graph of megafixed's modules has no cycle.
+
+Which imports count for (b): module-level AND function-level ones. A function-level import is
+still a dependency (the importing module cannot run without the other one); it is how we defer
+a heavy library (torch, DeepSpeed) until it is needed, not a licence to let two modules lean on
+each other. So the layering in docs/design.md holds for every import, and the stricter
+module-level check (what Python itself would trip over at import time) is run on its own too,
+with no exceptions at all. Imports under ``if TYPE_CHECKING:`` do not run and do not count.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megafixed"
+ENGINE = PACKAGE / "engine"
+
+# Function-level cycles other branches of this session remove; the lead deletes these at the merge.
+KNOWN_CYCLES = {
+    frozenset({"megafixed.config", "megafixed.config_checks"}),  # broken on the dedupe branch
+    frozenset({"megafixed.launch.head", "megafixed.launch.world"}),  # broken on the dedupe branch
+    frozenset({"megafixed.data.gpt_dataset", "megafixed.data.preprocess_groups"}),  # preprocess's files
+}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted name -> (file, is a package ``__init__``) for every module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+MODULES = _modules()
+
+
+def _absolute(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(module: str) -> ast.Module:
+    path = MODULES[module][0]
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(module: str, function_level: bool) -> tuple[tuple[str, int], ...]:
+    """(imported module name, line) of every import in ``module`` (inside functions too, if asked)."""
+    is_pkg = MODULES[module][1]
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if top or function_level:
+                if isinstance(child, ast.Import):
+                    found.extend((a.name, child.lineno) for a in child.names)
+                elif isinstance(child, ast.ImportFrom):
+                    target = _absolute(module, is_pkg, child)
+                    for a in child.names:  # `from pkg import sub` imports the submodule pkg.sub
+                        sub = f"{target}.{a.name}"
+                        found.append((sub if sub in MODULES else target, child.lineno))
+                elif isinstance(child, ast.Call) and child.args and isinstance(child.args[0], ast.Constant) \
+                        and isinstance(child.args[0].value, str) \
+                        and ast.unparse(child.func).split(".")[-1] in ("import_module", "__import__"):
+                    found.append((child.args[0].value, child.lineno))
+            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            visit(child, inner)
+
+    visit(_tree(module), True)
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=None)
+def _graph(function_level: bool) -> dict[str, set[str]]:
+    return {m: {t for t, _ in _imports(m, function_level) if t in MODULES and t != m} for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset]:
+    """The strongly connected components with more than one module (Tarjan), i.e. the cycles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[frozenset] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def _is_deepspeed(name: str) -> bool:
+    return name == "deepspeed" or name.startswith("deepspeed.")
+
+
+def test_only_the_engine_package_imports_deepspeed():
+    offenders = [f"{MODULES[m][0].relative_to(ROOT)}:{line} imports {name}"
+                 for m in MODULES if not MODULES[m][0].is_relative_to(ENGINE)
+                 for name, line in _imports(m, function_level=True) if _is_deepspeed(name)]
+    assert not offenders, "DeepSpeed is imported outside megafixed/engine/:\n" + "\n".join(offenders)
+
+
+def test_the_engine_package_does_import_deepspeed():
+    # the rule above must be able to fail: the scan sees DeepSpeed where it really is imported
+    seen = {m for m in MODULES if MODULES[m][0].is_relative_to(ENGINE)
+            for name, _ in _imports(m, function_level=True) if _is_deepspeed(name)}
+    assert {"megafixed.engine.deepspeed.build", "megafixed.engine.deepspeed.async_save",
+            "megafixed.engine.deepspeed.pipeline"} <= seen
+
+
+def test_no_module_level_import_cycle_anywhere():
+    cycles = _cycles(_graph(function_level=False))
+    assert not cycles, "module-level import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def test_no_import_cycle_counting_function_level_imports():
+    cycles = [c for c in _cycles(_graph(function_level=True)) if c not in KNOWN_CYCLES]
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+@pytest.mark.parametrize("pair", sorted(sorted(c) for c in KNOWN_CYCLES))
+def test_known_cycles_still_to_break(pair):
+    """xfail (not strict) while the cycle exists here; passes once the other branch is merged."""
+    if frozenset(pair) in _cycles(_graph(function_level=True)):
+        pytest.xfail(f"{' <-> '.join(pair)}: broken on another branch of this session")
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [frozenset({"a", "b", "c"})]
