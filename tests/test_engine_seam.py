@@ -103,7 +103,7 @@ def test_compile_under_pipeline_parallelism_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"^train\.compile=true is not supported with pipeline parallelism "
                                           r"\(parallel\.pp=2\); set train\.compile=false, or parallel\.pp=1$"):
         RunPlan.build(cfg, 2, gpu=False)  # refused by the plan, before any process group or engine
-    assert RunPlan.build(load_config(None, ["train.compile=true", "data.mock=true"]), 2, gpu=False).dims.pp == 1
+    assert RunPlan.build(load_config(None, ["train.compile=true", "data.mock=true"]), 1, gpu=False).dims.pp == 1
 
 
 def test_the_deepspeed_engine_has_every_member_of_the_protocol():

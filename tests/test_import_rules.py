@@ -18,18 +18,10 @@ import ast
 import functools
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megafixed"
 ENGINE = PACKAGE / "engine"
 
-# Function-level cycles other branches of this session remove; the lead deletes these at the merge.
-KNOWN_CYCLES = {
-    frozenset({"megafixed.config", "megafixed.config_checks"}),  # broken on the dedupe branch
-    frozenset({"megafixed.launch.head", "megafixed.launch.world"}),  # broken on the dedupe branch
-    frozenset({"megafixed.data.gpt_dataset", "megafixed.data.preprocess_groups"}),  # preprocess's files
-}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -153,15 +145,8 @@ def test_no_module_level_import_cycle_anywhere():
 
 
 def test_no_import_cycle_counting_function_level_imports():
-    cycles = [c for c in _cycles(_graph(function_level=True)) if c not in KNOWN_CYCLES]
+    cycles = _cycles(_graph(function_level=True))
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
-
-
-@pytest.mark.parametrize("pair", sorted(sorted(c) for c in KNOWN_CYCLES))
-def test_known_cycles_still_to_break(pair):
-    """xfail (not strict) while the cycle exists here; passes once the other branch is merged."""
-    if frozenset(pair) in _cycles(_graph(function_level=True)):
-        pytest.xfail(f"{' <-> '.join(pair)}: broken on another branch of this session")
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -15,7 +15,7 @@ from megafixed.config import ConfigError, load_config
 from megafixed.model import GPT
 from megafixed.model.interfaces import INTERFACES, REPLICATED, VOCAB_PARALLEL, InputInterface, interface_of, register
 from megafixed.model.params import count_params
-from megafixed.parallel.memory import count_params as planner_counts
+from megafixed.parallel.memory import tp_param_counts as planner_counts
 from megafixed.parallel.tensor import is_vocab_parameter, keep_local_positions, sharded_dim
 
 TINY = ["model.vocab_size=300", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=16",

@@ -10,7 +10,7 @@ import pytest
 
 from megafixed.data import preprocess_groups as pg
 from megafixed.data.errors import DataError
-from megafixed.data.gpt_dataset import resolve_prefix
+from megafixed.data.prefixes import resolve_prefix
 from megafixed.data.preprocess import PreprocessOptions, preprocess
 from megafixed.data.tokenizers import train_tokenizer
 

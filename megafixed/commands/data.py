@@ -26,8 +26,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..data.gpt_dataset import resolve_prefix
     from ..data.indexed import IndexedShard
+    from ..data.prefixes import resolve_prefix
 
     if args.action == "merge":
         return _merge(args)
@@ -70,8 +70,8 @@ def run(args) -> int:
 
 
 def _merge(args) -> int:
-    from ..data.gpt_dataset import resolve_prefix
     from ..data.indexed import merge_shards, prefix_files
+    from ..data.prefixes import resolve_prefix
     from ..outputs import check_prefix, claim_output, writing
     from .preprocess import output_files
 

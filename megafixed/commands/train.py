@@ -121,7 +121,7 @@ def dry_run(args) -> int:
 def _check_data_paths(cfg) -> None:
     """Shards must exist unless the run will tokenize ``data.source`` itself or trains on ``data.mock``."""
     from ..data.errors import DataError
-    from ..data.gpt_dataset import resolve_prefix
+    from ..data.prefixes import resolve_prefix
 
     if cfg.data.source or cfg.data.mock:
         return

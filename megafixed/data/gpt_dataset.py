@@ -24,7 +24,6 @@ How a sample is defined (everything below is arithmetic on small arrays, no per-
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
@@ -38,27 +37,12 @@ import numpy as np
 from ..config import check_blend_weights
 from ..config import split_shares as checked_shares
 from .errors import DataError
-from .indexed import IndexedShard, bin_path, idx_path, shard_exists
+from .indexed import IndexedShard, bin_path, idx_path
+from .prefixes import resolve_prefix
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "valid", "test")
 CACHE_VERSION = 1
-
-
-def resolve_prefix(prefix: str) -> list[str]:
-    """A prefix names one shard (``P.bin/.idx``), a set written with ``--shard-size-mb`` (``P_00000`` ...),
-    or a ``P.manifest.json`` written by ``preprocess --submit`` (its shards, in order)."""
-    if prefix.endswith(".json") and os.path.isfile(prefix):
-        from .preprocess_groups import read_manifest
-
-        return read_manifest(prefix)
-    if shard_exists(prefix):
-        return [prefix]
-    shards = sorted(p[: -len(".idx")] for p in glob.glob(glob.escape(prefix) + "_[0-9][0-9][0-9][0-9][0-9].idx"))
-    if shards:
-        return shards
-    raise DataError(f"no shards for data prefix {prefix!r} (looked for {prefix}.bin/.idx and {prefix}_00000.idx); "
-                    f"run `megafixed preprocess --output-prefix {prefix} ...` or fix data.prefixes")
 
 
 def split_shares(split: str) -> np.ndarray:

@@ -29,8 +29,8 @@ from typing import Callable, Optional
 from ..paths import cache_dir as user_cache_dir
 from ..paths import resolve as resolve_bundled
 from .errors import DataError, check_vocab_fits
-from .gpt_dataset import resolve_prefix
 from .indexed import IndexedShard, meta_path, shard_exists
+from .prefixes import resolve_prefix
 from .readers import expand_inputs
 
 log = logging.getLogger(__name__)

@@ -22,10 +22,8 @@ from typing import Optional
 
 from ..atomic import atomic_write_text
 from .errors import DataError
-from .indexed import IndexedShard, bin_path, idx_path
-
-MANIFEST_FORMAT = "megafixed-shard-manifest"
-MANIFEST_SUFFIX = ".manifest.json"
+from .indexed import IndexedShard
+from .prefixes import MANIFEST_FORMAT, MANIFEST_SUFFIX, resolve_prefix
 
 
 def manifest_path(prefix: str) -> str:
@@ -86,8 +84,6 @@ def load_plan(path: str) -> dict:
 
 
 def group_shards(prefix: str, index: int) -> list[str]:
-    from .gpt_dataset import resolve_prefix
-
     return resolve_prefix(group_prefix(prefix, index))
 
 
@@ -166,27 +162,3 @@ def write_manifest(plan: dict) -> dict:
                                             "append_eod")}}
     atomic_write_text(manifest_path(prefix), json.dumps(manifest, indent=1))
     return manifest
-
-
-def read_manifest(path: str) -> list[str]:
-    """A manifest's shard prefixes (absolute; stored relative to the manifest's folder), each checked."""
-    try:
-        with open(path) as fh:
-            manifest = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"cannot read shard manifest {path} ({exc}); rewrite it with `megafixed preprocess "
-                        f"... --submit`") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise DataError(f"{path} is not a megafixed shard manifest (format {MANIFEST_FORMAT!r}); give a shard "
-                        f"prefix or a PREFIX{MANIFEST_SUFFIX} written by `megafixed preprocess --submit`")
-    root = os.path.dirname(os.path.abspath(path))
-    out = []
-    for entry in manifest.get("shards", []):
-        p = os.path.join(root, entry["prefix"])
-        if not (os.path.isfile(idx_path(p)) and os.path.isfile(bin_path(p))):
-            raise DataError(f"shard {p} listed in manifest {path} is missing; re-run `megafixed preprocess ... "
-                            f"--submit` (it redoes missing groups) or fix data.prefixes")
-        out.append(p)
-    if not out:
-        raise DataError(f"shard manifest {path} lists no shard")
-    return out

@@ -91,8 +91,8 @@ def run_tokenizer(cfg, override: Optional[str] = None):
     if cfg.data.prefixes:
         import json
 
-        from ..data.gpt_dataset import resolve_prefix
         from ..data.indexed import meta_path
+        from ..data.prefixes import resolve_prefix
         try:
             first = resolve_prefix(cfg.data.prefixes[0])[0]
             with open(meta_path(first)) as fh:
