@@ -11,8 +11,8 @@ import pytest
 
 from megafixed.data import BUNDLED_CORPUS
 from megafixed.data.errors import DataError, VocabError
-from megafixed.data.prefixes import resolve_prefix
 from megafixed.data.indexed import IndexedShard, bin_path, idx_path
+from megafixed.data.prefixes import resolve_prefix
 from megafixed.data.preprocess import PreprocessOptions, preprocess
 from megafixed.data.tokenizers import load_tokenizer, train_tokenizer
 

@@ -24,8 +24,8 @@ import pytest
 from _slurm import start_cluster
 from megafixed.data import BUNDLED_CORPUS
 from megafixed.data.gpt_dataset import build_datasets
-from megafixed.data.prefixes import resolve_prefix
 from megafixed.data.indexed import IndexedShard
+from megafixed.data.prefixes import resolve_prefix
 from megafixed.data.preprocess import PreprocessOptions, preprocess
 from megafixed.data.tokenizers import train_tokenizer
 

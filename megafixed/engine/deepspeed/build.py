@@ -19,7 +19,7 @@ def build(cfg, topo, layout, precision: str):
 
     ds_config = deepspeed_config(cfg, layout, precision)
     # Before anything starts deepspeed.comm (the pipeline grid inside build_model, or initialize).
-    prepare_ops(topo.world_size, topo.local_rank, accelerator_is_cpu=topo.device.type == "cpu")
+    prepare_ops(accelerator_is_cpu=topo.device.type == "cpu")
     model = build_model(cfg.model, topo, seed=cfg.train.seed, pp_partition=cfg.parallel.pp_partition,
                         activation_checkpointing=cfg.train.activation_checkpointing,
                         compute_dtype=COMPUTE_DTYPES[precision], build_stages=build_pipeline)

@@ -1,20 +1,19 @@
-"""DeepSpeed's JIT-compiled CPU ops: where they are cached, and building them only when needed.
+"""DeepSpeed's JIT-compiled CPU ops: where they are cached, and not building the one we never use.
 
 On a CPU accelerator DeepSpeed compiles its shared-memory comm op (``deepspeed_shm_comm``, ~2 min
-on 2 cores) the first time ``deepspeed.comm`` starts, in every process, even a lone one. Two things
-made that cost recur silently:
+and ~180 CPU-seconds on 2 cores) the first time ``deepspeed.comm`` starts, in every process. That op
+serves only ``inference_all_reduce`` (DeepSpeed's inference tensor parallelism, ``module_inject``);
+training collectives go through ``torch.distributed`` whether it is built or not, and
+``inference_all_reduce`` itself falls back to ``torch.distributed.all_reduce`` without it. So
+``skip_unneeded_ops`` turns the build off for every world size: a new user's first multi-rank run (and
+every CI run) no longer waits two minutes for an op it never calls.
 
-* One cache for everything. torch's ``cpp_extension`` keys a build by its sources and flags only,
-  inside ``TORCH_EXTENSIONS_DIR``; two environments (another venv's torch, another DeepSpeed, another
-  CPU on an NFS home) sharing that folder rebuild in turn, each invalidating the other. So the folder
-  is keyed by everything that changes the build: python, torch and DeepSpeed (version and install
-  path), the compiler and its flags from the environment, and the CPU (DeepSpeed compiles with
-  ``-march=native``).
-* No word before the build. ``announce_builds`` prints one line before DeepSpeed starts compiling.
-
-The op is only used by ``inference_all_reduce`` (DeepSpeed's inference TP), which returns early for a
-single rank; a one-process run therefore never needs it and ``skip_unneeded_ops`` turns the build off.
-Multi-process runs keep DeepSpeed's behaviour (built once per environment, then loaded).
+Any other op DeepSpeed might JIT-build still gets a cache of its own: torch's ``cpp_extension`` keys a
+build by its sources and flags only, inside ``TORCH_EXTENSIONS_DIR``; two environments (another venv's
+torch, another DeepSpeed, another CPU on an NFS home) sharing that folder rebuild in turn, each
+invalidating the other. So the folder is keyed by everything that changes the build: python, torch
+and DeepSpeed (version and install path), the compiler and its flags from the environment, and the
+CPU (DeepSpeed compiles with ``-march=native``).
 """
 from __future__ import annotations
 
@@ -70,35 +69,17 @@ def extensions_dir() -> Path:
     return cache_dir("torch_extensions", build_key())
 
 
-def is_built(name: str = SHM_OP) -> bool:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(extensions_dir())
-    return any(Path(root, name).glob(f"{name}*.so"))
-
-
-def skip_unneeded_ops(world_size: int) -> None:
-    """Before DeepSpeed's comm backend starts: a single rank has no use for the shm comm op, so do not
-    compile it. ``deepspeed.ops.__compatible_ops__`` is DeepSpeed's own per-launch switch table (it is
-    computed once and edits to it persist, by design); ``build_shm_op`` reads it and returns None."""
-    if world_size > 1:
-        return
+def skip_unneeded_ops() -> None:
+    """Before DeepSpeed's comm backend starts: do not compile the shm comm op (see the module
+    docstring). ``deepspeed.ops.__compatible_ops__`` is DeepSpeed's own per-launch switch table (it
+    is computed once and edits to it persist, by design); ``build_shm_op`` reads it and returns None."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[SHM_OP] = False
 
 
-def announce_builds(world_size: int, local_rank: int, log=print) -> None:
-    """One line before a multi-rank run starts compiling the comm op (all ranks then wait on
-    torch's build lock; only the first of each node speaks)."""
-    if world_size <= 1 or local_rank != 0 or is_built():
-        return
-    log(f"building DeepSpeed's CPU comm op, once for this environment, ~2 min on 2 cores "
-        f"(cache: {os.environ.get('TORCH_EXTENSIONS_DIR') or extensions_dir()})")
-    sys.stdout.flush()
-
-
-def prepare_ops(world_size: int, local_rank: int, *, accelerator_is_cpu: bool, log=print) -> None:
+def prepare_ops(*, accelerator_is_cpu: bool) -> None:
     """Called right before the first ``deepspeed.initialize``/``init_distributed`` of a process."""
     if not accelerator_is_cpu:
         return  # on GPUs DeepSpeed JIT-builds nothing in this path
-    skip_unneeded_ops(world_size)
-    announce_builds(world_size, local_rank, log)
+    skip_unneeded_ops()
