@@ -52,8 +52,9 @@ def _checkpointer(tmp_path, *overrides):
 
     cfg = load_config(None, [f"train.run_dir={tmp_path / 'run'}", "train.max_steps=6", "train.save_interval=2",
                              "train.keep_checkpoints=2", "data.mock=true", *overrides])
-    topo = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, is_main=True)
-    return Checkpointer(cfg, topo, "fp32")
+    plan = SimpleNamespace(tp=1, pp=1, dp=1, zero_stage=cfg.zero.stage, precision="fp32")  # a RunPlan's layout
+    topo = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, is_main=True, plan=plan)
+    return Checkpointer(cfg, topo)
 
 
 def test_the_commit_protocol_runs_for_any_engine(tmp_path):

@@ -41,14 +41,14 @@ def test_a_real_run_without_shards_names_data_mock_in_its_one_error_line(tmp_pat
 
 # ------------------------------------------------------------------- a refused resume names what the user typed
 def test_a_refused_resume_leads_with_the_key_typed_not_the_derived_code_rows(tmp_path):
-    from megafixed.parallel.topology import Topology
+    from megafixed.run_plan import RunPlan
     from megafixed.train.resume import ResumeError, check_resume, run_record
 
-    topo = Topology(world_size=1, rank=0, local_rank=0, tp=1, pp=1, dp=1)
-    saved = run_record(load_config(None, ["model.input=canonical"]), topo, "fp32", 1)
+    plan = RunPlan.build(load_config(None, ["model.input=canonical"]), 1, gpu=False)
+    saved = run_record(load_config(None, ["model.input=canonical"]), plan)
     tag = tmp_path / "checkpoints" / "step_00000300"
     with pytest.raises(ResumeError) as refused:
-        check_resume(saved, load_config(None, ["model.input=gf2", "model.code_seed=7"]), topo, "fp32", 1, tag)
+        check_resume(saved, load_config(None, ["model.input=gf2", "model.code_seed=7"]), plan, tag)
     message = str(refused.value)
     assert message.startswith(f"cannot resume {tmp_path}: model.input changed from 'canonical' to 'gf2'")
     assert "model.code_rows" in message  # still listed, after the key the user set

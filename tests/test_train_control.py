@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -139,24 +140,23 @@ def test_safe_changes_are_allowed_and_reported(shards, tmp_path):
 def test_a_layout_change_universal_checkpoints_cannot_cover_is_refused_naming_why(tmp_path):
     # ZeRO-1/2 layout changes resume through a universal checkpoint (tests/test_ckpt_universal.py);
     # ZeRO-0 keeps torch's optimizer state in the model files, which DeepSpeed's converter does not read.
-    from megafixed.parallel.topology import Topology
     from megafixed.train.resume import ResumeError, check_resume, run_record
 
+    def plan(tp, dp, zero):  # the layout a RunPlan gives the resume check (tp, pp, dp, zero_stage, precision)
+        return SimpleNamespace(tp=tp, pp=1, dp=dp, zero_stage=zero, precision="fp32")
+
     cfg = load_config(None, ["parallel.tp=2", "zero.stage=0"])
-    saved = run_record(cfg, Topology(world_size=2, rank=0, local_rank=0, tp=2, pp=1, dp=1), "fp32", 0)
-    now = Topology(world_size=2, rank=0, local_rank=0, tp=1, pp=1, dp=2)
+    saved = run_record(cfg, plan(tp=2, dp=1, zero=0))
     tag = tmp_path / "checkpoints" / "step_00000010"
     with pytest.raises(ResumeError, match=r"different layout \(parallel\.tp 2 -> 1\): zero\.stage=0 keeps the "
                                           r"optimizer state .*megafixed convert .* --tp 1 --pp 1"):
-        check_resume(saved, load_config(None, ["zero.stage=0"]), now, "fp32", 0, tag)
-    saved1 = run_record(load_config(None, ["parallel.tp=2"]), Topology(world_size=2, rank=0, local_rank=0, tp=2,
-                                                                         pp=1, dp=1), "fp32", 1)
-    assert check_resume(saved1, load_config(None, []), now, "fp32", 1, tag)[-2:] == [
+        check_resume(saved, load_config(None, ["zero.stage=0"]), plan(tp=1, dp=2, zero=0), tag)
+    saved1 = run_record(load_config(None, ["parallel.tp=2"]), plan(tp=2, dp=1, zero=1))
+    assert check_resume(saved1, load_config(None, []), plan(tp=1, dp=2, zero=1), tag)[-2:] == [
         "layout: parallel.tp 2 -> 1", "layout: the data-parallel size (world size / (tp*pp)) 1 -> 2"]
     # the same layout with ZeRO-0 may change DP: nothing is partitioned
-    saved0 = run_record(load_config(None, ["parallel.tp=2"]), Topology(world_size=1, rank=0, local_rank=0, tp=1,
-                                                                         pp=1, dp=1), "fp32", 0)
-    assert check_resume(saved0, load_config(None, ["parallel.tp=2"]), now, "fp32", 0, tag) == []
+    saved0 = run_record(load_config(None, ["parallel.tp=2"]), plan(tp=1, dp=1, zero=0))
+    assert check_resume(saved0, load_config(None, ["parallel.tp=2"]), plan(tp=1, dp=2, zero=0), tag) == []
 
 
 # ----------------------------------------------------------------------------------- dry run, failures

@@ -60,5 +60,5 @@ def check_run_dir_takes(cfg, plan) -> Optional[str]:
         return None
     record = read_run_record(rd.tag_dir(tag))
     if record is not None:
-        check_resume(record, cfg, plan, plan.precision, plan.zero_stage, rd.tag_dir(tag))
+        check_resume(record, cfg, plan, rd.tag_dir(tag))
     return tag

@@ -164,16 +164,16 @@ class ResumePoint:
 class Checkpointer:
     """Saves and loads a run's checkpoints for any engine; decides when to save.
 
-    Built from the config's ``train`` section, the topology and the run's precision (the plan's
-    ``precision``/``zero_stage`` at the merge)."""
+    Built from the config's ``train`` section and the topology (its ``plan``: the layout the run
+    record keeps and the resume check compares)."""
 
-    def __init__(self, cfg, topo, precision: str):
-        self.cfg, self.topo, self.precision = cfg, topo, precision
+    def __init__(self, cfg, topo):
+        self.cfg, self.topo = cfg, topo
         self.run_dir = RunDirectory(cfg.train.run_dir)
         self.ckpt_dir = self.run_dir.checkpoints
         self.interval, self.keep, self.last_step = cfg.train.save_interval, cfg.train.keep_checkpoints, \
             cfg.train.max_steps
-        self.record = run_record(cfg, topo, precision, cfg.zero.stage)
+        self.record = run_record(cfg, topo.plan)
         self.latest: Optional[str] = None  # the newest complete (or, async: in-flight) tag of this run
         self._meta: Optional[dict] = None
 
@@ -189,8 +189,8 @@ class Checkpointer:
         point = ResumePoint(tag=tag, tag_dir=tag_dir)
         old = read_run_record(tag_dir)
         if old is not None:
-            point.changes = check_resume(old, self.cfg, self.topo, self.precision, self.cfg.zero.stage, tag_dir)
-            point.relayout = bool(layout_changes(old, self.topo, self.precision, self.cfg.zero.stage))
+            point.changes = check_resume(old, self.cfg, self.topo.plan, tag_dir)
+            point.relayout = bool(layout_changes(old, self.topo.plan))
         self.latest = tag
         return point
 

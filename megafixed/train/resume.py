@@ -26,8 +26,9 @@ def _frozen(key: str) -> bool:
     return key.startswith(FROZEN_PREFIXES) or key in FROZEN_KEYS
 
 
-def check_resume(record: dict, cfg, topo, precision: str, zero_stage: int, tag_dir: Path) -> list[str]:
-    """Raise ``ResumeError`` naming the first incompatible change; return the safe changes."""
+def check_resume(record: dict, cfg, plan, tag_dir: Path) -> list[str]:
+    """Raise ``ResumeError`` naming the first incompatible change; return the safe changes. ``plan``:
+    this run's ``RunPlan`` (its layout: tp, pp, dp, zero_stage, precision)."""
     from .config_diff import flatten
 
     diff = config_diff(flatten(record.get("config", {})), resolved_cfg(cfg))
@@ -45,11 +46,11 @@ def check_resume(record: dict, cfg, topo, precision: str, zero_stage: int, tag_d
                           f"back (the run's {RunDirectory(run_dir).config_file} records every value), or start a "
                           f"new run with another train.run_dir")
     lay = record.get("layout")
-    changed = layout_changes(record, topo, precision, zero_stage)
+    changed = layout_changes(record, plan)
     if changed:
         from ..engine import relayout_refusal
 
-        now = current_layout(topo, precision, zero_stage)
+        now = current_layout(plan)
         why = relayout_refusal(lay, now)
         if why:
             raise ResumeError(
@@ -61,18 +62,20 @@ def check_resume(record: dict, cfg, topo, precision: str, zero_stage: int, tag_d
     return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()] + [f"layout: {c}" for c in changed]
 
 
-def current_layout(topo, precision: str, zero_stage: int) -> dict:
-    return {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero_stage, "precision": precision}
+def current_layout(plan) -> dict:
+    """The layout a run record keeps, from a ``RunPlan``."""
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage, "precision": plan.precision}
 
 
-def layout_changes(record: dict, topo, precision: str, zero_stage: int) -> list[str]:
+def layout_changes(record: dict, plan) -> list[str]:
     """What differs between the checkpoint's layout and this run's, as ``key old -> new``. The DP size
     counts only when a side partitions the optimizer (ZeRO >= 1); a change means a universal resume."""
     lay = record.get("layout")
     if not lay:
         return []
-    now = current_layout(topo, precision, zero_stage)
+    now = current_layout(plan)
     names = {"tp": "parallel.tp", "pp": "parallel.pp", "zero_stage": "zero.stage", "precision": "train.precision",
              "dp": "the data-parallel size (world size / (tp*pp))"}
-    keys = ["tp", "pp", "zero_stage", "precision"] + (["dp"] if max(zero_stage, lay.get("zero_stage", 0)) >= 1 else [])
+    partitioned = max(plan.zero_stage, lay.get("zero_stage", 0)) >= 1
+    keys = ["tp", "pp", "zero_stage", "precision"] + (["dp"] if partitioned else [])
     return [f"{names[k]} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]

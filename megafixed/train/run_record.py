@@ -21,10 +21,11 @@ def _resolved(cfg):
     return resolve_code(cfg)
 
 
-def run_record(cfg, topo, precision: str, zero_stage: int) -> dict:
+def run_record(cfg, plan) -> dict:
+    """What a checkpoint records of its run: the resolved config and the ``RunPlan``'s layout."""
     return {"config": _resolved(cfg).to_dict(),
-            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero_stage,
-                       "precision": precision}}
+            "layout": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage,
+                       "precision": plan.precision}}
 
 
 def write_run_record(tag_dir: Path, record: dict) -> None:

@@ -12,12 +12,12 @@ from .run_dir import RunDirectory
 
 
 class StepLog:
-    def __init__(self, cfg, topo, layout, engine, *, resume_step: int, sinks: list, say):
+    def __init__(self, cfg, topo, engine, *, resume_step: int, sinks: list, say):
         self.interval, self.last_step, self.say, self.world = cfg.train.log_interval, cfg.train.max_steps, say, \
             topo.world_size
         self.metrics = MetricsLog(RunDirectory(cfg.train.run_dir).path, enabled=topo.is_main,
                                   tensorboard=cfg.train.tensorboard, resume_step=resume_step, sinks=sinks)
-        self.tokens_per_step = layout.global_batch * cfg.data.seq_len
+        self.tokens_per_step = topo.plan.batch.tokens_per_step
         self.peak = peak_flops_per_gpu() if engine.device.type == "cuda" else None
         self.flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), cfg.data.seq_len) \
             if self.peak else None

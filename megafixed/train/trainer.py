@@ -77,9 +77,9 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
     apply_thread_policy(cfg.train.threads or None, log=say)
     plan = topo.plan  # built and validated once by the command (megafixed.run_plan), before any group
     plan.check_made_from(cfg)  # the same config's plan, not a second validation
-    precision, layout = plan.precision, plan.batch
+    layout = plan.batch
     sinks = [WandbLog(cfg, Path(cfg.train.run_dir))] if cfg.train.wandb and topo.is_main else []  # fails here
-    checkpointer = Checkpointer(cfg, topo, precision)
+    checkpointer = Checkpointer(cfg, topo)
     resume = checkpointer.resume_point()  # verified and checked before anything in the run dir is touched
     datasets = _datasets(cfg) if datasets is None else datasets
     engine = build_engine(cfg, topo)
@@ -90,9 +90,9 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
     batches = micro_batches(datasets["train"], start_sample=consumed, micro_batch=layout.micro_batch,
                             dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
     schedule = LRSchedule.from_config(cfg.schedule, cfg.optimizer, cfg.train.max_steps)
-    validator = Validator(engine, datasets.get("valid"), cfg, topo, layout, stop)
-    steps = StepLog(cfg, topo, layout, engine, resume_step=step, sinks=sinks, say=say)
-    say(_start_line(cfg, topo, layout, precision))
+    validator = Validator(engine, datasets.get("valid"), cfg, topo, stop)
+    steps = StepLog(cfg, topo, engine, resume_step=step, sinks=sinks, say=say)
+    say(_start_line(cfg, plan))
 
     def run_state() -> dict:  # what a checkpoint holds besides the engine's state and the position
         return {"schedule": schedule.state_dict(), "config": cfg.to_dict()}
@@ -162,7 +162,8 @@ def _write_run_files(cfg, topo, engine) -> None:
         atomic_write_text(run_dir.engine_config_file, json.dumps(record, indent=2) + "\n")
 
 
-def _start_line(cfg, topo, layout, precision: str) -> str:
-    return (f"training {cfg.model.input} interface: {cfg.train.max_steps} steps, global batch {layout.global_batch} "
-            f"= micro {layout.micro_batch} x accum {layout.accum} x dp {topo.dp}, tp {topo.tp}, pp {topo.pp}, "
-            f"{precision}, zero {topo.plan.zero_stage}, run dir {Path(cfg.train.run_dir)}")
+def _start_line(cfg, plan) -> str:
+    b = plan.batch
+    return (f"training {cfg.model.input} interface: {cfg.train.max_steps} steps, global batch {b.global_batch} "
+            f"= micro {b.micro_batch} x accum {b.accum} x dp {plan.dp}, tp {plan.tp}, pp {plan.pp}, "
+            f"{plan.precision}, zero {plan.zero_stage}, run dir {Path(cfg.train.run_dir)}")

@@ -1,19 +1,9 @@
 """Held-out loss during training, on the same samples whatever the data-parallel layout."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
-
-def mean_of_batches(loss_of_batch: Callable[[], float], batches: int, stop=None) -> Optional[float]:
-    """The mean of ``batches`` calls of ``loss_of_batch`` (one global batch each); None when a stop
-    request arrives between two of them. The one averaging of validation (a held-out scorer
-    over a per-batch loss callable can take its place)."""
-    total = 0.0
-    for _ in range(batches):
-        if stop is not None and stop.should_stop():
-            return None
-        total += loss_of_batch()
-    return total / batches
+from ..model.heldout import score_heldout
 
 
 class Validator:
@@ -22,8 +12,8 @@ class Validator:
     Polls the stop request between batches, so a stop is honoured inside a long validation pass
     (``run`` returns None: the pass was cut short)."""
 
-    def __init__(self, engine, dataset, cfg, topo, layout, stop=None):
-        self.engine, self.dataset, self.topo, self.layout, self.stop = engine, dataset, topo, layout, stop
+    def __init__(self, engine, dataset, cfg, topo, stop=None):
+        self.engine, self.dataset, self.topo, self.layout, self.stop = engine, dataset, topo, topo.plan.batch, stop
         self.iters, self.interval, self.last_step = cfg.train.eval_iters, cfg.train.eval_interval, cfg.train.max_steps
 
     @property
@@ -39,4 +29,8 @@ class Validator:
 
         batches = micro_batches(self.dataset, start_sample=0, micro_batch=self.layout.micro_batch,
                                 dp_rank=self.topo.dp_rank, dp_size=self.topo.dp)
-        return mean_of_batches(lambda: self.engine.eval_loss(batches, self.layout.accum), self.iters, self.stop)
+        # The one held-out scorer: ``iters`` groups of ``accum`` micro batches, each group's loss already
+        # averaged over the data-parallel ranks by the engine; equal groups weigh 1 each.
+        score = score_heldout(lambda _: self.engine.eval_loss(batches, self.layout.accum), range(self.iters),
+                              tokens_of=lambda _: 1, should_stop=self.stop.should_stop if self.stop else None)
+        return None if score is None else score.loss
