@@ -275,9 +275,7 @@ class ParallelConfig:
     # A collective (any group) that waits this long for a peer fails, naming the lost rank/node, instead of
     # hanging for torch's 30 minutes; long enough for the slowest checkpoint save or evaluation (Megatron: 10 min).
     collective_timeout_s: float = 600
-
-    def validate(self) -> None:
-        _require_at_least("parallel", self, 1, ("tp", "pp"))
+    # tp/pp >= 1 is checked once, by the range table (config_checks.py); the layout rules by the run plan.
 
 
 @dataclass
