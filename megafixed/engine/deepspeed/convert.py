@@ -1,12 +1,16 @@
 """Move model weights between parallel layouts: gather any (TP, PP) DeepSpeed checkpoint into a
 plain GPT state dict, and shard a plain state dict into any layout's DeepSpeed file set.
 
-Why our own converter and not DeepSpeed's universal checkpoint (``ds_to_universal``): that tool
-needs Megatron-DeepSpeed's ``universal_checkpoint_info`` (regexes for how each parameter is split)
-and a universal-aware loader; our split rule is one table (``tensor.sharded_dim``: TP_PLAN column
-weights on dim 0, row weights on dim 1, vocabulary rows of the table and the head on dim 0) and
-the pipeline layer order is fixed (``pipeline.pipe_key_to_gpt``), so gathering is a few lines and
-is checked exactly by the tests.
+Two re-layout mechanisms, each for its own job (``universal.py`` is the other):
+* this converter moves **weights only**, offline: ``megafixed convert``, ``train.init_from``, HF export and
+  import, and every reader that needs a plain state dict. It works for any layout and ZeRO stage and needs
+  nothing recorded at save time: our split rule is one table (``tensor.sharded_dim``: TP_PLAN column
+  weights on dim 0, row weights on dim 1, vocabulary rows of the table and the head on dim 0) and the
+  pipeline layer order is fixed (``pipeline.pipe_key_to_gpt``), so gathering is a few lines, checked
+  exactly by the tests;
+* a **resume** on another layout keeps the optimizer state (fp32 master weights, Adam's moments), which
+  lives in ZeRO's flat partitions: that is DeepSpeed's universal checkpoint (``ds_to_universal`` +
+  ``load_universal``), fed the same split rule as ``universal_checkpoint_info``.
 
 What moves: the model weights (and the fixed code's buffers, so a code mismatch is still caught on
 load). What does not: optimizer state -- a converted checkpoint is loaded with DeepSpeed's
