@@ -17,6 +17,7 @@ import sys
 from .. import exit_codes
 from ..config import load_config
 from ..plural import count
+from ..train.run_dir import RunDirectory
 
 HELP = "submit a (multi-node) Slurm training job: sbatch script, pre-timeout checkpoint, requeue"
 
@@ -123,7 +124,7 @@ def _describe_chain(spec, k: int) -> None:
 
     script = os.path.join(spec.log_dir, "job-<time>.sbatch")
     print(f"# --chain {k}: {k} jobs run this script one after another, each resuming from "
-          f"{os.path.join(spec.run_dir, 'checkpoints', 'latest')}; requeue is off (a chained job ends at its time "
+          f"{RunDirectory(spec.run_dir).latest_file}; requeue is off (a chained job ends at its time "
           f"limit and the next one continues)", file=sys.stderr)
     for i in range(1, k + 1):
         cmd = sbatch_command(script, f"<job {i - 1}>" if i > 1 else None)

@@ -83,9 +83,12 @@ def _train(args) -> int:
             raise
         raise lost from exc
     if topo.is_main:
-        ckpt = os.path.join(result.run_dir, "checkpoints", result.checkpoint or "")
+        from ..train.run_dir import RunDirectory
+
+        rd = RunDirectory(result.run_dir)
+        ckpt = os.path.join(rd.checkpoints, result.checkpoint or "")
         print(f"{'stopped' if result.stopped else 'done'}: {count(result.step, 'step')}; metrics "
-              f"{os.path.join(result.run_dir, 'metrics.jsonl')}, checkpoint {ckpt}")
+              f"{rd.metrics_file}, checkpoint {ckpt}")
     if result.stopped and stop.interrupted:
         return exit_codes.INTERRUPTED
     return exit_codes.STOPPED if result.stopped else exit_codes.OK

@@ -94,10 +94,12 @@ def lost_peer_error(exc: BaseException, run_dir: str, collective_timeout_s: floa
         return None
     size, rank, peers = dist.get_world_size(), dist.get_rank(), rendezvous.peers()
     alive, store_error = roll_call()
-    latest = os.path.join(run_dir, "checkpoints", "latest")
+    from ..train.run_dir import RunDirectory
+
+    rd = RunDirectory(run_dir)
     try:
-        with open(latest) as f:
-            ckpt = f"The last checkpoint, {os.path.join(run_dir, 'checkpoints', f.read().strip())}, is intact"
+        with open(rd.latest_file) as f:
+            ckpt = f"The last checkpoint, {os.path.join(rd.checkpoints, f.read().strip())}, is intact"
     except OSError:
         ckpt = "No checkpoint was written yet"
     cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
