@@ -25,6 +25,7 @@ Run as root (network namespaces), serialised with the other Slurm tests:
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
@@ -253,9 +254,10 @@ def test_a_node_that_never_starts_its_task_is_named_within_the_rendezvous_timeou
     job, run_dir = passive["nostart"]
     started = wait_for_text(run_dir, job, "rank 0 of 2 on node1: rendezvous at", cluster)
     refused = wait_for_text(run_dir, job, "\nerror:", cluster)
-    cluster.stall("node3", "nostart", on=False)  # let the stalled task go, so the job can end
     assert refused - started < 15 + 5  # the rendezvous timeout of this job, plus polling
+    # srun ends the step (--kill-on-bad-exit), the stalled task with it: the job's exit code is rank 0's
     info = cluster.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
+    cluster.stall("node3", "nostart", on=False)
     log = job_log(run_dir, job)
     assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), log[-3000:]
     assert "error: rendezvous timed out after 15s at MASTER_ADDR=" in log
@@ -378,7 +380,10 @@ def test_usr1_stops_every_rank_at_one_step_checkpoints_once_requeues_and_finishe
     info = finished(cluster, job, run_dir)
     log = job_log(run_dir, job)
     assert f"resumed from {ckpt}" in log and "start 1," in log
-    print(f"requeue: the job restarted and finished {time.time() - stop:.0f}s after its stop")
+    restart = re.search(r"start 1, (\S+):", log).group(1)  # the requeued job's own start line (1 s resolution)
+    restarted = datetime.datetime.strptime(restart, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    print(f"requeue: the job restarted {restarted.timestamp() - stop:.0f}s after its stop and finished "
+          f"{time.time() - stop:.0f}s after it")
     # four jobs, three faults, each resuming from the last checkpoint of the one before: the uninterrupted losses
     assert losses(run_dir) == dp_straight[0]  # bit-identical, CPU fp32
 
