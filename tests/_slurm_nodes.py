@@ -63,9 +63,11 @@ ReturnToService=2
 # A requeued job waits out its old credential (cred_expire) before it may start again.
 AuthInfo=cred_expire=10
 KillWait=15
-# A node whose link is cut is declared down after this long (Slurm's default is 300 s) and its jobs requeue;
-# longer than the runs' collective timeout (20 s) + roll call (5 s), so the survivors speak first.
-SlurmdTimeout=30
+# A node whose link is cut is declared down this long after its last answer (Slurm's default is 300 s) and its
+# jobs requeue. slurmctld pings every SlurmdTimeout/3 s, so that answer may be up to 15 s before the cut: down
+# 30-60 s after it, always after the cut run's collective timeout (20 s) + roll call (5 s): the survivors speak
+# first (with 30, Slurm was seen to take the node down 26 s after a cut, 1 s after the survivors).
+SlurmdTimeout=45
 # CPUs per node (fictional on a 2-core machine: slurmd takes the configured count): every job of a test
 # module at once, so that one job's waits (timeouts, requeue) overlap another's CPU work.
 SlurmdParameters=config_overrides
