@@ -5,21 +5,24 @@ to the host's own network namespace, and no packet leaves them):
 
 * ``mfslurm-ctl``: the "login/controller" host ``mfctl`` (10.213.0.1): the bridge ``mfbr`` and slurmctld.
   Client commands (sbatch, scontrol, scancel, ``megafixed submit``) run in it, like on a login node.
-* ``mfslurm-nodeK``: compute node ``nodeK`` (10.213.0.1K), a veth pair to the bridge, its own hostname
+* ``mfslurm-nodeK``: compute node ``nodeK`` (10.213.0.1K, K = 1..3), a veth pair to the bridge, its own hostname
   (a UTS namespace) and its own ``slurmd -N nodeK``. Its /etc/hosts (a private mount namespace) maps its own
   name to 127.0.1.1 like Debian's installer does, and the other nodes to their addresses: the classic
   multi-node trap, so the head-node resolution of ``megafixed.launch.head`` runs for real.
 
 munged is shared (a unix socket, which network namespaces do not separate). Ports, state, config and
 log paths are private to this cluster (under its temp root), so it never meets the one-node cluster
-of ``tests/_slurm.py``. A TaskProlog lets a test make one node stall before its task starts
-(``stall(node, job_name)``) or run another copy of megafixed (``other_code(node, job_name, path)``).
+of ``tests/_slurm.py``. Partitions group the nodes (e.g. node1+node2 for the jobs that cut a link,
+node1+node3 for the others, so a cut node never carries another test's job). A TaskProlog lets a test make
+one node stall before its task starts (``stall(node, job_name)``) or run another copy of megafixed
+(``other_code(node, job_name, path)``).
 
 ``start_cluster`` returns a reason string where it cannot start (not root, packages missing); ``stop``
 removes every daemon and namespace even after a failure, and says if one stayed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -60,20 +63,31 @@ ReturnToService=2
 # A requeued job waits out its old credential (cred_expire) before it may start again.
 AuthInfo=cred_expire=10
 KillWait=15
-# A node whose link is cut is declared down after this long (Slurm's default is 300 s) and its jobs requeue;
-# longer than the runs' collective timeout (20 s) + roll call (5 s), so the survivors speak first.
-SlurmdTimeout=30
-# 4 CPUs per node on a 2-core machine: two small jobs at once (one waits for a timeout while the other runs).
+# A node whose link is cut is declared down this long after its last answer (Slurm's default is 300 s) and its
+# jobs requeue. slurmctld pings every SlurmdTimeout/3 s, so that answer may be up to 15 s before the cut: down
+# 30-60 s after it, always after the cut run's collective timeout (20 s) + roll call (5 s): the survivors speak
+# first (with 30, Slurm was seen to take the node down 26 s after a cut, 1 s after the survivors).
+SlurmdTimeout=45
+# CPUs per node (fictional on a 2-core machine: slurmd takes the configured count): every job of a test
+# module at once, so that one job's waits (timeouts, requeue) overlap another's CPU work.
 SlurmdParameters=config_overrides
 MessageTimeout=5
+# The main and the backfill scheduler every second instead of every 60 / 30 s: a requeued job starts as soon
+# as its old credential expired, instead of at the next periodic pass.
+SchedulerParameters=sched_interval=1,bf_interval=1
+# A finished job's record stays this long (default 300 s): a test may look at a job that ended minutes ago.
+MinJobAge=3600
 {nodes}
-PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
+{partitions}
 """
 
 # Runs before every task. A flag file per node and job name makes that node's tasks stall (the task
-# does not start while the flag exists, at most 120 s) or run another megafixed (PYTHONPATH).
+# does not start while the flag exists, at most 120 s) or run another megafixed (PYTHONPATH). Each task's
+# node is recorded.
 PROLOG = """#!/bin/sh
 flag={root}/$(hostname)-$SLURM_JOB_NAME
+# where each task ran, for the tests that check a layout (task_nodes)
+echo "$SLURM_JOB_ID $SLURM_PROCID $(hostname)" >> {root}/tasks.log
 i=0
 while [ -e $flag.stall ] && [ $i -lt 240 ]; do sleep 0.5; i=$((i + 1)); done
 # PYTHONSAFEPATH: `python -m` would otherwise import the working directory's megafixed first
@@ -130,6 +144,12 @@ class NodesCluster(Cluster):
             os.kill(pid, sig)
         return pids
 
+    def task_nodes(self, job_id: str) -> dict[int, str]:
+        """rank -> node of every task the job started (recorded by the TaskProlog)."""
+        path = self.root / "tasks.log"
+        rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+        return {int(rank): node for job, rank, node in rows if job == job_id}
+
     def link(self, node: str, up: bool) -> None:
         """Cut (or restore) the node's only network link, on the bridge side."""
         _ip("-n", CTL_NS, "link", "set", f"v-{node}", "up" if up else "down")
@@ -151,14 +171,16 @@ class NodesCluster(Cluster):
                 pids.append(int(proc.name))
         return pids
 
-    def wait_idle(self, timeout: float = 60) -> None:
+    def wait_idle(self, timeout: float = 60, nodes: list[str] | None = None) -> None:
+        """Until ``nodes`` (default: all) are idle, i.e. up and running no job."""
+        names = ",".join(nodes or self.nodes)
         deadline = time.time() + timeout
         while time.time() < deadline:
-            states = self.run("sinfo", "-h", "-N", "-o", "%t", check=False).stdout.split()
+            states = self.run("sinfo", "-h", "-N", "-n", names, "-o", "%t", check=False).stdout.split()
             if states and all(s == "idle" for s in states):
                 return
-            time.sleep(0.5)
-        raise AssertionError(f"nodes not idle after {timeout}s: {self.run('sinfo', '-N', check=False).stdout}")
+            time.sleep(0.2)
+        raise AssertionError(f"nodes {names} not idle after {timeout}s: {self.run('sinfo', '-N', check=False).stdout}")
 
     def stop(self) -> list[str]:
         """Stop every daemon, delete every namespace; returns the namespaces that would not go."""
@@ -167,7 +189,9 @@ class NodesCluster(Cluster):
                            timeout=30)
         for node in self.nodes:  # a cut link must not keep a daemon from hearing its TERM
             _ip("-n", CTL_NS, "link", "set", f"v-{node}", "up", check=False)
-        super().stop()
+        # Not Cluster.stop: its scancel runs outside the controller's namespace, where slurmctld's address
+        # does not route, and waits out MessageTimeout for nothing.
+        _terminate([pid for _name, pid in self.started], kill_after=2)  # throwaway state: no clean shutdown needed
         # anything still running inside our namespaces (a stalled prolog, a straggling rank) goes too
         for ns in our_namespaces():
             for pid in _ip("netns", "pids", ns, check=False).stdout.split():
@@ -176,6 +200,26 @@ class NodesCluster(Cluster):
                 except (ProcessLookupError, ValueError):
                     pass
         return remove_namespaces()
+
+
+def _terminate(pids: list[int], kill_after: float) -> None:
+    """SIGTERM to all, then SIGKILL to those still there after ``kill_after`` seconds."""
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + kill_after
+    while time.time() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def remove_namespaces() -> list[str]:
@@ -209,8 +253,11 @@ def _network(nodes: list[str]) -> None:
         _ip("-n", ns, "link", "set", "eth0", "up")
 
 
-def start_cluster(root: Path, n_nodes: int = 2) -> NodesCluster | str:
-    """A running n-node cluster, or the reason it cannot start here."""
+def start_cluster(root: Path, n_nodes: int = 2, partitions: dict[str, list[str]] | None = None,
+                  cpus: int = 4) -> NodesCluster | str:
+    """A running n-node cluster (nodes ``node1``..), or the reason it cannot start here.
+
+    ``partitions``: name -> nodes, the first one the default (default: one partition ``debug`` of all nodes)."""
     missing = [b for b in ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "munged", "munge", "ip", "unshare",
                            "nsenter")
                if shutil.which(b) is None and not Path(f"/usr/sbin/{b}").exists()]
@@ -224,8 +271,11 @@ def start_cluster(root: Path, n_nodes: int = 2) -> NodesCluster | str:
     for d in ["state", *(f"spool-{n}" for n in nodes)]:
         (root / d).mkdir(exist_ok=True)
     conf = root / "slurm.conf"
-    node_lines = "\n".join(f"NodeName={n} NodeAddr={SUBNET}.1{i} CPUs=4" for i, n in enumerate(nodes, start=1))
-    conf.write_text(CONF.format(root=root, ctl_addr=CTL_ADDR, nodes=node_lines, names=",".join(nodes)))
+    node_lines = "\n".join(f"NodeName={n} NodeAddr={SUBNET}.1{i} CPUs={cpus}" for i, n in enumerate(nodes, start=1))
+    part_lines = "\n".join(f"PartitionName={name} Nodes={','.join(members)} Default={'YES' if i == 0 else 'NO'} "
+                            f"MaxTime=INFINITE State=UP"
+                            for i, (name, members) in enumerate((partitions or {"debug": nodes}).items()))
+    conf.write_text(CONF.format(root=root, ctl_addr=CTL_ADDR, nodes=node_lines, partitions=part_lines))
     prolog = root / "task_prolog.sh"
     prolog.write_text(PROLOG.format(root=root))
     prolog.chmod(0o755)
