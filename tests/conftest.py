@@ -39,24 +39,6 @@ def run_torchrun(nproc: int, args: list[str], cwd: str | os.PathLike | None = No
     return proc
 
 
-LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "CROSS_RANK", "CROSS_SIZE")
-
-
-@pytest.fixture(autouse=True)
-def _launcher_env_stays_as_it_was():
-    """An in-process run (setup_distributed, DeepSpeed's init_distributed) may set the launcher's
-    variables in this process; restore them after each test, so a later test's children do not
-    inherit a half-made launch (test order must not matter)."""
-    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
-    yield
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 @pytest.fixture(scope="session")  # a plain function: module fixtures that share a launch use it too
 def torchrun():
     return run_torchrun
