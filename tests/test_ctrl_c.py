@@ -3,12 +3,11 @@ hint (as USR1 does with 75); a second one aborts at once."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _env import launch_free_env
+from _env import signal_after_logged_steps
 from _train_data import tiny_overrides, write_shards
 from megafixed import exit_codes
 from megafixed.train import stop as stop_module
@@ -24,14 +23,8 @@ def test_ctrl_c_through_the_cli_saves_at_the_step_and_exits_130_with_the_resume_
     cmd = [sys.executable, "-m", "megafixed.cli", "train", str(cfg),
            *tiny_overrides(shards, tmp_path / "run", "train.max_steps=400", "train.eval_interval=0",
                            "train.save_interval=1000", "train.threads=1")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_free_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=300)
+    proc = signal_after_logged_steps(cmd, ROOT, tmp_path / "run" / "metrics.jsonl", signal.SIGINT)
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == exit_codes.INTERRUPTED == 130, err[-3000:]
     tag = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     step = int(tag.split("_")[1])

@@ -4,16 +4,14 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from _env import launch_free_env
+from _env import signal_after_logged_steps
 from _train_data import tiny_overrides, write_shards
 from megafixed.config import load_config
 from megafixed.train.stop import StopRequest
@@ -89,14 +87,8 @@ def test_sigusr1_stops_the_cli_with_exit_75_and_the_same_command_resumes(shards,
     cmd = [sys.executable, "-m", "megafixed.cli", "train", str(cfg),
            *tiny_overrides(shards, tmp_path / "run", "train.max_steps=400", "train.eval_interval=0",
                            "train.save_interval=1000")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_free_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGUSR1)
-    out, err = proc.communicate(timeout=300)
+    proc = signal_after_logged_steps(cmd, ROOT, tmp_path / "run" / "metrics.jsonl", signal.SIGUSR1)
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 75, err[-3000:]
     tag = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     step = int(tag.split("_")[1])
