@@ -103,7 +103,7 @@ def _block_plan(model, sequence_parallel: bool) -> dict[str, ParallelStyle]:
                 input_layouts=(Shard(1), *[None] * (_ATTENTION_ARGS - 1)),
                 desired_input_layouts=(Replicate(), *[None] * (_ATTENTION_ARGS - 1)))
             plan[f"blocks.{i}.mlp"] = tp.PrepareModuleInput(input_layouts=(Shard(1),),
-                                                         desired_input_layouts=(Replicate(),))
+                                                            desired_input_layouts=(Replicate(),))
     plan["head.norm"] = _norm_style(sequence_parallel)
     return plan
 
