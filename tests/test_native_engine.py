@@ -175,13 +175,13 @@ NONFINITE_WORKER = r"""
 import math, sys
 import torch
 from megafixed.config import load_config
-from megafixed.engine import NonFiniteLossError, build_engine
+from megafixed.engine import Engine, NonFiniteLossError, build_engine
 from megafixed.parallel import setup_distributed
 from megafixed.run_plan import RunPlan
 
 cfg = load_config(None, sys.argv[1:])
 engine = build_engine(cfg, setup_distributed(RunPlan.for_launch(cfg)))
-assert engine.name == "torch"
+assert engine.name == "torch" and isinstance(engine, Engine)  # the seam's protocol, all of it
 data = torch.randint(0, cfg.model.vocab_size, (64, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
 batches = iter(data.split(cfg.train.micro_batch))
 first = engine.train_step(batches, 1e-3, 0)
