@@ -132,6 +132,9 @@ for rep, shard, tp, precision in ((2, 2, 2, "fp32"), (4, 2, 1, "bf16")):
             policy = m._get_fsdp_state()._mp_policy
             assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), policy
         assert model.blocks[0].attn.wq.weight.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+        from megafixed.engine.native.step import compute_context
+        import contextlib
+        assert compute_context(model, "bf16", "cpu") is contextlib.nullcontext  # FSDP2 casts, no autocast
         # train.compile: each block compiled in place (names unchanged), then sharded; checkpointed by GPT.forward
         assert all(b._compiled_call_impl is not None for b in model.blocks) and model.activation_checkpointing
     for name, p in model.named_parameters():
@@ -159,13 +162,23 @@ def test_materialize_slices_every_placement_like_the_single_process_weights():
         assert proc.returncode == 0 and "ok" in out, out[-3000:]
 
 
-def test_fp32_trains_without_a_cast():
+def test_precision_policies():
     from megafixed.engine.native.build import mixed_precision_policy
+    from megafixed.engine.native.step import compute_context
+    from megafixed.model.gpt import GPT
 
     fp32 = mixed_precision_policy("fp32")
     assert (fp32.param_dtype, fp32.reduce_dtype) == (None, None)
     bf16 = mixed_precision_policy("bf16")
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    # one data-parallel rank has no FSDP2 to cast: bf16 is autocast over the fp32 weights there
+    model = GPT(_cfg("model.input=canonical").model)
+    ids = torch.randint(0, 256, (1, 8))
+    with compute_context(model, "bf16", "cpu")():
+        assert model(ids).dtype == torch.bfloat16
+    with compute_context(model, "fp32", "cpu")():
+        assert model(ids).dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------------- one process

@@ -50,12 +50,12 @@ class NativeEngine:
                                       dp=self.topo.dp, dp_group=self.topo.dp_group,
                                       grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.train.on_nonfinite,
                                       step=step, vocab_size=self.cfg.model.vocab_size, device=self.device,
-                                      loss_context=self._loss_context)
+                                      loss_context=self._loss_context, precision=self.plan.precision)
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         return native_step.eval_loss(self.model, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,
                                      vocab_size=self.cfg.model.vocab_size, device=self.device,
-                                     loss_context=self._loss_context)
+                                     loss_context=self._loss_context, precision=self.plan.precision)
 
     # ---- checkpoint files (native/checkpoint.py: DCP)
     def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> None:
