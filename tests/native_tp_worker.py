@@ -44,8 +44,8 @@ def model_config(**overrides):
     return cfg
 
 
-def batches(vocab: int, n: int = 4, seq: int = 32):
-    g = torch.Generator().manual_seed(1234)
+def batches(vocab: int, n: int = 4, seq: int = 32, seed: int = 1234):
+    g = torch.Generator().manual_seed(seed)
     for _ in range(STEPS):
         tokens = torch.randint(0, vocab, (n, seq + 1), generator=g)
         yield tokens[:, :-1], tokens[:, 1:]
@@ -111,7 +111,12 @@ def train(model, cfg, tp_context, clip: float = 1.0):
         losses.append(float(loss.detach()))
         norms.append(float(full(norm)))
     weights = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-    return losses, norms, grads, weights
+    # an evaluation forward (no autograd, eval mode) of the trained model on a held-out batch
+    model.eval()
+    x, y = next(batches(cfg.vocab_size, seed=99))
+    with torch.no_grad(), tp_context(model):
+        eval_loss = float(model(x, y))
+    return losses, norms, grads, weights, eval_loss
 
 
 def run_case(overrides: dict, sequence_parallel: bool, mesh) -> dict:
@@ -141,6 +146,7 @@ def run_case(overrides: dict, sequence_parallel: bool, mesh) -> dict:
     model.head.proj.register_forward_hook(logits)
     got = train(model, cfg, loss_context)
     out = {"loss": got[0], "ref_loss": ref[0], "grad_norm": got[1], "ref_grad_norm": ref[1],
+           "eval_loss": got[4], "ref_eval_loss": ref[4],
            "params": sorted(got[3]), "ref_params": sorted(ref[3]),
            "not_dtensor": [n for n, p in model.named_parameters() if not isinstance(p, DTensor)],
            # per step: the worst gradient difference relative to that parameter's largest gradient

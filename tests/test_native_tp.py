@@ -35,6 +35,8 @@ def test_native_tp_matches_single_process(tp_cases):
         # clip_grad_norm_ over DTensors counts every parameter once (sharded ones summed over TP)
         for step, (a, b) in enumerate(zip(r["grad_norm"], r["ref_grad_norm"])):
             assert math.isclose(a, b, rel_tol=RTOL), f"{name}: step {step + 1} grad_norm {a} vs {b}"
+        assert math.isclose(r["eval_loss"], r["ref_eval_loss"], rel_tol=RTOL), \
+            f"{name}: evaluation loss {r['eval_loss']} vs {r['ref_eval_loss']}"
         # the first step's gradients before any optimizer step, then after two AdamW updates
         assert r["grad_diff"][0] < RTOL, f"{name}: step-1 gradients differ by {r['grad_diff'][0]:.2e}"
         assert max(r["grad_diff"]) < 10 * RTOL, f"{name}: gradients differ by {r['grad_diff']}"
