@@ -53,6 +53,18 @@ def test_native_tp_matches_single_process(tp_cases):
             assert shapes["input.embedding.weight"] == [128, 64], name  # vocabulary-parallel table
         # sequence parallelism: the residual stream holds T/tp positions per rank
         assert r["norm_input"] == ([4, 16, 64] if sp else [4, 32, 64]), f"{name}: {r['norm_input']}"
+        # Megatron's communication, no more: per block one reduction of attention's and one of the
+        # MLP's output forward and of their input gradients backward, one for the head's input
+        # gradient, one for a learned table's lookup; never a gather of the [B, T, V] logits
+        layers, table = 2, int("input.embedding.weight" in shapes)
+        if sp:  # all-gather before attention, the MLP, the head; reduce-scatter after wo, w_out, the table
+            assert r["collectives"] == {
+                "forward": {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + table},
+                "backward": {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + table},
+            }, f"{name}: {r['collectives']}"
+        else:
+            assert r["collectives"] == {"forward": {"all_reduce": 2 * layers + table},
+                                        "backward": {"all_reduce": 2 * layers + 1}}, f"{name}: {r['collectives']}"
         if "tied" in r:
             assert r["tied"], f"{name}: the tied head and table came apart"
 
