@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 STEPS = 3
 CASES = {  # name -> (model overrides, sequence_parallel)
@@ -44,8 +45,8 @@ def model_config(**overrides):
     return cfg
 
 
-def batches(vocab: int, n: int = 4, seq: int = 32):
-    g = torch.Generator().manual_seed(1234)
+def batches(vocab: int, n: int = 4, seq: int = 32, seed: int = 1234):
+    g = torch.Generator().manual_seed(seed)
     for _ in range(STEPS):
         tokens = torch.randint(0, vocab, (n, seq + 1), generator=g)
         yield tokens[:, :-1], tokens[:, 1:]
@@ -81,6 +82,32 @@ def materialize(model, cfg, seed: int) -> None:
             sub.reset_buffers()
 
 
+class CountCollectives(TorchDispatchMode):
+    """Counts the functional collectives DTensor issues (its redistributions: the TP/SP
+    all-reduces, all-gathers and reduce-scatters; loss_parallel's own small all-reduces run inside
+    DTensor's dispatch and are not seen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._opname not in ("wait_tensor", "_wrap_tensor_autograd"):
+            self.counts[func._opname] = self.counts.get(func._opname, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_collectives(model, cfg, tp_context) -> dict:
+    """The collectives of one forward and one backward (gradients are dropped by the next step)."""
+    x, y = next(batches(cfg.vocab_size, seed=5))
+    with tp_context(model):
+        with CountCollectives() as forward:
+            loss = model(x, y)
+        with CountCollectives() as backward:
+            loss.backward()
+    return {"forward": forward.counts, "backward": backward.counts}
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -111,7 +138,12 @@ def train(model, cfg, tp_context, clip: float = 1.0):
         losses.append(float(loss.detach()))
         norms.append(float(full(norm)))
     weights = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-    return losses, norms, grads, weights
+    # an evaluation forward (no autograd, eval mode) of the trained model on a held-out batch
+    model.eval()
+    x, y = next(batches(cfg.vocab_size, seed=99))
+    with torch.no_grad(), tp_context(model):
+        eval_loss = float(model(x, y))
+    return losses, norms, grads, weights, eval_loss
 
 
 def run_case(overrides: dict, sequence_parallel: bool, mesh) -> dict:
@@ -139,8 +171,10 @@ def run_case(overrides: dict, sequence_parallel: bool, mesh) -> dict:
 
     model.blocks[0].norm1.register_forward_pre_hook(norm_input)
     model.head.proj.register_forward_hook(logits)
+    seen["collectives"] = count_collectives(model, cfg, loss_context)
     got = train(model, cfg, loss_context)
     out = {"loss": got[0], "ref_loss": ref[0], "grad_norm": got[1], "ref_grad_norm": ref[1],
+           "eval_loss": got[4], "ref_eval_loss": ref[4],
            "params": sorted(got[3]), "ref_params": sorted(ref[3]),
            "not_dtensor": [n for n, p in model.named_parameters() if not isinstance(p, DTensor)],
            # per step: the worst gradient difference relative to that parameter's largest gradient

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,8 @@ def test_native_tp_matches_single_process(tp_cases):
         # clip_grad_norm_ over DTensors counts every parameter once (sharded ones summed over TP)
         for step, (a, b) in enumerate(zip(r["grad_norm"], r["ref_grad_norm"])):
             assert math.isclose(a, b, rel_tol=RTOL), f"{name}: step {step + 1} grad_norm {a} vs {b}"
+        assert math.isclose(r["eval_loss"], r["ref_eval_loss"], rel_tol=RTOL), \
+            f"{name}: evaluation loss {r['eval_loss']} vs {r['ref_eval_loss']}"
         # the first step's gradients before any optimizer step, then after two AdamW updates
         assert r["grad_diff"][0] < RTOL, f"{name}: step-1 gradients differ by {r['grad_diff'][0]:.2e}"
         assert max(r["grad_diff"]) < 10 * RTOL, f"{name}: gradients differ by {r['grad_diff']}"
@@ -51,6 +54,18 @@ def test_native_tp_matches_single_process(tp_cases):
             assert shapes["input.embedding.weight"] == [128, 64], name  # vocabulary-parallel table
         # sequence parallelism: the residual stream holds T/tp positions per rank
         assert r["norm_input"] == ([4, 16, 64] if sp else [4, 32, 64]), f"{name}: {r['norm_input']}"
+        # Megatron's communication, no more: per block one reduction of attention's and one of the
+        # MLP's output forward and of their input gradients backward, one for the head's input
+        # gradient, one for a learned table's lookup; never a gather of the [B, T, V] logits
+        layers, table = 2, int("input.embedding.weight" in shapes)
+        if sp:  # all-gather before attention, the MLP, the head; reduce-scatter after wo, w_out, the table
+            assert r["collectives"] == {
+                "forward": {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + table},
+                "backward": {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + table},
+            }, f"{name}: {r['collectives']}"
+        else:
+            assert r["collectives"] == {"forward": {"all_reduce": 2 * layers + table},
+                                        "backward": {"all_reduce": 2 * layers + 1}}, f"{name}: {r['collectives']}"
         if "tied" in r:
             assert r["tied"], f"{name}: the tied head and table came apart"
 
@@ -104,9 +119,26 @@ def test_train_torch_engine_tp_matches_deepspeed_single_process(tiny_shards, ref
 
 @pytest.mark.multiprocess
 @pytest.mark.four_procs
-def test_train_torch_engine_fsdp2_times_tp_sp_matches_deepspeed_single_process(tiny_shards, reference, torchrun,
+def test_train_torch_engine_fsdp2_times_tp_sp_matches_and_resumes_as_fsdp2_dp4(tiny_shards, reference, torchrun,
                                                                                  tmp_path):
     # 2-D: FSDP2 over dp=2 of TP2+SP DTensors (torchtitan's layout), the learned table split both ways
-    _train_matches_reference(tiny_shards, reference, torchrun, tmp_path, "learned", 4,
-                             ("parallel.tp=2", "parallel.sequence_parallel=true"),
+    layout = ("parallel.tp=2", "parallel.sequence_parallel=true")
+    _train_matches_reference(tiny_shards, reference, torchrun, tmp_path, "learned", 4, layout,
                              "micro 4 x accum 1 x dp 2, tp 2, pp 1, fp32")
+    # DCP reshards the TP x FSDP2 step-2 checkpoint (model and AdamW state) onto FSDP2 over dp=4
+    # without TP: steps 3-4 continue the uninterrupted run
+    from _train_data import REFERENCE_STEPS, reference_overrides
+
+    run_dir, rerun = tmp_path / "run", tmp_path / "rerun"
+    shutil.copytree(run_dir, rerun)
+    shutil.rmtree(rerun / "checkpoints" / f"step_{REFERENCE_STEPS:08d}")
+    (rerun / "checkpoints" / "latest").write_text("step_00000002\n")
+    torchrun(4, ["-m", "megafixed.cli", "train", "/dev/null",
+                 *reference_overrides(tiny_shards, rerun, "learned", "train.engine=torch", "parallel.tp=1",
+                                      "parallel.sequence_parallel=false", "train.micro_batch=2")])
+    straight, resumed = _metrics(run_dir), _metrics(rerun)
+    assert [r["step"] for r in resumed] == list(range(1, REFERENCE_STEPS + 1))
+    for a, b in zip(straight[2:], resumed[2:]):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=RTOL), f"step {a['step']}: {a['loss']} vs {b['loss']}"
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=RTOL), \
+            f"step {a['step']}: grad_norm {a['grad_norm']} vs {b['grad_norm']}"

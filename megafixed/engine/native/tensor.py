@@ -17,8 +17,9 @@ mesh (torchtitan's way), so the model never learns about parallelism and FSDP2, 
   (``VOCAB_PARALLEL``) is ``RowwiseParallel`` (vocabulary rows split, masked lookups summed; under
   SP reduce-scattered to ``Shard(1)``); a fixed code (``REPLICATED``) needs no communication at
   all: every rank computes it, under SP only for its own ``T/tp`` positions;
-* the norms: ``SequenceParallel`` under SP (``[B, T/tp, D]`` activations, ``PrepareModuleInput``
-  gathers them before attention and the MLP); without SP replicated DTensors
+* ``PrepareModuleInput`` before attention and the MLP: one all-gather of the sequence shards
+  under SP, and in both cases one input-gradient reduction per module, not one per Linear;
+* the norms: ``SequenceParallel`` under SP (``[B, T/tp, D]`` activations); without SP replicated DTensors
   (``ReplicateParallel``), so that *every* parameter is a DTensor on the TP mesh and a gradient
   norm over them counts each parameter once (a mix of plain tensors and DTensors is what
   ``clip_grad_norm_`` cannot stack).
@@ -97,13 +98,16 @@ def _block_plan(model, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     for i in range(len(model.blocks)):
         plan[f"blocks.{i}.norm1"] = _norm_style(sequence_parallel)
         plan[f"blocks.{i}.norm2"] = _norm_style(sequence_parallel)
-        if sequence_parallel:
-            # one all-gather of the T/tp shards before the q/k/v (and MLP input) projections
-            plan[f"blocks.{i}.attn"] = tp.PrepareModuleInput(
-                input_layouts=(Shard(1), *[None] * (_ATTENTION_ARGS - 1)),
-                desired_input_layouts=(Replicate(), *[None] * (_ATTENTION_ARGS - 1)))
-            plan[f"blocks.{i}.mlp"] = tp.PrepareModuleInput(input_layouts=(Shard(1),),
-                                                            desired_input_layouts=(Replicate(),))
+        # The activations enter attention and the MLP as ONE replicated DTensor that every
+        # column Linear there reads (q/k/v; w_in/w_gate), so their input gradients add up as
+        # DTensor partial sums and are reduced once per module: under SP one all-gather forward
+        # and one reduce-scatter backward of the T/tp shards, without SP one all-reduce backward
+        # (Megatron's f/g). Converting in each Linear instead would reduce once per Linear.
+        before = Shard(1) if sequence_parallel else Replicate()
+        plan[f"blocks.{i}.attn"] = tp.PrepareModuleInput(
+            input_layouts=(before, *[None] * (_ATTENTION_ARGS - 1)),
+            desired_input_layouts=(Replicate(), *[None] * (_ATTENTION_ARGS - 1)))
+        plan[f"blocks.{i}.mlp"] = tp.PrepareModuleInput(input_layouts=(before,), desired_input_layouts=(Replicate(),))
     plan["head.norm"] = _norm_style(sequence_parallel)
     return plan
 
