@@ -21,11 +21,25 @@ def _resolved(cfg):
     return resolve_code(cfg)
 
 
+DEFAULT_ENGINE = "deepspeed"  # what wrote a record without "engine" (written before the torch engine)
+
+
 def run_record(cfg, plan) -> dict:
-    """What a checkpoint records of its run: the resolved config and the ``RunPlan``'s layout."""
+    """What a checkpoint records of its run: the resolved config and the ``RunPlan``'s layout,
+    including the engine whose files the tag holds (``train.engine``)."""
     return {"config": _resolved(cfg).to_dict(),
             "layout": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage,
-                       "precision": plan.precision}}
+                       "precision": plan.precision, "engine": plan_engine(plan)}}
+
+
+def plan_engine(plan) -> str:
+    return getattr(plan, "engine", None) or DEFAULT_ENGINE
+
+
+def record_engine(record: Optional[dict]) -> str:
+    """The engine that wrote a checkpoint, from its run record (or a manifest's layout)."""
+    lay = (record or {}).get("layout") or {}
+    return lay.get("engine") or DEFAULT_ENGINE
 
 
 def write_run_record(tag_dir: Path, record: dict) -> None:
