@@ -142,17 +142,38 @@ def _hashed_save(obj, path: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------- errors
+def dcp_errors() -> tuple:
+    """What DCP raises: its ``CheckpointException`` is a ``BaseException`` (not an ``Exception``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 def root_cause(exc: BaseException) -> BaseException:
-    """DCP gathers each rank's exception into a ``CheckpointException`` (rank -> (exception,
-    traceback)) without chaining it; the first one -- this rank's if it failed -- is the cause the
-    fault namer (``train/save_faults.py``) must see (a full disk's ``OSError``)."""
+    """DCP gathers every rank's exception into a ``CheckpointException`` (rank -> (exception,
+    traceback)) without chaining them. The cause the fault namer (``train/save_faults.py``) must see
+    is a filesystem error (a full disk's ``OSError``) wherever a rank hit one -- the other ranks may
+    only see torch's zip writer fail -- else this rank's own, else the first."""
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict) or not failures:
         return exc
     rank = dist.get_rank() if dist.is_initialized() else 0
-    wrapped = failures.get(rank) or next(iter(failures.values()))
-    inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-    return inner if isinstance(inner, BaseException) else exc
+    order = sorted(failures, key=lambda r: r != rank)
+    errors = [failures[r][0] if isinstance(failures[r], tuple) else failures[r] for r in order]
+    errors = [e for e in errors if isinstance(e, BaseException)]
+    if not errors:
+        return exc
+    return next((e for e in errors if _filesystem_error(e)), errors[0])
+
+
+def _filesystem_error(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _one_line(msg: str, keep: int = 2) -> str:
@@ -249,7 +270,7 @@ class DcpCheckpoint:
         if not self.async_save:
             try:
                 dcp.save(state, storage_writer=writer)
-            except Exception as exc:
+            except dcp_errors() as exc:
                 raise root_cause(exc) from exc
             on_written({**own, **writer.fs.records})
             return
@@ -260,7 +281,7 @@ class DcpCheckpoint:
             try:
                 try:
                     future.result()
-                except Exception as exc:
+                except dcp_errors() as exc:
                     raise root_cause(exc) from exc
                 on_written({**own, **writer.fs.records})
             except BaseException as exc:  # raised in the training thread by wait()
@@ -298,7 +319,7 @@ class DcpCheckpoint:
             dcp.load(state, checkpoint_id=str(tag_dir))
             set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
             client = torch.load(tag_dir / CLIENT_STATE, map_location="cpu", weights_only=False)
-        except Exception as exc:
+        except dcp_errors() as exc:
             raise _load_error(exc, tag_dir) from None
         return client
 

@@ -66,11 +66,11 @@ def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
     if not shapes:
         raise ConvertError(f"{tag_dir} holds no model weights (its {METADATA} lists no '{MODEL}.*' tensor)")
     template = {f"{MODEL}.{k}": torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
+    from .checkpoint import dcp_errors, root_cause
+
     try:
         dcp.load(template, storage_reader=reader, no_dist=True)
-    except Exception as exc:
-        from .checkpoint import root_cause
-
+    except dcp_errors() as exc:
         cause = root_cause(exc)
         said = str(cause).splitlines()[0] if str(cause) else repr(cause)
         raise ConvertError(f"{tag_dir}: cannot read its weights ({said}); the checkpoint is incomplete or "
