@@ -206,6 +206,24 @@ def local_bytes(obj) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------- the format
+def is_native_checkpoint(tag_dir) -> bool:
+    """Written by the torch-native engine (a DCP checkpoint: its ``.metadata`` index)."""
+    return (Path(tag_dir) / METADATA).is_file()
+
+
+def is_model_file(name: str) -> bool:
+    """A file of a native checkpoint that may hold weights: any rank's shard file can (DCP
+    de-duplicates replicated tensors onto one rank), and the index says which."""
+    return name == METADATA or name.endswith(".distcp")
+
+
+def weights_in_every_rank_file(tag_dir) -> bool:
+    """Every rank's shard file holds weights (FSDP2 shards each parameter over the DP ranks), so a
+    weights reader verifies them all, as for ZeRO-3."""
+    return True
+
+
 # ----------------------------------------------------------------------------------- re-layout
 def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     """Why a torch-engine checkpoint of layout ``old`` cannot load on ``new`` (run-record layouts),

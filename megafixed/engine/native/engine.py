@@ -14,21 +14,19 @@ from . import step as native_step
 
 NAME = "torch"
 
-# TEMPORARY (issue 21): the DCP checkpoint half of the torch engine (native/checkpoint.py) replaces these.
-_NO_CHECKPOINTS = ("train.engine=torch cannot write or read checkpoints yet (issue 21: "
-                   "megafixed/engine/native/checkpoint.py); use train.engine=deepspeed")
-
 
 class NativeEngine:
     """One rank's torch-native engine behind the engine seam."""
     name = NAME
     derived_dirs: tuple = ()  # DCP reshards on load: no re-layout copy beside a tag
-    saves_in_background = False
 
     def __init__(self, model: torch.nn.Module, optimizer, *, cfg, topo):
         self.model, self.optimizer, self.cfg, self.topo = model, optimizer, cfg, topo
         self.plan = topo.plan
         self._loss_context = self._pick_loss_context()
+        from .checkpoint import DcpCheckpoint
+
+        self.checkpoints = DcpCheckpoint(model, optimizer, async_save=bool(cfg.train.async_save))
 
     def _pick_loss_context(self) -> Callable:
         if self.plan.tp > 1:
@@ -59,22 +57,26 @@ class NativeEngine:
                                      vocab_size=self.cfg.model.vocab_size, device=self.device,
                                      loss_context=self._loss_context)
 
-    # ---- checkpoint files (native/checkpoint.py)
+    # ---- checkpoint files (native/checkpoint.py: DCP)
     def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> None:
-        raise NotImplementedError(_NO_CHECKPOINTS)
+        self.checkpoints.save(tag_dir, client_state, on_written=on_written, on_failed=on_failed)
+
+    @property
+    def saves_in_background(self) -> bool:
+        return self.checkpoints.saves_in_background
 
     def wait_for_saves(self) -> None:
-        return None  # saves are synchronous until native/checkpoint.py: nothing is ever in flight
+        self.checkpoints.wait()
 
     @property
     def saved_bytes(self) -> int:
-        return 0
+        return self.checkpoints.saved_bytes
 
     def load(self, tag_dir: Path, *, relayout: bool = False) -> dict:
-        raise NotImplementedError(_NO_CHECKPOINTS)
+        return self.checkpoints.load(tag_dir, relayout=relayout)
 
     def load_weights(self, read_state_dict: Callable[[], dict], scratch: Path) -> None:
-        raise NotImplementedError(_NO_CHECKPOINTS)
+        self.checkpoints.load_weights(read_state_dict, scratch)
 
     def config_record(self) -> Optional[dict]:
         """The engine's own record (mesh, FSDP, mixed precision, compile, AC): ``native/config.py``."""

@@ -15,18 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..base import ConvertError
-from .checkpoint import CLIENT_STATE, METADATA, MODEL
-
-
-def is_native_checkpoint(tag_dir) -> bool:
-    """Written by the torch-native engine (a DCP checkpoint: its ``.metadata`` index)."""
-    return (Path(tag_dir) / METADATA).is_file()
-
-
-def is_model_file(name: str) -> bool:
-    """A file of a native checkpoint that may hold weights: any rank's shard file can (DCP
-    de-duplicates replicated tensors onto one rank), and the index says which."""
-    return name == METADATA or name.endswith(".distcp")
+from .checkpoint import CLIENT_STATE, METADATA, MODEL, is_model_file, is_native_checkpoint  # noqa: F401
 
 
 def _metadata(tag_dir: Path):
