@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,9 +63,30 @@ def _env() -> dict:
 
 
 def _popen(nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
-    # its own session: a kill -9 reaches every rank (and the launcher), like a node going down
     return subprocess.Popen(_train_cmd(nproc, overrides), cwd=ROOT, env=_env(), stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (torchrun starts each rank in a session of its own)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _kill9(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every rank at once, like a node going down."""
+    for pid in _tree(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _run(nproc: int, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -100,7 +122,7 @@ class _Background:
         try:
             code = self.proc.wait(timeout=600)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            _kill9(self.proc)
             code = self.proc.wait()
         assert code == 0, self.log.read_text()[-4000:]
         return self.run_dir
@@ -118,7 +140,7 @@ def native_reference(shards, tmp_path_factory):
     ref = _Background(2, _overrides(shards, run_dir, "train.async_save=true"), run_dir)
     yield ref
     if ref.proc.poll() is None:
-        os.killpg(ref.proc.pid, signal.SIGKILL)
+        _kill9(ref.proc)
         ref.proc.wait()
 
 
@@ -152,6 +174,8 @@ def _assert_same_tree(a, b, where=""):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
             _assert_same_tree(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
     else:
         assert a == b, where
 
@@ -171,7 +195,7 @@ def test_kill9_between_saves_then_rerun_is_bit_identical_and_sync_saves_equal_as
             saved = int(latest.read_text().strip().split("_")[1])
             step = _logged_step(run_dir)
             if step > saved:  # a few steps past a complete checkpoint, before the next one is
-                os.killpg(victim.pid, signal.SIGKILL)
+                _kill9(victim)
                 killed_at = step
                 break
         time.sleep(0.01)
@@ -182,7 +206,9 @@ def test_kill9_between_saves_then_rerun_is_bit_identical_and_sync_saves_equal_as
 
     rerun = _run(2, overrides)
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-4000:]
-    assert f"resumed from {run_dir / 'checkpoints'}" in rerun.stdout and f"(step {saved}," in rerun.stdout
+    resumed = [ln for ln in rerun.stdout.splitlines() if ln.startswith("resumed from")]
+    assert resumed and resumed[0].startswith(f"resumed from {run_dir / 'checkpoints'}") and \
+        f"(step {saved}," in resumed[0], rerun.stdout[-3000:]
 
     ref_dir = native_reference.wait()
     got, want = _metrics(run_dir), _metrics(ref_dir)
@@ -295,9 +321,10 @@ def _word_tokenizer(path: Path, vocab: int) -> str:
     """A tokenizer.json with exactly ``vocab`` ids (the tiny model's), end-of-document token included."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, vocab)}}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<|endoftext|>"))
+    words = {"<|endoftext|>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
     tok.save(str(path))
     return str(path)
 

@@ -12,6 +12,7 @@ Imports no engine library beyond torch, and only when called: the dispatch in
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from ..base import ConvertError
@@ -58,7 +59,9 @@ def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
     from .checkpoint import dcp_errors, root_cause
 
     try:
-        dcp.load(template, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # DCP says it assumes one process: that is the point here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(template, storage_reader=reader, no_dist=True)
     except dcp_errors() as exc:
         cause = root_cause(exc)
         said = str(cause).splitlines()[0] if str(cause) else repr(cause)
