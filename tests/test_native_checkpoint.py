@@ -385,3 +385,38 @@ def test_eval_export_convert_and_inspect_read_a_torch_engine_checkpoint(shards, 
     with torch.no_grad():
         a, b = ours.eval()(ids), hf(ids).logits
     assert a.abs().max() > 0.5 and (a - b).abs().max().item() <= 1e-4
+
+
+# ----------------------------------------------------------------------------------- a full disk
+@pytest.fixture
+def small_tmpfs(native_reference, tmp_path):
+    """A tmpfs with room for one checkpoint of the run but not two (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (the full-disk test runs as root in CI)")
+    one = sum(p.stat().st_size for p in (native_reference.wait() / "checkpoints" / TAG4).iterdir())
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    size = (int(one * 1.5) // 4096 + 1) * 4096
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_during_an_async_save_is_named_and_keeps_the_previous_checkpoint(shards, small_tmpfs):
+    from megafixed.engine.native.reader import read_state_dict
+
+    run_dir = small_tmpfs / "run"
+    proc = _run(1, _overrides(shards, run_dir, "train.async_save=true"))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line, tag8 = lines[0], "step_00000008"
+    assert line.startswith("error: the background (train.async_save) save of checkpoint") and tag8 in line, line
+    assert "no space left on device" in line and f"`latest` still names {TAG4}, which is complete" in line, line
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == TAG4 and not (ckpt / tag8).exists()
+    assert len(read_state_dict(ckpt / TAG4)) > 4  # verified against its manifest, then read
