@@ -257,6 +257,24 @@ def test_dp2_checkpoint_resumes_on_one_process_with_its_optimizer_state(shards, 
     assert (lay["engine"], lay["dp"]) == ("torch", 1)
 
 
+@pytest.mark.multiprocess
+def test_a_tp2_sp_checkpoint_resumes_on_one_process_with_its_optimizer_state(shards, native_reference, tmp_path):
+    """DTensor TP shards (vocab-parallel head, Shard(0)/Shard(1) Linears) resharded into plain tensors."""
+    run_dir = tmp_path / "run"
+    first = _run(2, _overrides(shards, run_dir, "parallel.tp=2", "parallel.sequence_parallel=true",
+                               "train.max_steps=4"))
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
+    proc = _run(1, _overrides(shards, run_dir))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    resumed = next(line for line in proc.stdout.splitlines() if line.startswith("resumed from"))
+    assert "(step 4, 32 samples consumed)" in resumed and "layout: parallel.tp 2 -> 1" in resumed, resumed
+    got, want = _metrics(run_dir), _metrics(native_reference.wait())
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want):
+        for key in ("loss", "grad_norm"):
+            assert math.isclose(a[key], b[key], rel_tol=RTOL), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+
+
 # ----------------------------------------------------------------------------------- the other engine
 def _assert_weights_close(got: dict, want: dict, atol: float):
     assert set(got) == set(want), sorted(set(got) ^ set(want))[:6]
