@@ -20,6 +20,7 @@ from .run_record import (  # noqa: F401
     plan_engine,
     read_run_record,
     record_engine,
+    record_layout,
     run_record,
     write_run_record,
 )
@@ -65,7 +66,7 @@ def check_resume(record: dict, cfg, plan, tag_dir: Path) -> list[str]:
             raise ResumeError(
                 f"cannot resume {run_dir} on a different layout ({'; '.join(changed)}): {why}. Resume with the "
                 f"checkpoint's layout (tp={lay.get('tp')}, pp={lay.get('pp')}, dp={lay.get('dp')}, "
-                f"zero.stage={lay.get('zero_stage')}, {lay.get('precision')}), or move only the weights with "
+                f"{_zero(lay)}{lay.get('precision')}), or move only the weights with "
                 f"`megafixed convert {Path(tag_dir).parent} OUT --tp {now['tp']} --pp {now['pp']}` and start a new "
                 f"run from them")
     return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()] + [f"layout: {c}" for c in changed]
@@ -84,10 +85,13 @@ def check_engine(record: dict, plan, tag_dir: Path) -> None:
                       f"train.init_from={tag_dir} and another train.run_dir")
 
 
+def _zero(lay: dict) -> str:
+    return f"zero.stage={lay['zero_stage']}, " if "zero_stage" in lay else ""  # DeepSpeed records only
+
+
 def current_layout(plan) -> dict:
     """The layout a run record keeps, from a ``RunPlan``."""
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage, "precision": plan.precision,
-            "engine": plan_engine(plan)}
+    return record_layout(plan)
 
 
 def layout_changes(record: dict, plan) -> list[str]:

@@ -27,9 +27,18 @@ DEFAULT_ENGINE = "deepspeed"  # what wrote a record without "engine" (written be
 def run_record(cfg, plan) -> dict:
     """What a checkpoint records of its run: the resolved config and the ``RunPlan``'s layout,
     including the engine whose files the tag holds (``train.engine``)."""
-    return {"config": _resolved(cfg).to_dict(),
-            "layout": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage,
-                       "precision": plan.precision, "engine": plan_engine(plan)}}
+    return {"config": _resolved(cfg).to_dict(), "layout": record_layout(plan)}
+
+
+def record_layout(plan) -> dict:
+    """The layout keys of a run record. ``zero_stage`` only for DeepSpeed: the torch engine does
+    not read ``zero.*`` (FSDP2 shards by the DP degree), so a record of it must not claim a stage."""
+    engine = plan_engine(plan)
+    layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage, "precision": plan.precision,
+              "engine": engine}
+    if engine != DEFAULT_ENGINE:
+        del layout["zero_stage"]
+    return layout
 
 
 def plan_engine(plan) -> str:
