@@ -99,7 +99,8 @@ def test_manifest_records_every_file_and_what_the_checkpoint_is(runs):
     for e in man["files"]:
         assert e["sha256"] == hashlib.sha256((tag_dir / e["name"]).read_bytes()).hexdigest(), e["name"]
     assert (man["step"], man["consumed_samples"], man["consumed_tokens"]) == (4, 32, 32 * 32)
-    assert man["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 1, "precision": "fp32"}
+    assert man["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 1, "precision": "fp32",
+                           "engine": "deepspeed"}
     assert man["code"]["input"] == "canonical" and man["code"]["bits"] == 8
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert man["git_revision"] == (rev or "unknown")

@@ -34,10 +34,12 @@ def resolve(path: str) -> Path:
     for ckpt_dir in (RunDirectory(root).checkpoints, root):
         if (ckpt_dir / LATEST).exists():
             return ckpt_dir / read_latest(ckpt_dir)
-    if (root / RUN_RECORD).exists() or any(root.glob("*model_states.pt")):
+    # a tag of either engine: DeepSpeed's model files, or the torch engine's DCP index (.metadata)
+    if (root / RUN_RECORD).exists() or any(root.glob("*model_states.pt")) or (root / ".metadata").is_file():
         return root
-    raise CheckpointError(f"{root} holds no checkpoint (no checkpoints/latest, latest, run.json or "
-                          f"*model_states.pt); pass a run directory, its checkpoints/ or a step_* tag directory")
+    raise CheckpointError(f"{root} holds no checkpoint (no checkpoints/latest, latest, run.json, "
+                          f"*model_states.pt or .metadata); pass a run directory, its checkpoints/ or a step_* tag "
+                          f"directory")
 
 
 def inspect(tag_dir: Path) -> dict:

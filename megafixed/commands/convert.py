@@ -1,7 +1,8 @@
 """``megafixed convert CKPT OUT --tp T --pp P``: re-shard a checkpoint's weights for another layout.
 
 CKPT is a run's ``checkpoints`` directory (its ``latest`` tag is used), a tag directory, or either
-with ``--tag``. The weights of any (TP, PP) layout are gathered into a plain GPT state dict, then
+with ``--tag``. The weights of any (TP, PP) layout, of either engine (a torch-engine DCP checkpoint of
+any DP/FSDP/TP layout too), are gathered into a plain GPT state dict, then
 written as a module-only DeepSpeed checkpoint for (T, P) under OUT (or, with ``--plain``, as one
 ``torch.save`` file a plain ``GPT.load_state_dict`` reads). Optimizer state is not converted; see
 ``megafixed.engine.weights``.

@@ -14,7 +14,7 @@ def add_arguments(p):
     from ..eval.tasks import DEFAULT_TASKS
 
     p.add_argument("checkpoint", help="a run directory (its latest checkpoint) or a checkpoint tag directory, any "
-                                      "TP/PP/ZeRO layout")
+                                      "TP/PP/ZeRO layout, either engine")
     p.add_argument("--tag", default=None, help="checkpoint tag inside the run (default: latest)")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help="comma-separated tasks (default: %(default)s); also mmlu_<subject>")

@@ -14,7 +14,16 @@ from pathlib import Path
 
 from .config_diff import DERIVED_KEYS, config_diff, resolved_cfg
 from .run_dir import RunDirectory
-from .run_record import RUN_RECORD, ResumeError, read_run_record, run_record, write_run_record  # noqa: F401
+from .run_record import (  # noqa: F401
+    RUN_RECORD,
+    ResumeError,
+    plan_engine,
+    read_run_record,
+    record_engine,
+    record_layout,
+    run_record,
+    write_run_record,
+)
 
 # Keys whose change makes the checkpoint's weights mean something else. Everything else is safe.
 FROZEN_PREFIXES = ("model.",)
@@ -34,6 +43,7 @@ def check_resume(record: dict, cfg, plan, tag_dir: Path) -> list[str]:
     diff = config_diff(flatten(record.get("config", {})), resolved_cfg(cfg))
     old, new = {k: a for k, (a, _) in diff.items()}, {k: b for k, (_, b) in diff.items()}
     run_dir = Path(tag_dir).parent.parent
+    check_engine(record, plan, tag_dir)
     frozen = [k for k in diff if _frozen(k)]
     # Lead with a key the user can have typed, the interface first (a code_seed matters only under gf2);
     # the rows and shift follow from model.input/code_seed/... and come last.
@@ -56,26 +66,49 @@ def check_resume(record: dict, cfg, plan, tag_dir: Path) -> list[str]:
             raise ResumeError(
                 f"cannot resume {run_dir} on a different layout ({'; '.join(changed)}): {why}. Resume with the "
                 f"checkpoint's layout (tp={lay.get('tp')}, pp={lay.get('pp')}, dp={lay.get('dp')}, "
-                f"zero.stage={lay.get('zero_stage')}, {lay.get('precision')}), or move only the weights with "
+                f"{_zero(lay)}{lay.get('precision')}), or move only the weights with "
                 f"`megafixed convert {Path(tag_dir).parent} OUT --tp {now['tp']} --pp {now['pp']}` and start a new "
                 f"run from them")
     return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()] + [f"layout: {c}" for c in changed]
 
 
+def check_engine(record: dict, plan, tag_dir: Path) -> None:
+    """Refuse a checkpoint of the other engine: DeepSpeed's files and the torch engine's DCP files
+    are different formats. Only the weights cross over (``train.init_from`` reads either)."""
+    old, new = record_engine(record), plan_engine(plan)
+    if old == new:
+        return
+    tag_dir = Path(tag_dir)
+    raise ResumeError(f"cannot resume {tag_dir.parent.parent}: checkpoint {tag_dir.name} was written by "
+                      f"train.engine={old} and this run has train.engine={new}, whose checkpoint files differ. Set "
+                      f"train.engine={old} back to resume it, or start a new run from its weights with "
+                      f"train.init_from={tag_dir} and another train.run_dir")
+
+
+def _zero(lay: dict) -> str:
+    return f"zero.stage={lay['zero_stage']}, " if "zero_stage" in lay else ""  # DeepSpeed records only
+
+
 def current_layout(plan) -> dict:
     """The layout a run record keeps, from a ``RunPlan``."""
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage, "precision": plan.precision}
+    return record_layout(plan)
 
 
 def layout_changes(record: dict, plan) -> list[str]:
-    """What differs between the checkpoint's layout and this run's, as ``key old -> new``. The DP size
-    counts only when a side partitions the optimizer (ZeRO >= 1); a change means a universal resume."""
+    """What differs between the checkpoint's layout and this run's, as ``key old -> new``; a change
+    means a re-layout on load. DeepSpeed: the DP size counts only when a side partitions the
+    optimizer (ZeRO >= 1), and a change means a universal resume. The torch engine: FSDP2 shards
+    parameters and optimizer state over the DP ranks, so every DP/TP change is one, which DCP's
+    resharding does on load; ``zero.*`` is not used by it."""
     lay = record.get("layout")
     if not lay:
         return []
     now = current_layout(plan)
     names = {"tp": "parallel.tp", "pp": "parallel.pp", "zero_stage": "zero.stage", "precision": "train.precision",
              "dp": "the data-parallel size (world size / (tp*pp))"}
-    partitioned = max(plan.zero_stage, lay.get("zero_stage", 0)) >= 1
-    keys = ["tp", "pp", "zero_stage", "precision"] + (["dp"] if partitioned else [])
+    if now["engine"] == "torch":
+        keys = ["tp", "pp", "dp", "precision"]
+    else:
+        partitioned = max(plan.zero_stage, lay.get("zero_stage", 0)) >= 1
+        keys = ["tp", "pp", "zero_stage", "precision"] + (["dp"] if partitioned else [])
     return [f"{names[k]} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]

@@ -21,11 +21,34 @@ def _resolved(cfg):
     return resolve_code(cfg)
 
 
+DEFAULT_ENGINE = "deepspeed"  # what wrote a record without "engine" (written before the torch engine)
+
+
 def run_record(cfg, plan) -> dict:
-    """What a checkpoint records of its run: the resolved config and the ``RunPlan``'s layout."""
-    return {"config": _resolved(cfg).to_dict(),
-            "layout": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage,
-                       "precision": plan.precision}}
+    """What a checkpoint records of its run: the resolved config and the ``RunPlan``'s layout,
+    including the engine whose files the tag holds (``train.engine``)."""
+    return {"config": _resolved(cfg).to_dict(), "layout": record_layout(plan)}
+
+
+def record_layout(plan) -> dict:
+    """The layout keys of a run record. ``zero_stage`` only for DeepSpeed: the torch engine does
+    not read ``zero.*`` (FSDP2 shards by the DP degree), so a record of it must not claim a stage."""
+    engine = plan_engine(plan)
+    layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage, "precision": plan.precision,
+              "engine": engine}
+    if engine != DEFAULT_ENGINE:
+        del layout["zero_stage"]
+    return layout
+
+
+def plan_engine(plan) -> str:
+    return getattr(plan, "engine", None) or DEFAULT_ENGINE
+
+
+def record_engine(record: Optional[dict]) -> str:
+    """The engine that wrote a checkpoint, from its run record (or a manifest's layout)."""
+    lay = (record or {}).get("layout") or {}
+    return lay.get("engine") or DEFAULT_ENGINE
 
 
 def write_run_record(tag_dir: Path, record: dict) -> None:
