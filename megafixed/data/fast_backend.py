@@ -50,7 +50,7 @@ class ReferenceEncoder:
 
 
 class GigatokenEncoder:
-    """gigatoken's batch encode, read straight out of its awkward array (offsets + content).
+    """gigatoken's batch encode as flat ids + lengths (:mod:`gigatoken_arrays`: no awkward import).
 
     ``reroute``: strings on which the port is known to differ from the reference (sentencepiece
     encodes the text "</s>" as ordinary pieces, gigatoken as the control token); the rare document
@@ -67,16 +67,13 @@ class GigatokenEncoder:
     def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         if not texts:
             return np.zeros(0, np.uint32), np.zeros(0, np.int64)
-        import awkward as ak
         from gigatoken._parallel import resolve_parallel
+
+        from .gigatoken_arrays import encode_flat
 
         texts = list(texts)
         # after a fork gigatoken's thread pool is unusable: resolve_parallel turns that case off
-        arr = self.gt.encode_batch(texts, parallel=self.parallel and resolve_parallel(None))
-        layout = ak.to_layout(arr)
-        offsets = np.asarray(layout.offsets.data, dtype=np.int64)
-        flat = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
-        lengths = np.diff(offsets)
+        flat, lengths = encode_flat(self.gt, texts, self.parallel and resolve_parallel(None))
         hits = [i for i, t in enumerate(texts) if any(s in t for s in self.reroute)] if self.reroute else []
         if not hits:
             return flat, lengths
