@@ -289,7 +289,7 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
         if not isinstance(opts.tokenizer, (dict, Tokenizer)):  # from the files: loads beside the reference
             prepared = PreparedFast(opts.tokenizer, sample)
     tok = load_tokenizer(opts.tokenizer)
-    encoder, note = select_backend(tok, sample, opts.backend, max(1, int(opts.workers)), prepared)
+    encoder, note = select_backend(tok, sample, opts.backend, fast_backend.tokenize_threads(opts.workers), prepared)
     if opts.progress and encoder.name == "reference" and opts.backend != "reference":
         print(note, flush=True)  # the fallback, said at once (stdout: stderr is for the one error line)
     return _run(opts, paths, keys, tok, encoder, note)
@@ -324,14 +324,14 @@ def _fast_with_check_beside(opts: PreprocessOptions, paths: list, keys: list, sa
         vocab_size, eod_id = fast_backend.gigatoken_facts(gt)
         if eod_id is None:  # the reference's load will name what is missing
             return None, "gigatoken's port has none of the end-of-document tokens"
-        workers = max(1, int(opts.workers))
-        if workers > 1:
-            os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
-        encoder = GigatokenEncoder(gt, workers)
+        threads = fast_backend.tokenize_threads(opts.workers)
+        if threads > 1:
+            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+        encoder = GigatokenEncoder(gt, threads)
 
         def verified():
             facts = check.result()  # a DataError here: the reference itself does not load
-            why = fast_backend.verify_against(facts, gt, vocab_size, eod_id, sample, workers)
+            why = fast_backend.verify_against(facts, gt, vocab_size, eod_id, sample, threads)
             if why is not None:
                 raise _NotExact(why)
             return facts
