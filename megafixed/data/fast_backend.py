@@ -50,12 +50,12 @@ class ReferenceEncoder:
 
 
 def tokenize_threads(workers: int) -> int:
-    """gigatoken's threads for ``--workers N``: N - 1, at least 1. The calling thread is a worker
-    too: it reads and decodes the JSON of the next batch (Python, holding the GIL) while gigatoken
-    tokenizes this one, and on 35 MB both take about as long (0.2-0.3 CPU-s). Two tokenizing
-    threads beside it on 2 cores only wait for the decoder, and rayon's idle threads spin while
-    they wait: 0.2-0.3 CPU-s more per 35 MB (measured), for the same wall time at best."""
-    return max(1, int(workers) - 1)
+    """Tokenizing threads for ``--workers N``: N, each encoding whole batches on its own thread
+    (gigatoken releases the GIL), beside the calling thread, which reads and decodes the next
+    batch's JSON. Not gigatoken's rayon pool: on 2 cores its idle threads spin while the decoder
+    catches up, 0.2-0.3 CPU-s more per 35 MB (A/B under load, wall median 8.06 -> 6.57 s), and a
+    pool would not survive the fork of a reference fallback's workers."""
+    return max(1, int(workers))
 
 
 class GigatokenEncoder:
@@ -69,20 +69,19 @@ class GigatokenEncoder:
 
     def __init__(self, gt, threads: int, reference=None, reroute: Sequence[str] = ()):
         self.gt = gt
-        # threads > 1: gigatoken's rayon pool (sized by RAYON_NUM_THREADS, set before first use)
-        self.parallel = threads > 1
+        # how many batches preprocessing tokenizes at once, each on its own thread; one batch is
+        # always encoded on the thread that calls (gigatoken's rayon pool is never used, see
+        # tokenize_threads), so no pool exists to be broken by a fork either
+        self.threads = max(1, int(threads))
         self.reference, self.reroute = reference, tuple(reroute)
 
     def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         if not texts:
             return np.zeros(0, np.uint32), np.zeros(0, np.int64)
-        from gigatoken._parallel import resolve_parallel
-
         from .gigatoken_arrays import encode_flat
 
         texts = list(texts)
-        # after a fork gigatoken's thread pool is unusable: resolve_parallel turns that case off
-        flat, lengths = encode_flat(self.gt, texts, self.parallel and resolve_parallel(None))
+        flat, lengths = encode_flat(self.gt, texts, False)
         hits = [i for i, t in enumerate(texts) if any(s in t for s in self.reroute)] if self.reroute else []
         if not hits:
             return flat, lengths
@@ -267,13 +266,9 @@ def select_backend(tok, sample: list[tuple[str, str]], backend: str = "auto", th
     if backend == "reference":
         return reference, "backend: reference (as asked)"
     try:
-        if threads > 1:
-            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         # sentencepiece treats control-piece text as plain text; gigatoken's port does not
         reroute = special_strings(tok) if tok.kind == "sentencepiece" else ()
         gt, sample_ids = prepared.result() if prepared is not None else (load_gigatoken(tok), None)
-        # the check runs on the calling thread (parallel=False): no thread pool exists yet when
-        # preprocessing forks its workers, which gigatoken needs (a pool does not survive a fork)
         fast = GigatokenEncoder(gt, 1, reference, reroute)
         probes = [(f"probe {i + 1} (built-in check text)", t) for i, t in enumerate(PROBES)]
         probes += [(f"probe {len(PROBES) + i + 1} (special-token text)", t) for i, t in enumerate(special_probes(tok))]
@@ -286,7 +281,7 @@ def select_backend(tok, sample: list[tuple[str, str]], backend: str = "auto", th
     except DataError as exc:
         why = str(exc)
     if why is None:
-        fast.parallel = threads > 1
+        fast.threads = max(1, int(threads))
         return fast, f"backend: gigatoken (ids equal the reference on {len(sample)} sampled documents + probes)"
     if backend == "gigatoken":
         raise DataError(f"--backend gigatoken does not reproduce tokenizer {tok.path}: {why}; use --backend auto")
