@@ -176,7 +176,7 @@ def test_shards_are_byte_identical_for_any_chunk_size_worker_count_and_backend(t
     runs = {"ref-w1": dict(backend="reference", workers=1),
             "ref-w2-b7": dict(backend="reference", workers=2, batch_records=7),
             "gt-w1": dict(backend="gigatoken", workers=1),
-            "gt-w2-tiny-chunks": dict(backend="gigatoken", workers=2, chunk_mb=0.01),
+            "gt-w3-tiny-chunks": dict(backend="gigatoken", workers=3, chunk_mb=0.01),  # 2 tokenizing threads
             "gt-w1-b33-gz": dict(backend="gigatoken", batch_records=33, inputs=[str(tmp_path / "c.jsonl.gz")]),
             "gt-w2-parquet": dict(backend="gigatoken", workers=2, batch_records=50,
                                   inputs=[str(tmp_path / "c.parquet")])}

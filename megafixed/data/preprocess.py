@@ -5,7 +5,7 @@ cut into ordered batches (:mod:`readers`), each batch is decoded and tokenized, 
 written strictly in batch order with a fixed number of batches in flight, so memory stays flat on
 any corpus. Two backends (:mod:`fast_backend`): gigatoken, used when a check on a sample of the
 input shows it gives the reference tokenizer's ids exactly (batches decoded in this process,
-tokenized on gigatoken's threads), and the reference engine (HF tokenizers / sentencepiece) in
+tokenized by gigatoken on --workers threads at once), and the reference engine (HF tokenizers / sentencepiece) in
 worker processes. For tokenizers given by their files (not sentencepiece) the check runs in a
 child process beside the fast pass (:mod:`reference_check`) and gates the commit: a mismatch
 discards the fast output and redoes the run on the reference.
@@ -289,7 +289,7 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
         if not isinstance(opts.tokenizer, (dict, Tokenizer)):  # from the files: loads beside the reference
             prepared = PreparedFast(opts.tokenizer, sample)
     tok = load_tokenizer(opts.tokenizer)
-    encoder, note = select_backend(tok, sample, opts.backend, max(1, int(opts.workers)), prepared)
+    encoder, note = select_backend(tok, sample, opts.backend, fast_backend.tokenize_threads(opts.workers), prepared)
     if opts.progress and encoder.name == "reference" and opts.backend != "reference":
         print(note, flush=True)  # the fallback, said at once (stdout: stderr is for the one error line)
     return _run(opts, paths, keys, tok, encoder, note)
@@ -324,14 +324,12 @@ def _fast_with_check_beside(opts: PreprocessOptions, paths: list, keys: list, sa
         vocab_size, eod_id = fast_backend.gigatoken_facts(gt)
         if eod_id is None:  # the reference's load will name what is missing
             return None, "gigatoken's port has none of the end-of-document tokens"
-        workers = max(1, int(opts.workers))
-        if workers > 1:
-            os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
-        encoder = GigatokenEncoder(gt, workers)
+        threads = fast_backend.tokenize_threads(opts.workers)
+        encoder = GigatokenEncoder(gt, threads)
 
         def verified():
             facts = check.result()  # a DataError here: the reference itself does not load
-            why = fast_backend.verify_against(facts, gt, vocab_size, eod_id, sample, workers)
+            why = fast_backend.verify_against(facts, gt, vocab_size, eod_id, sample, threads)
             if why is not None:
                 raise _NotExact(why)
             return facts
@@ -399,15 +397,15 @@ def _run(opts: PreprocessOptions, paths: list, keys: list, tok, encoder, note: s
 
     try:
         if fast:
-            # Decode batch k+1 here while gigatoken (GIL released, its own threads) tokenizes batch k;
-            # two batches in flight bound the memory.
+            # Decode the next batch here while gigatoken (GIL released) tokenizes the earlier ones,
+            # one batch per tokenizing thread; threads + 1 batches in flight bound the memory.
             state = {"encoder": encoder, "eod_id": tok.eod_id, "keys": keys, "strict": opts.strict,
                      "append_eod": opts.append_eod, "dtype": dtype}
-            with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as ex:
+            with ThreadPoolExecutor(encoder.threads, thread_name_prefix="tokenize") as ex:
                 pending: deque = deque()
                 for batch in batches:
                     pending.append(ex.submit(_tokenize, batch, decode_batch(batch, keys, opts.strict), state))
-                    if len(pending) >= 2:
+                    if len(pending) > encoder.threads:
                         consume(pending.popleft().result())
                 while pending:
                     consume(pending.popleft().result())

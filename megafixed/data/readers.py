@@ -128,11 +128,15 @@ def _jsonl_batches(path: str, batch_records: int, batch_bytes: int) -> Iterator[
                 if b"\n" not in block:
                     pending.append(block)
                     continue
-                lines = io.BytesIO(b"".join(pending) + block if pending else block).readlines()
+                data = b"".join(pending) + block if pending else block
+                lines = io.BytesIO(data).readlines()
                 pending = [] if lines[-1].endswith(b"\n") else [lines.pop()]
-                for i in range(0, len(lines), batch_records):
-                    part = lines[i:i + batch_records]
-                    yield Batch(path, first + i, "jsonl", part, sum(map(len, part)))
+                if len(lines) <= batch_records:  # the whole block is one batch: its size needs no sum
+                    yield Batch(path, first, "jsonl", lines, len(data) - (len(pending[0]) if pending else 0))
+                else:
+                    for i in range(0, len(lines), batch_records):
+                        part = lines[i:i + batch_records]
+                        yield Batch(path, first + i, "jsonl", part, sum(map(len, part)))
                 first += len(lines)
     except _decompression_errors() as exc:
         raise _corrupt(path, exc) from exc

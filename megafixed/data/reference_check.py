@@ -99,6 +99,7 @@ class ReferenceCheck:
                 try:
                     self._got = self._conn.recv()
                 except EOFError:  # killed (out of memory, a signal) before it could answer
+                    self._proc.join(10)  # its pipe closes before it is reaped: wait for the exit code
                     self._got = ("error", f"the reference check process died (exit code {self._proc.exitcode})")
                 self.close()
         if self._got is None:
