@@ -21,11 +21,9 @@ os.environ.setdefault("MEGAFIXED_CACHE_DIR", tempfile.mkdtemp(prefix="megafixed-
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def start_torchrun(nproc: int, args: list[str], cwd: str | os.PathLike | None = None,
-                   timeout: int = 600, env: dict | None = None):
-    """Start ``python -m torch.distributed.run --nproc-per-node N <args>`` on loopback (gloo) and return
-    ``finish()``, which waits for it and returns the CompletedProcess (raising if it failed): a test can
-    do other work (a single-process run, which keeps one core busy) while the world runs."""
+def run_torchrun(nproc: int, args: list[str], cwd: str | os.PathLike | None = None,
+                 timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Launch ``python -m torch.distributed.run --nproc-per-node N <args>`` on loopback (gloo)."""
     import socket
 
     with socket.socket() as s:
@@ -34,42 +32,16 @@ def start_torchrun(nproc: int, args: list[str], cwd: str | os.PathLike | None = 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={port}", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a full pipe would stall it
-    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=full_env, stdout=out, stderr=err, text=True)
-
-    def finish() -> subprocess.CompletedProcess:
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        finally:
-            out.seek(0), err.seek(0)
-            stdout, stderr = out.read(), err.read()
-            out.close(), err.close()
-        if code != 0:
-            raise AssertionError(f"torchrun failed ({code})\nSTDOUT:\n{stdout[-4000:]}\nSTDERR:\n{stderr[-6000:]}")
-        return subprocess.CompletedProcess(cmd, code, stdout, stderr)
-
-    return finish
-
-
-def run_torchrun(nproc: int, args: list[str], cwd: str | os.PathLike | None = None,
-                 timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Launch ``python -m torch.distributed.run --nproc-per-node N <args>`` on loopback (gloo) and wait."""
-    return start_torchrun(nproc, args, cwd=cwd, timeout=timeout, env=env)()
+    proc = subprocess.run(cmd, cwd=cwd or ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode})\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+                             f"STDERR:\n{proc.stderr[-6000:]}")
+    return proc
 
 
 @pytest.fixture(scope="session")  # a plain function: module fixtures that share a launch use it too
 def torchrun():
     return run_torchrun
-
-
-@pytest.fixture(scope="session")
-def torchrun_in_background():
-    """``start_torchrun``: launch now, ``finish()`` later."""
-    return start_torchrun
 
 
 @pytest.fixture(scope="session")

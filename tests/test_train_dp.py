@@ -17,19 +17,12 @@ def losses(run_dir: Path) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_two_process_dp_matches_one_process(tmp_path, torchrun_in_background):
+def test_two_process_dp_matches_one_process(tmp_path, torchrun):
     from megafixed.train.trainer import train
 
     prefix = write_shards(tmp_path / "data")
     common = ["train.max_steps=12", "train.global_batch=8", "train.micro_batch=2", "train.eval_interval=6",
               "train.save_interval=6", "model.input=canonical"]
-    # Two processes: 8 = 2 x accum 2 x dp 2, through the real CLI under torchrun (started first, so that
-    # it runs while this process trains the single-process run).
-    two = tmp_path / "two"
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("{}\n")
-    two_procs = torchrun_in_background(2, ["-m", "megafixed.cli", "train", str(empty),
-                                           *tiny_overrides(prefix, two, *common)])
     # One process: 8 = 2 x accum 4 x dp 1 (in this pytest process).
     one = tmp_path / "one"
     from megafixed.parallel import setup_distributed
@@ -37,7 +30,11 @@ def test_two_process_dp_matches_one_process(tmp_path, torchrun_in_background):
 
     cfg = load_config(None, tiny_overrides(prefix, one, *common))
     train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
-    proc = two_procs()
+    # Two processes: 8 = 2 x accum 2 x dp 2, through the real CLI under torchrun.
+    two = tmp_path / "two"
+    cfg = tmp_path / "empty.yaml"
+    cfg.write_text("{}\n")
+    proc = torchrun(2, ["-m", "megafixed.cli", "train", str(cfg), *tiny_overrides(prefix, two, *common)])
     assert "dp 2" in proc.stdout and "accum 2" in proc.stdout
 
     a, b = losses(one), losses(two)
