@@ -43,6 +43,9 @@ ReturnToService=2
 # A requeued job waits out its old credential's lifetime before it may start again (120 s by default);
 # releasing it sooner gets it killed ("Job credential revoked"). 10 s keeps the requeue test short.
 AuthInfo=cred_expire=10
+# The main and the backfill scheduler every second instead of every 60 / 30 s: a job that becomes
+# eligible (a requeued job's credential expired, an array's next task) starts then, not at the next pass.
+SchedulerParameters=sched_interval=1,bf_interval=1
 # KillWait: seconds between TERM and KILL at a time limit / scancel (30 is Slurm's default)
 KillWait=30
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=2

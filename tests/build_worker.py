@@ -37,6 +37,7 @@ class LargestAllocation(TorchDispatchMode):
 
 def build_case(overrides: list[str]) -> list:
     from megafixed.config import load_config
+    from megafixed.engine.deepspeed.ops import prepare_ops
     from megafixed.engine.deepspeed.pipeline import build_pipeline  # the engine's stages under PP
     from megafixed.model import gpt
     from megafixed.parallel import build_model, setup_distributed
@@ -51,6 +52,9 @@ def build_case(overrides: list[str]) -> list:
         original_init(self, *a, **k)
         built.append(all(p.is_meta for p in self.parameters()))
 
+    # As the engine's build does before DeepSpeed's comm starts (build_pipeline): no JIT build of the shm
+    # comm op, which a fresh machine would otherwise compile here (~2 min) for an op training never calls.
+    prepare_ops(accelerator_is_cpu=topo.device.type == "cpu")
     gpt.GPT.__init__ = recording_init
     with LargestAllocation() as mode:
         module = build_model(cfg.model, topo, seed=cfg.train.seed, build_stages=build_pipeline)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from _env import launch_free_env
 from megafixed import cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -445,9 +446,10 @@ SUBPROCESS_CASES = [
 @pytest.fixture(scope="module")
 def subprocess_results(workspace, tmp_path_factory):
     """Run every train/quickstart case at once, each on its own copy of the workspace."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # launcher-free: an in-process run of an earlier file (test_hf's DeepSpeed init) leaves
+    # WORLD_SIZE/RANK/LOCAL_RANK set, and a child that inherited them would think it is a rank of a world
+    env = launch_free_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("MEGAFIXED_TRACEBACK", None)
-    env.pop("RANK", None)
     procs = {}
     for name, argv, _, _ in SUBPROCESS_CASES:
         ws = tmp_path_factory.mktemp(name)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _env import launch_free_env
 from _train_data import reference_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,11 +33,7 @@ def _args(shards, run_dir, steps, *extra):
 
 
 def _train(torchrun, nproc, args):
-    if nproc > 1:
-        return torchrun(nproc, args).stdout
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
+    return torchrun(nproc, args).stdout
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -59,16 +56,45 @@ def _assert_resumed_like_reference(run_dir, ref_dir, what):
             assert math.isclose(a[key], b[key], rel_tol=RTOL), f"{what}: step {a['step']} {key} {a[key]} vs {b[key]}"
 
 
+AFTER_TWO = {"dp2->dp1": ("train.micro_batch=2",), "tp2->tp1": ("parallel.tp=2",), "pp2->pp1": ("parallel.pp=2",)}
+
+
+@pytest.fixture(scope="module")
+def resumed_after_two(shards, torchrun, tmp_path_factory):
+    """Each layout A of AFTER_TWO trained to step 2 on two processes (one launch after another), and
+    each run resumed to step 4 on one process as soon as its layout A is done, alongside the next
+    launches (a lone process keeps one core busy, so sequential lone runs left the other idle).
+    {case: (run_dir, its output) or why it failed}."""
+    root = tmp_path_factory.mktemp("after_two")
+    done, started = {}, {}
+    for name, layout_a in AFTER_TWO.items():
+        try:
+            _train(torchrun, 2, _args(shards, root / name, 2, *layout_a))
+        except AssertionError as failed:  # judged by that case's test alone
+            done[name] = f"layout A failed: {failed}"
+            continue
+        log = open(root / f"{name}.log", "w+")  # a file, not a pipe: a full pipe would stall the run
+        started[name] = (log, subprocess.Popen([sys.executable, *_args(shards, root / name, 4)], cwd=ROOT,
+                                               env=launch_free_env(), stdout=log, stderr=subprocess.STDOUT))
+    for name, (log, proc) in started.items():  # wait for all before judging any
+        try:
+            code = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        log.seek(0)
+        out = log.read()
+        log.close()
+        done[name] = (root / name, out) if code == 0 else f"the resume failed ({code}):\n{out[-6000:]}"
+    return done
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name,layout_a,nproc_a", [
-    ("dp2->dp1", ("train.micro_batch=2",), 2),
-    ("tp2->tp1", ("parallel.tp=2",), 2),
-    ("pp2->pp1", ("parallel.pp=2",), 2),
-])
-def test_resume_on_one_process_after_two(shards, reference, torchrun, tmp_path, name, layout_a, nproc_a):
-    run_dir = tmp_path / "run"
-    _train(torchrun, nproc_a, _args(shards, run_dir, 2, *layout_a))
-    out = _train(torchrun, 1, _args(shards, run_dir, 4))
+@pytest.mark.parametrize("name", list(AFTER_TWO))
+def test_resume_on_one_process_after_two(resumed_after_two, reference, name):
+    result = resumed_after_two[name]
+    assert not isinstance(result, str), result
+    run_dir, out = result
     resumed = next(line for line in out.splitlines() if line.startswith("resumed from"))
     assert "layout: " in resumed, resumed
     assert (run_dir / "checkpoints" / "step_00000002" / "universal" / "zero" / "optimizer_state.pt").is_file()

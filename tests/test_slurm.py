@@ -64,18 +64,7 @@ STEPS = ("train.max_steps=30", "train.eval_interval=0", "train.save_interval=100
 def test_a_submitted_job_trains_and_after_the_pre_timeout_signal_requeues_and_continues_identically(
         cluster, job_inputs, tmp_path):
     cfg, prefix = job_inputs
-    # 1. an uninterrupted 2-rank job: the reference curve
-    straight = tmp_path / "straight"
-    job = submit(cluster, cfg, prefix, straight, *STEPS)
-    info = cluster.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"})
-    assert info["JobState"] == "COMPLETED", job_log(straight, job)
-    reference = losses(straight)
-    assert sorted(reference) == list(range(1, 31)) and reference[30] < reference[1] - 0.5  # it learned
-    recorded = [json.loads(line) for line in (straight / "slurm" / "jobs.jsonl").read_text().splitlines()]
-    assert [r["job_id"] for r in recorded] == [job] and recorded[0]["world"] == 2
-    assert Path(recorded[0]["script"]).read_text().startswith("#!/bin/bash")
-
-    # 2. the same job, sent its pre-timeout signal (--signal=B:USR1 goes to the batch shell) mid-run
+    # 1. a 2-rank job, sent its pre-timeout signal (--signal=B:USR1 goes to the batch shell) mid-run
     run_dir = tmp_path / "stopped"
     job = submit(cluster, cfg, prefix, run_dir, *STEPS)
     metrics = run_dir / "metrics.jsonl"
@@ -91,6 +80,20 @@ def test_a_submitted_job_trains_and_after_the_pre_timeout_signal_requeues_and_co
     stopped_at = sorted(losses(run_dir))[-1]
     assert f"checkpoints/step_{stopped_at:08d}" in first_log and "requeueing job" in first_log
     assert 3 <= stopped_at < 30
+
+    # 2. the same job uninterrupted, the reference curve: submitted now, it runs while the requeued job
+    # waits out its credential (the node has room for one 2-rank job, so they never share it)
+    straight = tmp_path / "straight"
+    straight_job = submit(cluster, cfg, prefix, straight, *STEPS)
+    info = cluster.wait_for(straight_job, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert info["JobState"] == "COMPLETED", job_log(straight, straight_job)
+    reference = losses(straight)
+    assert sorted(reference) == list(range(1, 31)) and reference[30] < reference[1] - 0.5  # it learned
+    recorded = [json.loads(line) for line in (straight / "slurm" / "jobs.jsonl").read_text().splitlines()]
+    assert [r["job_id"] for r in recorded] == [straight_job] and recorded[0]["world"] == 2
+    assert Path(recorded[0]["script"]).read_text().startswith("#!/bin/bash")
+
+    # 3. the requeued job started again by itself and continued identically
     info = cluster.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"})
     log = job_log(run_dir, job)
     assert info["JobState"] == "COMPLETED", log
