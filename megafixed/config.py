@@ -238,7 +238,10 @@ class TrainConfig:
     seed: int = 1234
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False
-    compile: bool = False
+    compile: bool = False  # torch.compile each block in place (both engines)
+    # The training engine: "deepspeed" (ZeRO, its pipeline engine; the default) or "torch" (FSDP2,
+    # DTensor tensor/sequence parallelism, torch.distributed.checkpoint; torch_engine.* keys).
+    engine: Literal["deepspeed", "torch"] = "deepspeed"
     on_nonfinite: Literal["stop", "skip"] = "stop"
     tensorboard: bool = True
     keep_checkpoints: int = 2  # <= 0 keeps every checkpoint
@@ -280,6 +283,7 @@ class ParallelConfig:
 
 @dataclass
 class ZeroConfig:
+    # DeepSpeed's ZeRO; not used under train.engine=torch (FSDP2 shards instead: torch_engine.*).
     stage: int = 1
     offload_optimizer: bool = False
     reduce_bucket_size: int = 500_000_000
@@ -287,6 +291,19 @@ class ZeroConfig:
     def validate(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage must be 0, 1, 2 or 3, got {self.stage}")
+
+
+@dataclass
+class TorchEngineConfig:
+    """The torch-native engine's keys (``megafixed.engine.native``); read only under train.engine=torch."""
+    # HSDP's replicate degree (torchtitan's data_parallel_replicate_degree): the data-parallel ranks form a
+    # (dp_replicate, dp / dp_replicate) mesh, parameters sharded over the second axis and replicated over the
+    # first. 1: FSDP2 over every data-parallel rank; = the data-parallel size: plain replication (no sharding,
+    # DDP-like, for small models).
+    dp_replicate: int = 1
+    # FSDP2's knob: free the gathered parameters after each block's forward (less memory) or keep them
+    # until its backward (one all-gather fewer per block and step).
+    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -298,6 +315,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    torch_engine: TorchEngineConfig = field(default_factory=TorchEngineConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

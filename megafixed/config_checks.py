@@ -111,6 +111,8 @@ RANGES: dict[str, Range] = {
     # zero
     "zero.stage": Range(0, 3, why="DeepSpeed ZeRO stages are 0, 1, 2 and 3"),
     "zero.reduce_bucket_size": _at_least(1, "elements per gradient-reduction bucket"),
+    # torch_engine
+    "torch_engine.dp_replicate": _at_least(1, "HSDP's replicate degree; it must divide the data-parallel size"),
 }
 
 # Numeric fields validated where their meaning lives, not by a simple range.

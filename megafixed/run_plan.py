@@ -25,9 +25,6 @@ from .parallel import layout as _layout
 from .parallel.dims import ParallelDims
 from .parallel.layout import BatchLayout
 
-# The one engine today; issue 21 adds "torch" (FSDP2) and the config key choosing it.
-ENGINE = "deepspeed"
-
 # Every config key the build reads (its fields and the layout rules'): a plan is only valid for a
 # config that agrees on these (``check_made_from``). Data paths, seeds, intervals, the run dir: free.
 PLANNED_KEYS = (
@@ -35,6 +32,7 @@ PLANNED_KEYS = (
     "train.global_batch", "train.micro_batch", "train.precision", "data.seq_len", "zero.stage",
     "optimizer.grad_clip", "model.n_heads", "model.n_kv_heads", "model.d_model", "model.mlp", "model.ffn_hidden",
     "model.vocab_size", "model.n_layers", "model.tie_embeddings", "model.dropout", "model.fused_first_layer",
+    "train.engine", "torch_engine.dp_replicate", "torch_engine.reshard_after_forward",
 )
 
 
@@ -81,12 +79,14 @@ class RunPlan:
     batch: BatchPlan
     precision: str  # resolved: "fp32" | "bf16" | "fp16"
     zero_stage: int
-    engine: str  # "deepspeed"
+    engine: str  # train.engine: "deepspeed" | "torch"
     device: str  # "cuda" | "cpu": where the ranks compute
     backend: str  # the torch.distributed backend: "nccl" | "gloo"
     sequence_parallel: bool
     collective_timeout_s: float
     planned_from: tuple = ()  # the values of PLANNED_KEYS this plan was built from
+    # train.engine=torch: HSDP's replicate degree (torch_engine.dp_replicate; 1 = FSDP over all of dp)
+    dp_replicate: int = 1
 
     @classmethod
     def build(cls, cfg: Config, world_size: int, *, gpu: Optional[bool] = None) -> "RunPlan":
@@ -115,10 +115,11 @@ class RunPlan:
         plan = cls(dims=dims,
                    batch=BatchPlan(global_batch=batch.global_batch, micro_batch=batch.micro_batch,
                                    accum=batch.accum, dp=batch.dp, seq_len=cfg.data.seq_len),
-                   precision=precision, zero_stage=cfg.zero.stage, engine=ENGINE,
+                   precision=precision, zero_stage=cfg.zero.stage, engine=cfg.train.engine,
                    device="cuda" if on_gpu else "cpu", backend=backend,
                    sequence_parallel=cfg.parallel.sequence_parallel,
-                   collective_timeout_s=cfg.parallel.collective_timeout_s, planned_from=_planned_values(cfg))
+                   collective_timeout_s=cfg.parallel.collective_timeout_s, planned_from=_planned_values(cfg),
+                   dp_replicate=cfg.torch_engine.dp_replicate if cfg.train.engine == "torch" else 1)
         from .engine import check_supported  # light: the engine's own refusals, by name
 
         check_supported(cfg, plan)

@@ -25,6 +25,7 @@ from megafixed.engine.weights import gather_state_dict, shard_state_dict, write_
 from megafixed.parallel import LayoutError, check_layout
 from megafixed.parallel.dims import ParallelDims
 from megafixed.parallel.memory import Layout, estimate, stage_params
+from megafixed.run_plan import RunPlan
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "parallel_worker.py")
@@ -233,8 +234,9 @@ def _cfg(*overrides: str):
     (["train.global_batch=6"], 4, "global_batch=6"),
 ])
 def test_impossible_layouts_are_refused_before_any_group(overrides, world, needle):
+    # through the run plan: the ZeRO rules are the DeepSpeed engine's (engine/deepspeed/support.py)
     with pytest.raises(LayoutError, match=needle.replace("*", r"\*").replace("+", r"\+")):
-        check_layout(_cfg(*overrides), world)
+        RunPlan.build(_cfg(*overrides), world, gpu=False)
 
 
 def test_good_layout_gives_data_parallel_size():

@@ -1,11 +1,13 @@
-"""The engine seam: the one package that knows a training engine (today DeepSpeed).
+"""The engine seam: the one package that knows a training engine (DeepSpeed, or torch-native).
 
 Everything the rest of megafixed needs from an engine goes through here or through the
 ``Engine`` protocol (``base.py``): build one for this rank, ask whether a checkpoint can be read
 on another layout, read a checkpoint's weights into a plain state dict, write one for a layout,
 prepare the process environment, the accelerator's name. Only ``megafixed/engine/`` imports
-``deepspeed`` (``tests/test_import_rules.py`` holds that); the implementation is
-``megafixed/engine/deepspeed/``, and an FSDP2/DTensor engine will sit beside it.
+``deepspeed`` (``tests/test_import_rules.py`` holds that); the implementations are
+``megafixed/engine/deepspeed/`` (the default) and ``megafixed/engine/native/`` (FSDP2, DTensor TP,
+DCP; ``train.engine=torch``), and each function here dispatches on the plan's engine or, for the
+readers, on the checkpoint's format.
 
 This module imports no engine library at import time (``megafixed plan`` and the CLI's cheap
 checks import it); each function imports its implementation when called.
@@ -18,28 +20,46 @@ from typing import Optional
 from .base import ConvertError, Engine, NonFiniteLossError, StepResult  # noqa: F401  (the seam's types)
 from .batches import TokenRangeError, split_tokens  # noqa: F401
 
-ENGINES = ("deepspeed",)
+ENGINES = ("deepspeed", "torch")  # train.engine's values
+TORCH = "torch"  # the torch-native engine (megafixed.engine.native)
 
+
+def _is_torch(plan_or_layout) -> bool:
+    """A run plan's engine, or a run-record layout's (a record without "engine" is DeepSpeed's)."""
+    if isinstance(plan_or_layout, dict):
+        return plan_or_layout.get("engine", "deepspeed") == TORCH
+    return getattr(plan_or_layout, "engine", "deepspeed") == TORCH
 
 
 def check_supported(cfg, plan) -> None:
     """Refuse, by name, what the plan's engine cannot run (called once, by ``RunPlan.build``)."""
-    from .deepspeed.support import check_supported as check
-
-    check(cfg, plan.dims.pp)
+    if _is_torch(plan):
+        from .native.support import check_supported as check
+    else:
+        from .deepspeed.support import check_supported as check
+    check(cfg, plan)
 
 
 def build_engine(cfg, topo) -> Engine:
     """This rank's engine for the run: the model config, optimizer and engine keys from ``cfg``;
     the batch, precision and layout from the run plan the topology was made from (``topo.plan``)."""
+    if _is_torch(topo.plan):
+        from .native.build import build as build_native
+
+        return build_native(cfg, topo)
     from .deepspeed.build import build
 
     return build(cfg, topo, topo.plan.batch, topo.plan.precision)
 
 
 def engine_config(cfg, plan) -> dict:
-    """The engine's own config for a run (DeepSpeed's JSON; ``<run_dir>/ds_config.json``), for the
-    machine the plan is for (a dry run on a CPU login node plans a GPU run)."""
+    """The engine's own config for a run (DeepSpeed's JSON, ``<run_dir>/ds_config.json``; the torch
+    engine's mesh/FSDP/precision record), for the machine the plan is for (a dry run on a CPU login
+    node plans a GPU run)."""
+    if _is_torch(plan):
+        from .native.config import engine_config as native_config
+
+        return native_config(cfg, plan)
     from .deepspeed.config import deepspeed_config
 
     return deepspeed_config(cfg, plan.batch, plan.precision, gpu=plan.on_gpu)
@@ -47,7 +67,13 @@ def engine_config(cfg, plan) -> dict:
 
 def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     """Why a checkpoint of layout ``old`` cannot be loaded on layout ``new`` (run-record layouts:
-    tp, pp, dp, zero_stage, precision), or None when the engine can re-layout it on load."""
+    tp, pp, dp, zero_stage, precision; "engine", absent = deepspeed), or None when the engine can
+    re-layout it on load."""
+    if _is_torch(old) or _is_torch(new):
+        # The torch engine's rule (DCP reshards), including the refusal of the other engine's files.
+        from .native.checkpoint import relayout_refusal as native_refusal
+
+        return native_refusal(old, new)
     from .deepspeed.universal import unsupported
 
     return unsupported(old, new)
@@ -67,25 +93,55 @@ def accelerator_name() -> str:
     return name()
 
 
+def _native_checkpoint():
+    """The torch engine's checkpoint module, or None while it is not part of this tree yet.
+
+    TEMPORARY (issue 21): ``native/checkpoint.py`` is written by the checkpoint half of the issue;
+    until it lands no torch-engine checkpoint can exist, so the DeepSpeed readers must keep working."""
+    import importlib
+
+    name = f"{__name__}.native.checkpoint"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        return None
+
+
+def is_native_checkpoint(tag_dir: Path) -> bool:
+    """A checkpoint tag written by the torch engine (DCP), not by DeepSpeed."""
+    native = _native_checkpoint()
+    return native is not None and native.is_native_checkpoint(Path(tag_dir))
+
+
 def read_state_dict(tag_dir: Path, *, verify: bool = True) -> dict:
-    """The full plain-GPT state dict of a checkpoint of any layout (TP, PP, ZeRO 0-3)."""
+    """The full plain-GPT state dict of a checkpoint of any layout (TP, PP, ZeRO 0-3; either engine)."""
+    tag_dir = Path(tag_dir)
+    if is_native_checkpoint(tag_dir):
+        from .native.reader import read_state_dict as read_native
+
+        return read_native(tag_dir, verify=verify)
     from .deepspeed.convert import gather_state_dict, is_zero3, read_zero3_state_dict
 
-    tag_dir = Path(tag_dir)
     if is_zero3(tag_dir):
         return read_zero3_state_dict(tag_dir)
     return gather_state_dict(tag_dir, verify=verify)
 
 
 def is_model_file(name: str) -> bool:
-    """A checkpoint file that holds weights (what a weights-only reader verifies)."""
+    """A checkpoint file that holds weights (what a weights-only reader verifies), of either engine."""
     from .deepspeed.convert import MODEL_FILE_RE
 
-    return bool(MODEL_FILE_RE.match(name))
+    native = _native_checkpoint()
+    return bool(MODEL_FILE_RE.match(name)) or (native is not None and native.is_model_file(name))
 
 
 def weights_in_every_rank_file(tag_dir: Path) -> bool:
-    """The checkpoint keeps its weights in every rank's partition files (ZeRO-3), not its model files."""
+    """The checkpoint keeps its weights in every rank's partition files (ZeRO-3; a DCP checkpoint's
+    weights are in every rank's shard files too), not in separate model files."""
+    if is_native_checkpoint(tag_dir):
+        return _native_checkpoint().weights_in_every_rank_file(Path(tag_dir))
     from .deepspeed.convert import is_zero3
 
     return is_zero3(Path(tag_dir))

@@ -1,4 +1,4 @@
-"""The one layout validator: every cross-field rule of a (TP, PP, DP, ZeRO, batch) layout.
+"""The one layout validator: every engine-agnostic cross-field rule of a (TP, PP, DP, batch) layout.
 
 ``megafixed.run_plan.RunPlan.build`` is its one caller on a run's way (the command builds the plan
 once, before any process group exists, on a CPU-only login node too for ``--dry-run``), so a bad
@@ -6,7 +6,9 @@ layout fails in a second with a message naming the keys and a fix, rather than a
 shape error deep inside a collective. ``megafixed plan`` builds plans to filter candidate layouts.
 
 Single-key ranges (``parallel.tp >= 1``, ``train.micro_batch >= 1``) are not repeated here: the
-config's range table (``config_checks.RANGES``) refuses them when the config is loaded.
+config's range table (``config_checks.RANGES``) refuses them when the config is loaded. Rules of
+one engine (DeepSpeed's ZeRO combinations, what the torch-native engine does not run) are that
+engine's ``support.check_supported``, which ``RunPlan.build`` calls right after this validator.
 """
 from __future__ import annotations
 
@@ -102,26 +104,6 @@ def _check_sequence_parallel(cfg, tp: int) -> None:
                           f"parallel.sequence_parallel=true (each rank then owns its positions) or model.dropout=0")
 
 
-def _check_zero(cfg, pp: int, precision: Optional[str]) -> None:
-    stage = cfg.zero.stage
-    if pp > 1 and stage >= 2:
-        raise LayoutError(f"zero.stage={stage} cannot be combined with parallel.pp={pp} "
-                          f"(DeepSpeed's pipeline engine refuses it); use zero.stage=1")
-    if pp > 1 and stage == 0 and cfg.optimizer.grad_clip > 0:
-        # DeepSpeed's clip_grad_norm_ (used without ZeRO) keeps a non-TP parameter's gradient only
-        # on the replica's model-parallel rank 0, i.e. the first stage: other stages would be left
-        # out of the clipping norm.
-        raise LayoutError(f"zero.stage=0 with parallel.pp={pp} would clip gradients by a wrong norm "
-                          f"(DeepSpeed counts only the first stage's parameters); use zero.stage=1, "
-                          f"which costs the same communication")
-    if precision in ("bf16", "fp16") and stage == 0:
-        # Accumulating micro-batch gradients in 16 bits loses ~1% of the gradient at 128 micro
-        # batches; DeepSpeed keeps fp32 accumulators only in its ZeRO optimizers.
-        raise LayoutError(f"train.precision={precision} needs zero.stage >= 1: only DeepSpeed's ZeRO "
-                          f"optimizers accumulate gradients in fp32 (data_types.grad_accum_dtype); "
-                          f"use zero.stage=1, which costs no extra communication")
-
-
 def _check_fused_first_layer(cfg, tp: int, pp: int) -> None:
     # The fused first layer reads the first block's full q/k/v weights and runs inside GPT.forward;
     # TP shards those weights into megatron-core layers and PP runs stages without GPT.forward.
@@ -134,13 +116,13 @@ def _check_fused_first_layer(cfg, tp: int, pp: int) -> None:
 def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLayout:
     """Raise ``LayoutError`` for a layout that cannot work; return its batch layout (with dp).
 
-    ``precision`` is the resolved one (``run_plan.resolve_precision``); None skips its rule."""
+    ``precision`` is the resolved one (``run_plan.resolve_precision``); the engine-specific rules
+    that read it are the engine's (``megafixed.engine.check_supported``)."""
     dp = data_parallel_size(cfg.parallel, world)
     axes = model_parallel_axes(cfg.parallel)
     tp, pp = axes["tp"], axes["pp"]
     _check_model_split(cfg, tp, pp)
     _check_sequence_parallel(cfg, tp)
-    _check_zero(cfg, pp, precision)
     _check_fused_first_layer(cfg, tp, pp)
     return batch_layout(cfg.train, dp)
 

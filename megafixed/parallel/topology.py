@@ -55,6 +55,8 @@ class Topology:
     dp_group: Optional[Any] = None
     model_parallel_group: Optional[Any] = None  # TP x PP: one model replica
     plan: Optional[_RunPlan] = None  # the plan this process was set up for
+    # train.engine=torch: the run's DeviceMesh (megafixed.engine.native.mesh); tp_group/dp_group are its groups
+    mesh: Optional[Any] = None
 
     @property
     def is_main(self) -> bool:
@@ -134,7 +136,9 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
         launch.check_agreement(lw)  # same job, same master, every node of the step in this one world
     at = plan.dims.coords(rank)
     groups = {}
-    if tp > 1 or pp > 1:
+    if getattr(plan, "engine", "deepspeed") == "torch":
+        groups = _mesh_groups(plan)
+    elif tp > 1 or pp > 1:
         # megatron-core's layers find their TP group through parallel_state, so its groups are the
         # ones we keep. Its default order (tp-cp-ep-dp-pp) is the plan's grid order.
         from megatron.core import parallel_state as ps
@@ -147,11 +151,21 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
     topo = Topology(world_size=plan.world_size, rank=rank, local_rank=local_rank, tp=tp, pp=pp, dp=dp,
                     sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], pp_rank=at["pp"],
                     dp_rank=at["dp"], device=device, backend=plan.backend, plan=plan, **groups)
-    if groups and dist.get_rank(topo.tp_group) != topo.tp_rank:
+    if groups and topo.mesh is None and dist.get_rank(topo.tp_group) != topo.tp_rank:
         # Only reachable if a caller initialised megatron's groups with another layout first.
         raise LayoutError(f"megatron-core's parallel_state was initialised with another layout than "
                           f"parallel.tp={tp}, parallel.pp={pp}; call setup_distributed once per process")
     return topo
+
+
+def _mesh_groups(plan: _RunPlan) -> dict:
+    """The torch engine's process groups: one DeviceMesh in the plan's rank order, and its groups
+    (no megatron-core on this path: the torch engine is a torch-only stack)."""
+    from ..engine.native.mesh import build_mesh, dp_submesh
+
+    mesh = build_mesh(plan, plan.dp_replicate)
+    tp_group = mesh["tp"].get_group()
+    return dict(mesh=mesh, tp_group=tp_group, dp_group=dp_submesh(mesh).get_group(), model_parallel_group=tp_group)
 
 
 class TopologyMPU:

@@ -1,14 +1,43 @@
 """What the DeepSpeed engine refuses by name, checked by the run plan before any process group (and
-on a login node for ``--dry-run``); imports nothing heavy."""
+on a login node for ``--dry-run``); imports nothing heavy.
+
+The ZeRO rules live here rather than in the engine-agnostic layout validator
+(``megafixed.parallel.layout``): ``zero.*`` means nothing to the torch-native engine (FSDP2 shards
+instead), so only a DeepSpeed run is held to them.
+"""
 from __future__ import annotations
 
 from ...config import ConfigError
+from ...parallel.layout import LayoutError
 
 
-def check_supported(cfg, pp: int) -> None:
+def check_supported(cfg, plan) -> None:
+    pp = plan.pp
     if cfg.train.compile and pp > 1:
         # DeepSpeed's pipeline engine runs its stages' layers through its own schedule (activation
         # checkpointing, p2p buffers); compiling them is untested there, and silently running eager
         # would make `train.compile=true` a lie.
         raise ConfigError(f"train.compile=true is not supported with pipeline parallelism (parallel.pp="
                           f"{pp}); set train.compile=false, or parallel.pp=1")
+    check_zero(cfg, pp, plan.precision)
+
+
+def check_zero(cfg, pp: int, precision) -> None:
+    """ZeRO's combinations with the pipeline engine and with 16-bit training."""
+    stage = cfg.zero.stage
+    if pp > 1 and stage >= 2:
+        raise LayoutError(f"zero.stage={stage} cannot be combined with parallel.pp={pp} "
+                          f"(DeepSpeed's pipeline engine refuses it); use zero.stage=1")
+    if pp > 1 and stage == 0 and cfg.optimizer.grad_clip > 0:
+        # DeepSpeed's clip_grad_norm_ (used without ZeRO) keeps a non-TP parameter's gradient only
+        # on the replica's model-parallel rank 0, i.e. the first stage: other stages would be left
+        # out of the clipping norm.
+        raise LayoutError(f"zero.stage=0 with parallel.pp={pp} would clip gradients by a wrong norm "
+                          f"(DeepSpeed counts only the first stage's parameters); use zero.stage=1, "
+                          f"which costs the same communication")
+    if precision in ("bf16", "fp16") and stage == 0:
+        # Accumulating micro-batch gradients in 16 bits loses ~1% of the gradient at 128 micro
+        # batches; DeepSpeed keeps fp32 accumulators only in its ZeRO optimizers.
+        raise LayoutError(f"train.precision={precision} needs zero.stage >= 1: only DeepSpeed's ZeRO "
+                          f"optimizers accumulate gradients in fp32 (data_types.grad_accum_dtype); "
+                          f"use zero.stage=1, which costs no extra communication")

@@ -1,0 +1,88 @@
+"""The model, its parallelisms and its optimizer, for one rank of a torch-engine run.
+
+torchtitan's order, on the meta device until the end::
+
+    meta_gpt(cfg.model)                       the plain GPT: names, shapes, no memory
+    -> tensor.apply_tp(model, mesh["tp"])     DTensor TP/SP from the one TP plan (parallel.tp > 1)
+    -> activation checkpointing, compile      per block, in place (parameter names stay the GPT's)
+    -> fully_shard per block, the head, root  FSDP2 over mesh["dp_shard"] (HSDP: 2-D) when dp > 1
+    -> materialize                            this rank's shards get the single-process values
+    -> build_optimizer                        AdamW with the same parameter groups as DeepSpeed's
+
+One data-parallel rank gets no FSDP at all: a plain module (or TP's DTensors) trains as it is,
+with no all-gather on a one-rank mesh to pay for.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...train.optim import build_optimizer
+from ..dtypes import COMPUTE_DTYPES
+from .materialize import materialize
+
+
+def mixed_precision_policy(precision: str):
+    """FSDP2's policy for the plan's precision: bf16 compute on fp32 master weights with fp32
+    gradient reduction (``reduce_dtype``: a reduce-scatter in bf16 would round every rank's
+    gradient before the sum); fp32 trains in fp32 throughout (the default policy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model, mesh, *, precision: str, reshard_after_forward: bool) -> None:
+    """``fully_shard`` each block and the head (one all-gather / reduce-scatter group each), then
+    the root (the input table, anything left). A tied head is the input table, which must stay in
+    one group with it: it is then left to the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .mesh import dp_mesh
+
+    shard_mesh = dp_mesh(mesh)
+    kwargs = dict(mesh=shard_mesh, mp_policy=mixed_precision_policy(precision))
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    if not model.cfg.tie_embeddings:
+        fully_shard(model.head, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's own default (no reshard after forward): its parameters are the first needed in backward.
+    fully_shard(model, **kwargs)
+
+
+def build_model(cfg, topo):
+    """This rank's model (meta -> TP -> AC/compile -> FSDP2 -> materialized), for ``topo.plan``."""
+    from ...model.gpt import meta_gpt
+
+    plan = topo.plan
+    model = meta_gpt(cfg.model)
+    if plan.tp > 1:
+        from .tensor import apply_tp
+
+        apply_tp(model, topo.mesh["tp"], sequence_parallel=plan.sequence_parallel)
+    if model.has_fixed_input and plan.precision != "fp32":
+        model.input.out_dtype = COMPUTE_DTYPES[plan.precision]  # the code is exactly +-scale in any float dtype
+    # GPT.forward checkpoints each block itself (non-reentrant), around FSDP2's hooks of the block:
+    # the recomputation runs inside its backward unshard, as with torchtitan's per-block wrapper.
+    model.activation_checkpointing = bool(cfg.train.activation_checkpointing)
+    if cfg.train.compile:
+        for block in model.blocks:
+            # In place (Module.compile): parameter names, and so checkpoints, stay the GPT's. Dynamo
+            # leaves FSDP2's hooks to run eagerly around the compiled block (skip_fsdp_hooks).
+            block.compile()
+    if plan.dp > 1:
+        apply_fsdp(model, topo.mesh, precision=plan.precision,
+                   reshard_after_forward=cfg.torch_engine.reshard_after_forward)
+    materialize(model, cfg.model, cfg.train.seed, topo.device)
+    return model
+
+
+def build(cfg, topo):
+    """A ``NativeEngine`` for this rank of the run (``topo`` from ``setup_distributed``: its mesh)."""
+    from .engine import NativeEngine
+
+    if topo.mesh is None and topo.world_size > 1:  # a caller bug: the topology of another engine
+        raise RuntimeError("train.engine=torch needs the Topology setup_distributed builds for it (with its mesh)")
+    model = build_model(cfg, topo)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    return NativeEngine(model, optimizer, cfg=cfg, topo=topo)

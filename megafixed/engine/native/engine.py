@@ -1,0 +1,90 @@
+"""``NativeEngine``: the engine seam (``megafixed.engine.base.Engine``) over a torch-native model
+(FSDP2 / DTensor) and its optimizer. Steps are ``step.py``'s; checkpoint files are
+``checkpoint.py``'s (torch.distributed.checkpoint)."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ..base import StepResult
+from . import step as native_step
+
+NAME = "torch"
+
+# TEMPORARY (issue 21): the DCP checkpoint half of the torch engine (native/checkpoint.py) replaces these.
+_NO_CHECKPOINTS = ("train.engine=torch cannot write or read checkpoints yet (issue 21: "
+                   "megafixed/engine/native/checkpoint.py); use train.engine=deepspeed")
+
+
+class NativeEngine:
+    """One rank's torch-native engine behind the engine seam."""
+    name = NAME
+    derived_dirs: tuple = ()  # DCP reshards on load: no re-layout copy beside a tag
+    saves_in_background = False
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, cfg, topo):
+        self.model, self.optimizer, self.cfg, self.topo = model, optimizer, cfg, topo
+        self.plan = topo.plan
+        self._loss_context = self._pick_loss_context()
+
+    def _pick_loss_context(self) -> Callable:
+        if self.plan.tp > 1:
+            from .tensor import loss_context  # vocab-parallel loss (loss_parallel) around forward + backward
+
+            return loss_context
+        return lambda _model: contextlib.nullcontext()
+
+    # ---- the model
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.topo.device
+
+    # ---- steps
+    def train_step(self, batches: Iterator[torch.Tensor], lr: float, step: int) -> StepResult:
+        return native_step.train_step(self.model, self.optimizer, batches, self.plan.batch.accum, lr=lr,
+                                      dp=self.topo.dp, dp_group=self.topo.dp_group,
+                                      grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.train.on_nonfinite,
+                                      step=step, vocab_size=self.cfg.model.vocab_size, device=self.device,
+                                      loss_context=self._loss_context)
+
+    def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
+        return native_step.eval_loss(self.model, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,
+                                     vocab_size=self.cfg.model.vocab_size, device=self.device,
+                                     loss_context=self._loss_context)
+
+    # ---- checkpoint files (native/checkpoint.py)
+    def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> None:
+        raise NotImplementedError(_NO_CHECKPOINTS)
+
+    def wait_for_saves(self) -> None:
+        return None  # saves are synchronous until native/checkpoint.py: nothing is ever in flight
+
+    @property
+    def saved_bytes(self) -> int:
+        return 0
+
+    def load(self, tag_dir: Path, *, relayout: bool = False) -> dict:
+        raise NotImplementedError(_NO_CHECKPOINTS)
+
+    def load_weights(self, read_state_dict: Callable[[], dict], scratch: Path) -> None:
+        raise NotImplementedError(_NO_CHECKPOINTS)
+
+    def config_record(self) -> Optional[dict]:
+        """The engine's own record (mesh, FSDP, mixed precision, compile, AC): ``native/config.py``."""
+        import importlib
+
+        name = f"{__package__}.config"
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:  # TEMPORARY (issue 21): until native/config.py lands
+            if exc.name != name:
+                raise
+            return None
+        return module.engine_config(self.cfg, self.plan)

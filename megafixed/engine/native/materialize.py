@@ -1,0 +1,79 @@
+"""Storage and single-process initial values for a meta-device model of any sharding.
+
+The torch engine builds the plain ``GPT`` on the meta device, lets tensor parallelism
+(``parallelize_module``) and FSDP2 (``fully_shard``) turn its parameters into DTensors, and only
+then gives each rank storage for *its* shards (torchtitan's order: no rank ever holds the full
+model). ``materialize`` then fills every local shard with exactly the value the single-process
+model has there: the full ``init_value`` of the parameter (one at a time, drawn from its own
+generator, ``megafixed.model.gpt.param_seed``), cut by the parameter's own placements with
+``distribute_tensor(..., src_data_rank=None)`` -- each rank slices its part locally, nothing is
+sent -- so any mesh and placement (FSDP2's Shard(0), TP's Shard(0)/Shard(1)/Replicate, 2-D FSDP x
+TP, HSDP's Replicate x Shard) starts from the single-process weights.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...model.gpt import init_value
+
+
+def _ties(module: nn.Module) -> list[tuple[str, str]]:
+    """(name, first name) of every parameter that is another one (``model.tie_embeddings``)."""
+    first_name, ties = {}, []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first_name:
+            ties.append((name, first_name[id(p)]))
+        first_name.setdefault(id(p), name)
+    return ties
+
+
+def _retie(module: nn.Module, ties: list[tuple[str, str]]) -> None:
+    # to_empty gives every module a Parameter of its own, which unties shared weights.
+    for name, first in ties:
+        owner, attr = name.rsplit(".", 1)
+        target = module.get_parameter(first)
+        if module.get_parameter(name) is not target:
+            setattr(module.get_submodule(owner), attr, target)
+
+
+def local_value(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` for ``param`` (a DTensor: its placements; else all of it)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return full
+    # src_data_rank=None: every rank holds ``full`` already (the same generator draw), so each
+    # keeps its own chunk without a scatter from a source rank.
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, model_cfg, seed: int, device) -> None:
+    """Give every parameter of meta-device ``module`` storage on ``device`` and its single-process
+    initial value (``init_value`` of its full shape, sliced by its placements); re-tie
+    ``model.tie_embeddings``; reset the buffers (the fixed code's). Parameter names must be the
+    plain-GPT keys (true of the GPT after TP, FSDP2, ``Module.compile`` and its own checkpointing)."""
+    ties = _ties(module)
+    module.to_empty(device=device)
+    _retie(module, ties)
+    seen: set[int] = set()
+    for name, p in module.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        full = init_value(model_cfg, name, p.shape, seed)  # a DTensor's shape is the global one
+        local = local_value(full.to(device), p)
+        target = _local(p)
+        if tuple(local.shape) != tuple(target.shape):  # a placement this slicing does not follow: a bug
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} does not fit {tuple(target.shape)}")
+        target.copy_(local.to(target.dtype))
+    for sub in module.modules():
+        if hasattr(sub, "reset_buffers"):
+            sub.reset_buffers()

@@ -1,0 +1,68 @@
+"""The torch engine's ``DeviceMesh``: the run plan's (DP, TP) grid with named dimensions.
+
+A 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` over the ranks in the plan's own order
+(``megafixed.parallel.dims``: tensor-parallel peers are neighbours)::
+
+    rank = tp_rank + tp * dp_rank,    dp_rank = r * dp_shard + s
+
+with ``"dp"`` flattened from the first two, so ``mesh["dp"]`` is exactly the data-parallel group
+the data loader and the loss mean use (its ranks read the same shards as under DeepSpeed), and
+``mesh["dp_replicate", "dp_shard"]`` is the 2-D mesh HSDP shards over (torchtitan's names).
+Pipeline parallelism has no axis here: the engine refuses parallel.pp > 1 (``support.py``).
+
+Imports only torch: ``megafixed.parallel.topology`` calls it while setting up the process groups.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+DP = "dp"  # the flattened (dp_replicate, dp_shard) dimension
+
+
+def mesh_shape(dp: int, tp: int, dp_replicate: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, tp): ``dp_replicate`` must divide ``dp`` (the run plan checked it)."""
+    if dp_replicate < 1 or dp % dp_replicate:
+        raise ValueError(f"dp_replicate={dp_replicate} does not divide the data-parallel size {dp}")
+    return dp_replicate, dp // dp_replicate, tp
+
+
+def build_mesh(topo, dp_replicate: int) -> Any:
+    """This run's mesh (``torch.distributed`` must be initialised; every rank calls it).
+
+    ``topo``: anything with ``dp``, ``tp``, ``pp`` and ``device`` (a ``Topology``, or the ``RunPlan``
+    that ``setup_distributed`` builds it from)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if getattr(topo, "pp", 1) != 1:  # the run plan refuses it first (engine/native/support.py)
+        raise ValueError("the torch engine's mesh has no pipeline axis (parallel.pp must be 1)")
+    shape = mesh_shape(topo.dp, topo.tp, dp_replicate)
+    device_type = torch.device(topo.device).type
+    # Rank r sits at row-major position r: tp varies fastest, then dp_shard, then dp_replicate,
+    # which is the plan's grid order (megatron-core's tp-cp-ep-dp-pp with pp = 1).
+    ranks = torch.arange(shape[0] * shape[1] * shape[2]).reshape(shape)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+    # torch's own way to name a merged dimension; kept here because slicing a flattened dimension
+    # from the root mesh (mesh["dp"]) is deprecated from torch 2.11 on: callers use dp_submesh(mesh).
+    _FLAT_DP[id(mesh)] = (mesh, mesh["dp_replicate", "dp_shard"]._flatten(DP))
+    return mesh
+
+
+_FLAT_DP: dict = {}  # id(root mesh) -> (root mesh, its flattened "dp" mesh)
+
+
+def dp_submesh(mesh) -> Any:
+    """The 1-D data-parallel mesh ("dp": dp_replicate x dp_shard flattened) of a ``build_mesh`` mesh."""
+    root, flat = _FLAT_DP[id(mesh)]
+    if root is not mesh:  # an id reused by another object: not a mesh of ours
+        raise KeyError("this DeviceMesh was not made by build_mesh")
+    return flat
+
+
+def dp_mesh(mesh) -> Any:
+    """The mesh FSDP2 shards over: 1-D ``dp_shard`` (FSDP), or 2-D (``dp_replicate``, ``dp_shard``)
+    for HSDP, whose first dimension holds replicas (``fully_shard``'s convention)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]

@@ -1,0 +1,122 @@
+"""One optimizer step and one validation pass of the torch engine.
+
+The DeepSpeed engine's numerics, in torch: each micro batch's loss is scaled by ``1 / accum``
+before its backward (DeepSpeed's gradient-accumulation scaling), FSDP2 reduces the gradients over
+the data-parallel ranks by their mean only after the last micro batch
+(``set_requires_gradient_sync``), the global gradient norm is taken over the whole mesh before
+clipping (the norm DeepSpeed reports), and the reported loss is the mean over micro batches and
+DP ranks with one non-finite flag every rank agrees on (``engine.batches.dp_mean_and_flag``).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ..base import NonFiniteLossError, StepResult, nonfinite_message
+from ..batches import dp_mean, dp_mean_and_flag, split_tokens
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (a DTensor loss under TP is replicated: its local value is all of it)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _set_gradient_sync(model, enabled: bool) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)  # recursive: every fully_shard'ed block and the head
+
+
+def grad_norm(parameters) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, each parameter counted once across the mesh.
+
+    A DTensor gradient's norm is reduced over its own mesh (its Shard placements are summed, a
+    Replicate one counted once); plain gradients are whole on every rank. Gradients on different
+    meshes (TP-only DTensors beside plain tensors, when tp > 1 and dp == 1) are normed per mesh and
+    combined, which ``torch.nn.utils.get_total_norm`` alone cannot do."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    squares = None
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        sq = norm.double() ** 2
+        squares = sq if squares is None else squares + sq
+    if squares is None:
+        return torch.zeros((), dtype=torch.float64)
+    return squares.sqrt()
+
+
+def clip_(parameters, max_norm: float, total: float) -> None:
+    """Scale the gradients to ``max_norm`` when ``total`` exceeds it (torch's and DeepSpeed's rule)."""
+    if max_norm <= 0 or not math.isfinite(total):
+        return
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
+def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *, lr: float, dp: int, dp_group,
+               grad_clip: float, on_nonfinite: str = "stop", step: int = 0, vocab_size: Optional[int] = None,
+               device=None, loss_context: Callable = lambda _m: contextlib.nullcontext()) -> StepResult:
+    """One optimizer step over ``accum`` micro batches of this rank (``batches``)."""
+    model.train()
+    device = device if device is not None else next(model.parameters()).device
+    local_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for k in range(accum):
+        inputs, labels = split_tokens(next(batches), device, vocab_size)
+        _set_gradient_sync(model, k == accum - 1)  # reduce once per step, after the last micro batch
+        with loss_context(model):
+            loss = model(inputs, labels)
+            (loss / accum).backward()
+        local_sum += _plain(loss).detach().double()
+    value, nonfinite = dp_mean_and_flag(local_sum / accum, dp_group, dp)
+    if nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+        if on_nonfinite == "stop":
+            raise NonFiniteLossError(nonfinite_message(step, value))
+        return StepResult(loss=value, grad_norm=None, skipped=True)  # the batch is dropped, no update
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    total = float(grad_norm(params))
+    clip_(params, grad_clip, total)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=value, grad_norm=total if math.isfinite(total) else None, skipped=False)
+
+
+@torch.no_grad()
+def eval_loss(model, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp_group, vocab_size=None,
+              device=None, loss_context: Callable = lambda _m: contextlib.nullcontext()) -> float:
+    """Mean loss over ``iters`` micro batches per rank, averaged over data-parallel ranks."""
+    if iters < 1:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    device = device if device is not None else next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    try:
+        for _ in range(iters):
+            inputs, labels = split_tokens(next(batches), device, vocab_size)
+            with loss_context(model):
+                total += _plain(model(inputs, labels)).double()
+    finally:
+        model.train(was_training)
+    return dp_mean(total / iters, dp_group, dp)
