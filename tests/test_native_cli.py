@@ -53,18 +53,22 @@ def test_dry_run_prints_the_torch_engines_record_for_a_gpu_run(capsys):
     assert ds["bf16"]["enabled"] and "zero_optimization" in ds
 
 
-@pytest.mark.parametrize("verb", ["train", "submit", "study"])
-def test_pipeline_parallelism_is_refused_by_name_for_the_torch_engine(verb, tmp_path, capsys):
-    over = ["train.engine=torch", "parallel.pp=2", "data.mock=true", f"train.run_dir={tmp_path / 'run'}"]
+@pytest.mark.parametrize("verb,refused,words", [
+    ("train", "parallel.pp=2", ("train.engine=torch", "pipeline", "parallel.pp")),
+    ("submit", "parallel.pp=2", ("train.engine=torch", "pipeline", "parallel.pp")),
+    # a study trains here (one process, dp 1): its runs are planned before the first one starts
+    ("study", "torch_engine.dp_replicate=2", ("torch_engine.dp_replicate=2", "does not divide"))])
+def test_what_the_torch_engine_cannot_run_is_refused_by_name(verb, refused, words, tmp_path, capsys):
+    over = ["train.engine=torch", refused, "data.mock=true", f"train.run_dir={tmp_path / 'run'}"]
     argv = {"train": ["train", PAPER, "--dry-run", "--world-size", "16", *over],
             "submit": ["submit", PAPER, "--nodes", "2", "--gpus-per-node", "8", "--dry-run", *over],
             "study": ["study", QUICKSTART, "--interfaces", "canonical", "--seeds", "0", "--out",
-                      str(tmp_path / "study"), "--dry-run", *over]}[verb]
+                      str(tmp_path / "study"), *over]}[verb]
     assert main(argv) == 2
     captured = capsys.readouterr()
     err = [ln for ln in captured.err.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("error:"), captured.err
-    assert "train.engine=torch" in err[0] and "pipeline" in err[0] and "parallel.pp" in err[0]
+    assert all(w in err[0] for w in words), err[0]
     assert not (tmp_path / "run").exists() and not (tmp_path / "study").exists()
 
 

@@ -9,13 +9,11 @@ written beside ``config.yaml`` (``RunDirectory.engine_config_file``: ``torch_eng
 by ``megafixed train --dry-run`` -- on a CPU login node for the GPU run the plan is for.
 
 It describes, it does not configure: ``build.py`` reads the config and the plan itself. Pure
-arithmetic on the plan; imports no torch (a dry run stays cheap).
+arithmetic on the plan: no process group, no device (a dry run stays cheap).
 """
 from __future__ import annotations
 
-# The mesh ``mesh.build_mesh`` makes (native_design.md): DP split into (replicate, shard), then TP,
-# so rank = tp_rank + tp * (r * dp_shard + s); "dp" is the flattened (dp_replicate, dp_shard).
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+from .mesh import MESH_DIMS, mesh_shape
 
 # FSDP2's MixedPrecisionPolicy per resolved precision: bf16 computes in bf16 from fp32 sharded
 # parameters (the masters AdamW updates) and reduce-scatters gradients in fp32; fp32 has no policy.
@@ -34,8 +32,7 @@ def engine_config(cfg, plan) -> dict:
     """The JSON record of the torch-native engine for ``cfg`` on ``plan`` (``plan.engine == "torch"``)."""
     te = cfg.torch_engine
     dp, tp = plan.dp, plan.tp
-    replicate = min(te.dp_replicate, dp)  # support.py refuses a degree that does not divide dp
-    shard = dp // replicate
+    replicate, shard, _ = mesh_shape(dp, tp, te.dp_replicate)  # support.py refused a degree not dividing dp
     mode = data_parallel_mode(dp, replicate)
     b = plan.batch
     o = cfg.optimizer
@@ -44,13 +41,16 @@ def engine_config(cfg, plan) -> dict:
         "device": plan.device,
         "backend": plan.backend,
         "world_size": plan.world_size,
+        # mesh.build_mesh's, in the plan's rank order; "dp" is the flattened (dp_replicate, dp_shard)
         "mesh": {"dim_names": list(MESH_DIMS), "shape": [replicate, shard, tp],
                  "flattened": {"dp": ["dp_replicate", "dp_shard"]},
                  "rank_order": "rank = tp_rank + tp * (dp_replicate_rank * dp_shard + dp_shard_rank)"},
         "data_parallel": {
             "mode": mode, "degree": dp, "replicate_degree": replicate, "shard_degree": shard,
-            # what fully_shard wraps (build.py): each block, the head, then the root for the rest
-            "fully_shard_units": ["each block", "head", "root"] if dp > 1 else [],
+            # what fully_shard wraps (build.py): each block, the head (a tied one stays with the input
+            # table in the root's group), then the root; one data-parallel rank: no FSDP at all
+            "fully_shard_units": ((["each block"] + ([] if cfg.model.tie_embeddings else ["head"]) + ["root"])
+                                  if dp > 1 else []),
             "reshard_after_forward": te.reshard_after_forward,
             # params, grads and AdamW state are sharded over dp_shard, as ZeRO-3 (``megafixed plan``)
             "sharded_states": ["params", "grads", "optimizer"] if shard > 1 else [],
