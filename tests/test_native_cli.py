@@ -140,6 +140,8 @@ def test_bench_train_measures_both_engines_against_the_bare_loop(tmp_path, capsy
         assert s["steps_timed"] == 2 and s["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / s["step_s_median"])
     for name in ("deepspeed", "torch"):
         assert r[name]["overhead"] == pytest.approx(r[name]["step_s_median"] / r["bare"]["step_s_median"] - 1)
+        assert r[name]["overhead_cpu_time"] == pytest.approx(r[name]["cpu_s_median"] / r["bare"]["cpu_s_median"] - 1)
+        assert len(r[name]["cpu_times_s"]) == 2 and all(t > 0 for t in r[name]["cpu_times_s"])
     assert r["framework"] == r["deepspeed"] and r["overhead"] == r["deepspeed"]["overhead"]
     text = capsys.readouterr().out
     assert "framework overhead vs the bare loop: deepspeed " in text and ", torch " in text

@@ -14,7 +14,9 @@ Loops over the same batches (``data.mock=true`` gives synthetic ones without a c
   accumulation, ``clip_grad_norm_`` and ``step``; under bf16/fp16 16-bit weights with fp32 masters
   and fp32 gradient accumulation, and fp16 with dynamic loss scaling; no engine.
 
-``overhead = engine step time / bare step time - 1`` (medians after warm-up steps), per engine. On a
+``overhead = engine step time / bare step time - 1`` (medians after warm-up steps), per engine; on
+CPU also ``overhead_cpu_time``, the same ratio of the process's own CPU seconds per step, which
+other jobs on a shared machine disturb far less than the wall time. On a
 busy CPU the loops alternate in rounds (``--rounds``, default 4 on CPU) so that every loop sees the
 same load; on a GPU they run one after the other (default 1 round) and each model is freed before the
 next is built, so that a 1.7B model never has to fit twice.
@@ -79,6 +81,7 @@ class _Loop:
     def __init__(self, device: torch.device):
         self.device = device
         self.times: list = []
+        self.cpu_times: list = []  # this process's CPU seconds per step (all its threads)
         self.peak_mem: Optional[int] = None
 
     def timed(self, n: int, record: bool = True) -> None:
@@ -86,11 +89,12 @@ class _Loop:
             torch.cuda.reset_peak_memory_stats(self.device)
         for _ in range(n):
             _sync(self.device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.step()
             _sync(self.device)
             if record:
                 self.times.append(time.perf_counter() - t0)
+                self.cpu_times.append(time.process_time() - c0)
         if self.device.type == "cuda":
             self.peak_mem = max(self.peak_mem or 0, torch.cuda.max_memory_allocated(self.device))
 
@@ -155,10 +159,17 @@ class BareLoop(_Loop):
 def _stats(loop: _Loop, tokens_per_step: int, flops_tok: Optional[float], peak: Optional[float], world: int) -> dict:
     med = statistics.median(loop.times)
     tps = tokens_per_step / med
-    return {"step_s_median": med, "step_s_mean": statistics.fmean(loop.times), "step_s_min": min(loop.times),
-            "steps_timed": len(loop.times), "tokens_per_s": tps,
-            "mfu": None if not (flops_tok and peak) else tps * flops_tok / (peak * world),
-            "peak_memory_bytes": loop.peak_mem, "step_times_s": loop.times}
+    out = {"step_s_median": med, "step_s_mean": statistics.fmean(loop.times), "step_s_min": min(loop.times),
+           "steps_timed": len(loop.times), "tokens_per_s": tps,
+           "mfu": None if not (flops_tok and peak) else tps * flops_tok / (peak * world),
+           "peak_memory_bytes": loop.peak_mem, "step_times_s": loop.times}
+    if loop.device.type == "cpu" and loop.cpu_times:
+        # On a shared CPU the wall time is mostly other jobs' (a step takes 0.9 s quiet, 10 s at load
+        # 10 on 2 cores); the CPU time the process itself spent is what the loops cost, so it is kept
+        # beside it (on a GPU the host's CPU time says nothing: kernels run asynchronously).
+        out["cpu_s_median"] = statistics.median(loop.cpu_times)
+        out["cpu_times_s"] = loop.cpu_times
+    return out
 
 
 def _free(device: torch.device) -> None:
@@ -258,8 +269,11 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     if not on_cuda:
         result["peak_rss_bytes"] = {"after_bare": rss_bare if bare else None, "end": _peak_rss_bytes()}
     for name in topos:
-        result[name]["overhead"] = (result[name]["step_s_median"] / result["bare"]["step_s_median"] - 1.0
-                                    if "bare" in result else None)
+        row = result[name]
+        row["overhead"] = (row["step_s_median"] / result["bare"]["step_s_median"] - 1.0
+                           if "bare" in result else None)
+        if "bare" in result and "cpu_s_median" in row:
+            row["overhead_cpu_time"] = row["cpu_s_median"] / result["bare"]["cpu_s_median"] - 1.0
     first = next(iter(topos))  # the one-engine JSON's keys, for its readers (tools/gpu_check.sh's report)
     result["framework"], result["overhead"] = result[first], result[first]["overhead"]
     for loop in loops:
@@ -293,7 +307,9 @@ def report_lines(r: dict) -> list[str]:
     lines += [one(n) for n in ("bare", *engines) if n in r]
     overheads = [f"{n} {100 * r[n]['overhead']:+.1f}%" for n in engines if r[n].get("overhead") is not None]
     if overheads:
-        lines.append(f"framework overhead vs the bare loop: {', '.join(overheads)}")
+        cpu = [f"{n} {100 * r[n]['overhead_cpu_time']:+.1f}%" for n in engines if "overhead_cpu_time" in r[n]]
+        lines.append(f"framework overhead vs the bare loop: {', '.join(overheads)}"
+                     + (f" (in process CPU time: {', '.join(cpu)})" if cpu else ""))
     for name, why in r.get("skipped", {}).items():
         lines.append(f"{name:9s} not measured: {why}")
     return lines
