@@ -301,8 +301,8 @@ class TorchEngineConfig:
     # first. 1: FSDP2 over every data-parallel rank; = the data-parallel size: plain replication (no sharding,
     # DDP-like, for small models).
     dp_replicate: int = 1
-    # FSDP2's knob: free the gathered parameters after each block's forward (less memory) or keep them
-    # until its backward (one all-gather fewer per block and step).
+    # FSDP2's knob: free each block's gathered parameters after its forward (less memory) or keep them
+    # until its backward (one all-gather fewer per block and step). The head, first in backward, is kept.
     reshard_after_forward: bool = True
 
 

@@ -152,3 +152,21 @@ def test_no_import_cycle_counting_function_level_imports():
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [frozenset({"a", "b", "c"})]
+
+
+NATIVE = ENGINE / "native"
+
+
+def _is_deepspeed_or_megatron(name: str) -> bool:
+    top = name.split(".")[0]
+    return top in ("deepspeed", "megatron") or name.startswith("megafixed.engine.deepspeed")
+
+
+def test_the_torch_engine_imports_neither_deepspeed_nor_megatron():
+    # train.engine=torch is a torch-only stack (tests/test_native_engine.py also checks a real build's
+    # sys.modules); its modules must not reach DeepSpeed, megatron-core or the DeepSpeed engine directly
+    native = [m for m in MODULES if MODULES[m][0].is_relative_to(NATIVE)]
+    assert "megafixed.engine.native.build" in native  # the scan sees the package
+    offenders = [f"{MODULES[m][0].relative_to(ROOT)}:{line} imports {name}" for m in native
+                 for name, line in _imports(m, function_level=True) if _is_deepspeed_or_megatron(name)]
+    assert not offenders, "the torch engine imports DeepSpeed/megatron:\n" + "\n".join(offenders)

@@ -37,8 +37,27 @@ from .sequence import gather_sequence, reduce_scatter_sequence
 
 # Which Linear is split how (Megatron's scheme): column-parallel layers shard their output
 # features (dim 0 of the weight), row-parallel ones their input features (dim 1).
+# ONE plan, two appliers: this module's megatron-core layers (the DeepSpeed engine) and
+# ``megafixed.engine.native.tensor``'s DTensor Colwise/RowwiseParallel (the torch engine) both
+# read ``linear_plan``; ``sharded_dim`` (checkpoint slicing) reads the same tables.
 TP_PLAN = {"attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.wo": "row",
            "mlp.w_in": "column", "mlp.w_gate": "column", "mlp.w_out": "row"}
+# The output head: column-parallel over the vocabulary, its logits stay split (vocab-parallel loss).
+HEAD_PLAN = {"head.proj": "column"}
+
+
+def linear_plan(model: GPT) -> dict[str, str]:
+    """``{module path in model: "column" | "row"}`` of every Linear tensor parallelism splits:
+    ``TP_PLAN`` in each block (only the Linears the block has: ``w_gate`` is SwiGLU's) and the head.
+    The input is not here: its TP form is its interface's (``tp_form``)."""
+    plan = {}
+    for i, block in enumerate(model.blocks):
+        for name, kind in TP_PLAN.items():
+            owner, attr = name.split(".")
+            if getattr(getattr(block, owner), attr, None) is not None:
+                plan[f"blocks.{i}.{name}"] = kind
+    plan.update(HEAD_PLAN)
+    return plan
 
 
 def megatron_config(tp: int, dtype: torch.dtype = torch.float32):
@@ -165,17 +184,13 @@ def apply_tp(model: GPT, topo) -> GPT:
     seq_group = topo.tp_group if topo.sequence_parallel else None
     Column, Row = _build_column(ColumnParallelLinear, seq_group), _build_row(RowParallelLinear, seq_group)
 
-    for block in model.blocks:
-        for name, kind in TP_PLAN.items():
-            owner = getattr(block, name.split(".")[0])
-            attr = name.split(".")[1]
-            linear = getattr(owner, attr, None)
-            if linear is None:  # w_gate only exists for SwiGLU
-                continue
-            setattr(owner, attr, _column(linear, mcfg, Column) if kind == "column" else _row(linear, mcfg, Row))
-
-    # Output head: vocabulary rows split, logits stay sharded, loss is vocab-parallel.
-    model.head.proj = _column(model.head.proj, mcfg, Column)
+    # The blocks' Linears and the output head (vocabulary rows split, logits stay sharded, loss
+    # vocab-parallel), from the shared plan.
+    for path, kind in linear_plan(model).items():
+        owner, _, attr = path.rpartition(".")
+        parent = model.get_submodule(owner)
+        linear = getattr(parent, attr)
+        setattr(parent, attr, _column(linear, mcfg, Column) if kind == "column" else _row(linear, mcfg, Row))
     interface = model.interface
     if interface.tp_form == VOCAB_PARALLEL:
         # The interface's own table (an nn.Embedding at interface.table) is swapped for a
@@ -203,9 +218,7 @@ def sharded_dim(name: str) -> int | None:
     for key, dim in sharded_parameters().items():  # the interfaces' own (a split table's vocab rows)
         if name.endswith(key):
             return dim
-    if name.endswith("head.proj.weight"):
-        return 0
-    for key, kind in TP_PLAN.items():
+    for key, kind in {**TP_PLAN, **HEAD_PLAN}.items():
         if name.endswith(f"{key}.weight"):
             return 0 if kind == "column" else 1
         if name.endswith(f"{key}.bias"):

@@ -45,7 +45,9 @@ def apply_fsdp(model, mesh, *, precision: str, reshard_after_forward: bool) -> N
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     if not model.cfg.tie_embeddings:
-        fully_shard(model.head, reshard_after_forward=reshard_after_forward, **kwargs)
+        # The head runs last in forward and first in backward: resharding it would only free what
+        # backward gathers again at once (torchtitan keeps its last group gathered the same way).
+        fully_shard(model.head, reshard_after_forward=False, **kwargs)
     # The root's own default (no reshard after forward): its parameters are the first needed in backward.
     fully_shard(model, **kwargs)
 
