@@ -111,7 +111,8 @@ def test_plan_estimates_fsdp2_as_sharding_params_grads_and_optimizer_over_dp(cap
         accumulated = 4 * n if lay["accum"] > 1 and shard > 1 else 0
         assert row["optimizer"] == pytest.approx(8 * n / shard)
         assert row["grads"] == pytest.approx(4 * n / shard + accumulated)
-        working = min(n, max(2 * per_layer[1], per_layer[-1] + per_layer[1])) * 2  # bf16, reshard after forward
+        # bf16 working copies (reshard after forward): two blocks, the input and the head stay gathered
+        working = min(n, 2 * per_layer[1] + per_layer[0] + per_layer[-1]) * 2
         assert row["params"] == pytest.approx(4 * n / shard + working)
     shards = {(row["layout"]["dp"] // row["layout"]["dp_replicate"]) for row in r["layouts"]}
     assert {1, 8} <= shards  # plain replication and full sharding are both listed

@@ -15,10 +15,11 @@ ZeRO-1 divides the optimizer state by DP, ZeRO-2 also the gradients, ZeRO-3 also
 HSDP replicates across ``dp_replicate`` groups), as ZeRO-3, but keeps different bytes: the sharded
 parameters are the fp32 masters (4), gradients are reduce-scattered in fp32 (4), Adam m and v (8) --
 16 per parameter in bf16 and fp32 alike, against DeepSpeed bf16's 20. On top, the unsharded working
-copies in the compute dtype: two blocks' (the one computing and the one prefetched) with
-``torch_engine.reshard_after_forward=true``, the whole stage's with false (kept from forward to
-backward); and, with gradient accumulation, the unsharded fp32 gradients FSDP2 accumulates between
-reductions (it reduce-scatters on the last micro batch only).
+copies in the compute dtype: two blocks' (the one computing and the one prefetched) plus the
+input's and the head's (gathered from forward to backward) with ``torch_engine.reshard_after_forward=
+true``, the whole stage's with false; and, with gradient accumulation, the unsharded fp32
+gradients FSDP2 accumulates between reductions (it reduce-scatters on the last micro batch only).
+
 TP divides every sharded matrix by ``tp`` (norms stay replicated); PP keeps one stage's layers,
 split by DeepSpeed's own partitioner (``parallel.pp_partition``).
 
@@ -238,10 +239,11 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         p, g, o = model_state_bytes(n_params, layout, precision)
         if layout.engine == "torch" and (layout.dp_shard > 1 or precision != "fp32"):
             # FSDP2's unsharded working parameters in the compute dtype (all-gathered or cast): the
-            # unit computing plus the one prefetched, or every unit from forward to backward
+            # block computing plus the one prefetched, and the root's and the head's groups, which
+            # stay gathered from forward to backward (native/build.py); or every group
             per_layer = layer_params(m, t)
-            block, head = per_layer[1], per_layer[-1]
-            working = n_params if not layout.reshard_after_forward else min(n_params, max(2 * block, head + block))
+            edges = per_layer[0] + per_layer[-1]  # the input (table) and the head: root and head groups
+            working = n_params if not layout.reshard_after_forward else min(n_params, 2 * per_layer[1] + edges)
             p += working * e
         est = Estimate(layout, p, g, o, act, n_params)
         if best is None or est.total > best.total:

@@ -51,7 +51,8 @@ def engine_config(cfg, plan) -> dict:
             # table in the root's group), then the root; one data-parallel rank: no FSDP at all
             "fully_shard_units": ((["each block"] + ([] if cfg.model.tie_embeddings else ["head"]) + ["root"])
                                   if dp > 1 else []),
-            "reshard_after_forward": te.reshard_after_forward,
+            "reshard_after_forward": te.reshard_after_forward,  # each block's; build.py keeps the head's
+            "head_reshard_after_forward": False,  # and the root's gathered: backward needs them first
             # params, grads and AdamW state are sharded over dp_shard, as ZeRO-3 (``megafixed plan``)
             "sharded_states": ["params", "grads", "optimizer"] if shard > 1 else [],
         },
