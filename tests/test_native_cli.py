@@ -154,3 +154,22 @@ def test_bench_train_measures_both_engines_against_the_bare_loop(tmp_path, capsy
     plans, skipped = bt._plans(load_config(QUICKSTART, refused[1:]), None)
     assert list(plans) == ["deepspeed"] and "dp_replicate" in skipped["torch"]
     assert bt.report_lines(dict(r, skipped=skipped))[-1].startswith("torch     not measured: torch_engine.dp_replicate")
+
+
+def test_a_torch_engine_run_writes_its_record_as_torch_engine_json(tmp_path):
+    """What ``megafixed train`` writes beside config.yaml (the trainer's own call, on a built engine)."""
+    from megafixed.config import load_config
+    from megafixed.engine import build_engine, engine_config
+    from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
+    from megafixed.train.trainer import _write_run_files
+
+    cfg = load_config(QUICKSTART, [*TINY_MODEL, "data.mock=true", "train.engine=torch", f"train.run_dir={tmp_path}"])
+    plan = RunPlan.for_launch(cfg)
+    topo = setup_distributed(plan)
+    _write_run_files(cfg, topo, build_engine(cfg, topo))
+    record = json.loads((tmp_path / "torch_engine.json").read_text())
+    assert record == json.loads(json.dumps(engine_config(cfg, plan)))
+    assert record["device"] == "cpu" and record["mixed_precision"]["param_dtype"] == "float32"
+    assert record["data_parallel"]["mode"] == "single" and record["data_parallel"]["fully_shard_units"] == []
+    assert (tmp_path / "config.yaml").exists() and not (tmp_path / "ds_config.json").exists()
