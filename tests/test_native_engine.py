@@ -132,6 +132,9 @@ for rep, shard, tp, precision in ((2, 2, 2, "fp32"), (4, 2, 1, "bf16")):
             policy = m._get_fsdp_state()._mp_policy
             assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), policy
         assert model.blocks[0].attn.wq.weight.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+        from megafixed.engine.native.step import compute_context
+        import contextlib
+        assert compute_context(model, "bf16", "cpu") is contextlib.nullcontext  # FSDP2 casts, no autocast
         # train.compile: each block compiled in place (names unchanged), then sharded; checkpointed by GPT.forward
         assert all(b._compiled_call_impl is not None for b in model.blocks) and model.activation_checkpointing
     for name, p in model.named_parameters():
@@ -159,13 +162,23 @@ def test_materialize_slices_every_placement_like_the_single_process_weights():
         assert proc.returncode == 0 and "ok" in out, out[-3000:]
 
 
-def test_fp32_trains_without_a_cast():
+def test_precision_policies():
     from megafixed.engine.native.build import mixed_precision_policy
+    from megafixed.engine.native.step import compute_context
+    from megafixed.model.gpt import GPT
 
     fp32 = mixed_precision_policy("fp32")
     assert (fp32.param_dtype, fp32.reduce_dtype) == (None, None)
     bf16 = mixed_precision_policy("bf16")
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    # one data-parallel rank has no FSDP2 to cast: bf16 is autocast over the fp32 weights there
+    model = GPT(_cfg("model.input=canonical").model)
+    ids = torch.randint(0, 256, (1, 8))
+    with compute_context(model, "bf16", "cpu")():
+        assert model(ids).dtype == torch.bfloat16
+    with compute_context(model, "fp32", "cpu")():
+        assert model(ids).dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------------- one process
@@ -248,19 +261,45 @@ def _train(nproc, shards, run_dir, kind, *extra, torchrun=None):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
 
-@pytest.mark.multiprocess
-def test_one_process_equals_the_deepspeed_reference(tiny_shards, tiny_reference, tmp_path):
-    ref = tiny_reference("canonical")["canonical"]
-    _train(1, tiny_shards, tmp_path / "run", "canonical")
-    _assert_matches(tmp_path / "run", ref, "torch engine, 1 process")
+# Validation every 2 steps in the torch runs below (the reference has none; it consumes no training
+# data or RNG, so the training numbers still match): the sharded runs' val_loss must equal one process's.
+WITH_VALIDATION = ("train.eval_interval=2",)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_shards, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("native_one") / "run"
+    _train(1, tiny_shards, run_dir, "canonical", *WITH_VALIDATION)
+    return run_dir
+
+
+def _validation(run_dir) -> dict:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r}
+
+
+def _assert_same_validation(run_dir, one_dir, what):
+    got, want = _validation(run_dir), _validation(one_dir)
+    assert sorted(got) == sorted(want) == [0, 2, 4], what
+    for step in want:
+        assert math.isclose(got[step], want[step], rel_tol=RTOL), \
+            f"{what}: step {step} val_loss {got[step]} vs {want[step]}"
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_over_two_ranks_equals_the_reference(tiny_shards, tiny_reference, torchrun, tmp_path):
-    # FSDP2 per block and head, each block checkpointed (activation checkpointing composed with it).
+def test_one_process_equals_the_deepspeed_reference(one_process, tiny_reference):
+    _assert_matches(one_process, tiny_reference("canonical")["canonical"], "torch engine, 1 process")
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_over_two_ranks_equals_the_reference(tiny_shards, tiny_reference, torchrun, tmp_path, one_process):
+    # FSDP2 per block and head, each block checkpointed (activation checkpointing composed with it);
+    # its evaluation (sharded, no grad) gives the one-process validation losses.
     ref = tiny_reference("canonical")["canonical"]
-    _train(2, tiny_shards, tmp_path / "run", "canonical", "train.activation_checkpointing=true", torchrun=torchrun)
+    _train(2, tiny_shards, tmp_path / "run", "canonical", "train.activation_checkpointing=true", *WITH_VALIDATION,
+           torchrun=torchrun)
     _assert_matches(tmp_path / "run", ref, "torch engine, FSDP2 dp=2")
+    _assert_same_validation(tmp_path / "run", one_process, "torch engine, FSDP2 dp=2")
 
 
 @pytest.mark.multiprocess

@@ -105,7 +105,9 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
     ``world`` is this launch's ``megafixed.launch.world.LaunchWorld`` (default: detected). A
     single process without a launcher still gets a 1-rank process group, because DeepSpeed's
     engine needs one. Rank/world detection, its consistency checks and the rendezvous live in
-    ``megafixed.launch.world``.
+    ``megafixed.launch.world``. The groups: megatron-core's ``parallel_state`` under TP/PP for the
+    DeepSpeed engine; for ``plan.engine == "torch"`` one ``DeviceMesh`` (``topo.mesh``, no megatron
+    import) whose TP and DP groups the Topology carries.
     """
     import torch.distributed as dist
 

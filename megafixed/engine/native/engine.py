@@ -14,10 +14,6 @@ from . import step as native_step
 
 NAME = "torch"
 
-# TEMPORARY (issue 21): the DCP checkpoint half of the torch engine (native/checkpoint.py) replaces these.
-_NO_CHECKPOINTS = ("train.engine=torch cannot write or read checkpoints yet (issue 21: "
-                   "megafixed/engine/native/checkpoint.py); use train.engine=deepspeed")
-
 
 class NativeEngine:
     """One rank's torch-native engine behind the engine seam."""
@@ -28,7 +24,9 @@ class NativeEngine:
         self.model, self.optimizer, self.cfg, self.topo = model, optimizer, cfg, topo
         self.plan = topo.plan
         self._loss_context = self._pick_loss_context()
-        self._ckpt = None  # native/checkpoint.py's DcpCheckpoint, made on first use
+        from .checkpoint import DcpCheckpoint
+
+        self.checkpoints = DcpCheckpoint(model, optimizer, async_save=bool(cfg.train.async_save))
 
     def _pick_loss_context(self) -> Callable:
         if self.plan.tp > 1:
@@ -52,45 +50,33 @@ class NativeEngine:
                                       dp=self.topo.dp, dp_group=self.topo.dp_group,
                                       grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.train.on_nonfinite,
                                       step=step, vocab_size=self.cfg.model.vocab_size, device=self.device,
-                                      loss_context=self._loss_context)
+                                      loss_context=self._loss_context, precision=self.plan.precision)
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         return native_step.eval_loss(self.model, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,
                                      vocab_size=self.cfg.model.vocab_size, device=self.device,
-                                     loss_context=self._loss_context)
+                                     loss_context=self._loss_context, precision=self.plan.precision)
 
-    # ---- checkpoint files: one-line delegations to native/checkpoint.py (DCP)
-    def _checkpoint(self):
-        if self._ckpt is None:
-            try:
-                from .checkpoint import DcpCheckpoint
-            except ModuleNotFoundError as exc:  # TEMPORARY (issue 21): until native/checkpoint.py lands
-                if exc.name != f"{__package__}.checkpoint":
-                    raise
-                raise NotImplementedError(_NO_CHECKPOINTS) from None
-            self._ckpt = DcpCheckpoint(self.model, self.optimizer, async_save=bool(self.cfg.train.async_save))
-        return self._ckpt
+    # ---- checkpoint files (native/checkpoint.py: DCP)
+    def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> None:
+        self.checkpoints.save(tag_dir, client_state, on_written=on_written, on_failed=on_failed)
 
     @property
     def saves_in_background(self) -> bool:
-        return bool(self.cfg.train.async_save)
-
-    def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> None:
-        self._checkpoint().save(tag_dir, client_state, on_written=on_written, on_failed=on_failed)
+        return self.checkpoints.saves_in_background
 
     def wait_for_saves(self) -> None:
-        if self._ckpt is not None:  # no checkpointer yet: no save was ever started
-            self._ckpt.wait()
+        self.checkpoints.wait()
 
     @property
     def saved_bytes(self) -> int:
-        return self._ckpt.saved_bytes if self._ckpt is not None else 0
+        return self.checkpoints.saved_bytes
 
     def load(self, tag_dir: Path, *, relayout: bool = False) -> dict:
-        return self._checkpoint().load(tag_dir, relayout=relayout)
+        return self.checkpoints.load(tag_dir, relayout=relayout)
 
     def load_weights(self, read_state_dict: Callable[[], dict], scratch: Path) -> None:
-        self._checkpoint().load_weights(read_state_dict, scratch)
+        self.checkpoints.load_weights(read_state_dict, scratch)
 
     def config_record(self) -> Optional[dict]:
         """The engine's own record (mesh, FSDP, mixed precision, compile, AC): ``native/config.py``."""

@@ -26,6 +26,21 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def compute_context(model, precision: str, device) -> Callable:
+    """What the forward runs in: nothing for fp32, or for a model FSDP2 casts itself
+    (``MixedPrecisionPolicy``); else ``torch.autocast`` to the 16-bit dtype -- one data-parallel rank
+    has no FSDP, and its bf16 must still be bf16 compute over fp32 weights and fp32 gradients
+    (torchtitan's ``maybe_enable_amp`` draws the same line)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from ..dtypes import COMPUTE_DTYPES
+
+    if precision == "fp32" or isinstance(model, FSDPModule):
+        return contextlib.nullcontext
+    kind, dtype = torch.device(device).type, COMPUTE_DTYPES[precision]
+    return lambda: torch.autocast(kind, dtype=dtype)
+
+
 def _set_gradient_sync(model, enabled: bool) -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -74,16 +89,19 @@ def clip_(parameters, max_norm: float, total: float) -> None:
 
 def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *, lr: float, dp: int, dp_group,
                grad_clip: float, on_nonfinite: str = "stop", step: int = 0, vocab_size: Optional[int] = None,
-               device=None, loss_context: Callable = lambda _m: contextlib.nullcontext()) -> StepResult:
+               device=None, loss_context: Callable = lambda _m: contextlib.nullcontext(),
+               precision: str = "fp32") -> StepResult:
     """One optimizer step over ``accum`` micro batches of this rank (``batches``)."""
     model.train()
     device = device if device is not None else next(model.parameters()).device
+    compute = compute_context(model, precision, device)
     local_sum = torch.zeros((), dtype=torch.float64, device=device)
     for k in range(accum):
         inputs, labels = split_tokens(next(batches), device, vocab_size)
         _set_gradient_sync(model, k == accum - 1)  # reduce once per step, after the last micro batch
         with loss_context(model):
-            loss = model(inputs, labels)
+            with compute():
+                loss = model(inputs, labels)
             (loss / accum).backward()
         local_sum += _plain(loss).detach().double()
     value, nonfinite = dp_mean_and_flag(local_sum / accum, dp_group, dp)
@@ -104,18 +122,20 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
 
 @torch.no_grad()
 def eval_loss(model, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp_group, vocab_size=None,
-              device=None, loss_context: Callable = lambda _m: contextlib.nullcontext()) -> float:
+              device=None, loss_context: Callable = lambda _m: contextlib.nullcontext(),
+              precision: str = "fp32") -> float:
     """Mean loss over ``iters`` micro batches per rank, averaged over data-parallel ranks."""
     if iters < 1:
         return float("nan")
     was_training = model.training
     model.eval()
     device = device if device is not None else next(model.parameters()).device
+    compute = compute_context(model, precision, device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     try:
         for _ in range(iters):
             inputs, labels = split_tokens(next(batches), device, vocab_size)
-            with loss_context(model):
+            with loss_context(model), compute():
                 total += _plain(model(inputs, labels)).double()
     finally:
         model.train(was_training)
