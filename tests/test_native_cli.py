@@ -39,7 +39,7 @@ def test_dry_run_prints_the_torch_engines_record_for_a_gpu_run(capsys):
     assert dp["reshard_after_forward"] is False and dp["sharded_states"] == ["params", "grads", "optimizer"]
     # a GPU run planned on a CPU machine: bf16 compute, fp32 masters and fp32 gradient reduction
     assert rec["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32",
-                                      "master_dtype": "float32", "precision": "bf16"}
+                                      "master_dtype": "float32", "precision": "bf16", "by": "MixedPrecisionPolicy"}
     assert rec["device"] == "cuda" and rec["backend"] == "nccl" and rec["compile"]["enabled"] is True
     assert rec["tensor_parallel"]["degree"] == 2 and rec["pipeline_parallel"]["degree"] == 1
     cfg = load_config(PAPER, over)

@@ -56,8 +56,12 @@ def engine_config(cfg, plan) -> dict:
             # params, grads and AdamW state are sharded over dp_shard, as ZeRO-3 (``megafixed plan``)
             "sharded_states": ["params", "grads", "optimizer"] if shard > 1 else [],
         },
+        # FSDP2's MixedPrecisionPolicy; one data-parallel rank has no FSDP2 to cast, and bf16 runs the
+        # forward under torch.autocast over the fp32 weights instead (build.py), with the same dtypes
         "mixed_precision": dict(_POLICY.get(plan.precision, {"param_dtype": plan.precision}),
-                                master_dtype="float32", precision=plan.precision),
+                                master_dtype="float32", precision=plan.precision,
+                                by="MixedPrecisionPolicy" if dp > 1 else (
+                                    "torch.autocast" if plan.precision != "fp32" else "none")),
         "tensor_parallel": {"degree": tp, "sequence_parallel": plan.sequence_parallel,
                             "plan": "megafixed.parallel.tensor.TP_PLAN (DTensor parallelize_module)",
                             "vocab_parallel_loss": tp > 1},
