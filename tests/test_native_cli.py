@@ -111,8 +111,9 @@ def test_plan_estimates_fsdp2_as_sharding_params_grads_and_optimizer_over_dp(cap
         accumulated = 4 * n if lay["accum"] > 1 and shard > 1 else 0
         assert row["optimizer"] == pytest.approx(8 * n / shard)
         assert row["grads"] == pytest.approx(4 * n / shard + accumulated)
-        # bf16 working copies (reshard after forward): two blocks, the input and the head stay gathered
-        working = min(n, 2 * per_layer[1] + per_layer[0] + per_layer[-1]) * 2
+        # bf16 working copies (reshard after forward): two blocks, the input and the head stay gathered;
+        # one DP rank (no FSDP2, autocast): a 16-bit copy of every weight
+        working = (n if lay["dp"] == 1 else min(n, 2 * per_layer[1] + per_layer[0] + per_layer[-1])) * 2
         assert row["params"] == pytest.approx(4 * n / shard + working)
     shards = {(row["layout"]["dp"] // row["layout"]["dp_replicate"]) for row in r["layouts"]}
     assert {1, 8} <= shards  # plain replication and full sharding are both listed

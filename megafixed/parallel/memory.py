@@ -243,7 +243,9 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
             # stay gathered from forward to backward (native/build.py); or every group
             per_layer = layer_params(m, t)
             edges = per_layer[0] + per_layer[-1]  # the input (table) and the head: root and head groups
-            working = n_params if not layout.reshard_after_forward else min(n_params, 2 * per_layer[1] + edges)
+            # (one DP rank has no FSDP2: autocast's 16-bit copies of every weight live until backward)
+            everything = not layout.reshard_after_forward or layout.dp == 1
+            working = n_params if everything else min(n_params, 2 * per_layer[1] + edges)
             p += working * e
         est = Estimate(layout, p, g, o, act, n_params)
         if best is None or est.total > best.total:
