@@ -18,7 +18,8 @@ def test_bench_train_reports_both_loops_and_the_overhead(tmp_path, capsys):
     args = p.parse_args([str(__import__("pathlib").Path(__file__).parent.parent / "examples/configs/quickstart.yaml"),
                          *TINY_MODEL, "data.mock=true", "model.fused_first_layer=true", "train.global_batch=4",
                          "train.micro_batch=2", f"train.run_dir={tmp_path / 'run'}", "--steps", "4",
-                         "--warmup-steps", "1", "--rounds", "2", "--json", str(out)])
+                         "--warmup-steps", "1", "--rounds", "2", "--json", str(out),
+                         "--engines", "deepspeed"])  # both engines: tests/test_native_cli.py
     assert bt.run(args) == 0
     r = json.loads(out.read_text())
     assert r["bench"] == "train" and r["mock_data"] is True and r["fused_first_layer"] is True

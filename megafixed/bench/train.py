@@ -1,20 +1,29 @@
 """``megafixed bench train CONFIG [overrides]``: step time, tokens/s, MFU and peak memory of a real config,
-and the framework's overhead against a bare torch loop of the same model, batch and optimizer.
+for each training engine, and each engine's overhead against a bare torch loop of the same model, batch and
+optimizer -- all measured in one run.
 
-Two loops over the same batches (``data.mock=true`` gives synthetic ones without a corpus):
+Loops over the same batches (``data.mock=true`` gives synthetic ones without a corpus):
 
-* **framework**: exactly what ``megafixed train`` runs per step: ``build_engine`` (DeepSpeed,
-  ZeRO as configured) and ``train_step`` (host id check, forward/backward per micro batch, the
-  boundary's clip + AdamW step, the loss all-reduce), minus logging, validation and checkpoints;
-* **bare**: the engine's numerics in plain torch (``bare_loop.py``): the same model build,
-  activation checkpointing and ``train.compile`` setting, the same AdamW parameter groups,
-  gradient accumulation, ``clip_grad_norm_`` and ``step``; under bf16/fp16 16-bit weights with
-  fp32 masters and fp32 gradient accumulation, and fp16 with dynamic loss scaling; no DeepSpeed.
+* **one per engine** (``--engines deepspeed,torch``, default both): exactly what ``megafixed train``
+  runs per step with ``train.engine=<that engine>``: ``build_engine`` (DeepSpeed with ZeRO as
+  configured; or the torch-native engine, FSDP2/DTensor as ``torch_engine.*`` say) and its
+  ``train_step`` (host id check, forward/backward per micro batch, the boundary's clip + AdamW step,
+  the loss all-reduce), minus logging, validation and checkpoints;
+* **bare**: the numerics in plain torch (``bare_loop.py``): the same model build, activation
+  checkpointing and ``train.compile`` setting, the same AdamW parameter groups, gradient
+  accumulation, ``clip_grad_norm_`` and ``step``; under bf16/fp16 16-bit weights with fp32 masters
+  and fp32 gradient accumulation, and fp16 with dynamic loss scaling; no engine.
 
-``overhead = framework step time / bare step time - 1`` (medians after warm-up steps). On a busy
-CPU the loops can alternate in rounds (``--rounds``, default 4 on CPU) so that both see the same
-load; on a GPU they run one after the other (default 1 round) and the bare model is freed before
-the engine is built, so that a 1.7B model does not have to fit twice.
+``overhead = engine step time / bare step time - 1`` (medians after warm-up steps), per engine; on
+CPU also ``overhead_cpu_time``, the same ratio of the process's own CPU seconds per step, which
+other jobs on a shared machine disturb far less than the wall time. On a
+busy CPU the loops alternate in rounds (``--rounds``, default 4 on CPU) so that every loop sees the
+same load; on a GPU they run one after the other (default 1 round) and each model is freed before the
+next is built, so that a 1.7B model never has to fit twice.
+
+The JSON has one row per loop under its name (``bare``, ``deepspeed``, ``torch``), each engine's row
+with its ``overhead``; ``framework`` / ``overhead`` at the top level repeat the first engine's, as
+the one-engine JSON had them (``tools/gpu_check.sh``'s report reads them).
 """
 from __future__ import annotations
 
@@ -31,7 +40,10 @@ import torch
 
 from .. import exit_codes
 
-HELP = "training throughput of a config: step time, tokens/s, MFU, memory, overhead vs a bare torch loop"
+HELP = ("training throughput of a config per engine (deepspeed, torch): step time, tokens/s, MFU, memory, "
+        "overhead vs a bare torch loop")
+
+ENGINES = ("deepspeed", "torch")  # megafixed.config's train.engine values, in the order they are measured
 
 
 def add_arguments(p):
@@ -41,6 +53,9 @@ def add_arguments(p):
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (allocator, autotune, compile)")
     p.add_argument("--rounds", type=int, default=None,
                    help="alternate the two loops in this many rounds (default 4 on CPU, 1 on GPU: sequential)")
+    p.add_argument("--engines", default=None, metavar="LIST",
+                   help="comma-separated training engines to measure, each as train.engine=<name> would run it "
+                        "(default: deepspeed,torch; an engine that refuses the config is then skipped with a note)")
     p.add_argument("--no-bare", action="store_true", help="skip the bare torch loop (no overhead figure)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: megafixed's CPU thread policy, megafixed/threads.py)")
@@ -66,6 +81,7 @@ class _Loop:
     def __init__(self, device: torch.device):
         self.device = device
         self.times: list = []
+        self.cpu_times: list = []  # this process's CPU seconds per step (all its threads)
         self.peak_mem: Optional[int] = None
 
     def timed(self, n: int, record: bool = True) -> None:
@@ -73,11 +89,12 @@ class _Loop:
             torch.cuda.reset_peak_memory_stats(self.device)
         for _ in range(n):
             _sync(self.device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.step()
             _sync(self.device)
             if record:
                 self.times.append(time.perf_counter() - t0)
+                self.cpu_times.append(time.process_time() - c0)
         if self.device.type == "cuda":
             self.peak_mem = max(self.peak_mem or 0, torch.cuda.max_memory_allocated(self.device))
 
@@ -85,8 +102,8 @@ class _Loop:
         pass
 
 
-class FrameworkLoop(_Loop):
-    name = "framework"
+class EngineLoop(_Loop):
+    """``train_step`` of the engine ``topo.plan.engine`` names (the row is named after it)."""
 
     def __init__(self, cfg, topo, datasets):
         import copy
@@ -97,6 +114,7 @@ class FrameworkLoop(_Loop):
         cfg = copy.deepcopy(cfg)
         cfg.train.on_nonfinite = "skip"  # a benchmark measures time; a non-finite loss must not stop it
         self.engine = build_engine(cfg, topo)
+        self.name = topo.plan.engine
         layout = topo.plan.batch
         super().__init__(self.engine.device)
         self.cfg, self.topo, self.layout = cfg, topo, layout
@@ -141,10 +159,17 @@ class BareLoop(_Loop):
 def _stats(loop: _Loop, tokens_per_step: int, flops_tok: Optional[float], peak: Optional[float], world: int) -> dict:
     med = statistics.median(loop.times)
     tps = tokens_per_step / med
-    return {"step_s_median": med, "step_s_mean": statistics.fmean(loop.times), "step_s_min": min(loop.times),
-            "steps_timed": len(loop.times), "tokens_per_s": tps,
-            "mfu": None if not (flops_tok and peak) else tps * flops_tok / (peak * world),
-            "peak_memory_bytes": loop.peak_mem, "step_times_s": loop.times}
+    out = {"step_s_median": med, "step_s_mean": statistics.fmean(loop.times), "step_s_min": min(loop.times),
+           "steps_timed": len(loop.times), "tokens_per_s": tps,
+           "mfu": None if not (flops_tok and peak) else tps * flops_tok / (peak * world),
+           "peak_memory_bytes": loop.peak_mem, "step_times_s": loop.times}
+    if loop.device.type == "cpu" and loop.cpu_times:
+        # On a shared CPU the wall time is mostly other jobs' (a step takes 0.9 s quiet, 10 s at load
+        # 10 on 2 cores); the CPU time the process itself spent is what the loops cost, so it is kept
+        # beside it (on a GPU the host's CPU time says nothing: kernels run asynchronously).
+        out["cpu_s_median"] = statistics.median(loop.cpu_times)
+        out["cpu_times_s"] = loop.cpu_times
+    return out
 
 
 def _free(device: torch.device) -> None:
@@ -154,14 +179,17 @@ def _free(device: torch.device) -> None:
 
 
 def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, datasets=None, log=print,
-            on_partial=None) -> dict:
-    """Run both loops on this rank and return the result dict (what ``--json`` writes).
+            on_partial=None, topos: Optional[dict] = None) -> dict:
+    """Run the loops on this rank and return the result dict (what ``--json`` writes).
 
-    ``on_partial(result)`` gets the result so far (``"complete": false``) after each loop's timed
-    steps, so a run stopped at a time limit (the 1.7B engine build) still reports the bare loop."""
+    ``topos``: engine name -> this process's Topology for that engine's run plan (``train.engine``
+    set to it), in the order to measure; default: ``topo``'s own engine only. ``on_partial(result)``
+    gets the result so far (``"complete": false``) after each loop's timed steps, so a run stopped at
+    a time limit (the 1.7B engine build) still reports the loops measured before."""
     from ..model.gpt import init_draws_on
     from ..train.metrics import flops_per_token, matmul_param_count, peak_flops_per_gpu
 
+    topos = topos or {topo.plan.engine: topo}
     plan = topo.plan  # the command's run plan (megafixed.run_plan), validated when it was built
     precision, layout = plan.precision, plan.batch
     if datasets is None:
@@ -178,61 +206,89 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     peak = peak_flops_per_gpu() if on_cuda else None
     flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), cfg.data.seq_len)
     per_round = max(1, steps // rounds)
+    sequential = rounds == 1  # measure each loop to the end and free it before the next is built
+
+    def stats(loop) -> dict:
+        return _stats(loop, tokens_per_step, flops_tok, peak, topo.world_size)
 
     def partial() -> dict:
         out = dict(header, complete=False)
+        out.update(done)
         for loop in loops:
             if loop.times:
-                out[loop.name] = _stats(loop, tokens_per_step, flops_tok, peak, topo.world_size)
+                out[loop.name] = stats(loop)
         return out
 
     header = {"bench": "train", "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
               "precision": precision, "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-              "zero_stage": plan.zero_stage, "input": cfg.model.input, "fused_first_layer": cfg.model.fused_first_layer,
+              "engines": list(topos), "zero_stage": plan.zero_stage, "input": cfg.model.input,
+              "fused_first_layer": cfg.model.fused_first_layer,
               "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile,
               "global_batch": layout.global_batch, "micro_batch": layout.micro_batch, "accum": layout.accum,
               "seq_len": cfg.data.seq_len, "tokens_per_step": tokens_per_step, "mock_data": cfg.data.mock,
               "warmup_steps": warmup, "rounds": rounds, "flops_per_token": flops_tok,
               "peak_flops_per_gpu": peak, "cpu_threads": None if on_cuda else torch.get_num_threads(),
               "torch": torch.__version__}
-    # On a GPU both models are drawn there (model.gpt.init_draws_on): a serial CPU draw of a 1.7B
+    # On a GPU every model is drawn there (model.gpt.init_draws_on): a serial CPU draw of a 1.7B
     # model costs about a minute per build, and the step times do not depend on the values.
-    draws = init_draws_on(device) if on_cuda else contextlib.nullcontext()
-    loops: list = []
-    if bare:
-        with draws:
-            loops.append(BareLoop(cfg, topo, datasets))
-        loops[-1].timed(warmup, record=False)
-        if rounds == 1:  # sequential: measure now and free it before the engine exists
-            loops[-1].timed(steps)
-            loops[-1].close()
+    def draws():
+        return init_draws_on(device) if on_cuda else contextlib.nullcontext()
+
+    loops: list = []  # the loops alive (alternating); a sequential run keeps only the one being measured
+    done: dict = {}  # name -> stats of the loops a sequential run measured and freed
+
+    def start(make):
+        with draws():
+            loop = make()
+        loop.timed(warmup, record=False)
+        loops.append(loop)
+        if sequential:
+            loop.timed(steps)
+            done[loop.name] = stats(loop)
+            loop.close()
+            loops.remove(loop)
             _free(device)
             if on_partial is not None:
-                on_partial(partial())  # the bare loop's figures survive a stop in the engine's build
+                on_partial(partial())  # the figures so far survive a stop in the next build
+
+    if bare:
+        start(lambda: BareLoop(cfg, topo, datasets))
     rss_bare = _peak_rss_bytes()
-    with init_draws_on(device) if on_cuda else contextlib.nullcontext():
-        fw = FrameworkLoop(cfg, topo, datasets)
-    fw.timed(warmup, record=False)
-    loops.append(fw)
-    for _ in range(rounds):
+    for name, t in topos.items():
+        start(lambda t=t, name=name: EngineLoop(_engine_cfg(cfg, name), t, datasets))
+    for _ in range(0 if sequential else rounds):
         for loop in loops:
-            if rounds == 1 and loop.name == "bare":
-                continue
             loop.timed(per_round)
             if on_partial is not None:
                 on_partial(partial())
     result = dict(header, complete=True)
+    result.update(done)
     for loop in loops:
-        result[loop.name] = _stats(loop, tokens_per_step, flops_tok, peak, topo.world_size)
+        result[loop.name] = stats(loop)
     if not on_cuda:
         result["peak_rss_bytes"] = {"after_bare": rss_bare if bare else None, "end": _peak_rss_bytes()}
-    result["overhead"] = (result["framework"]["step_s_median"] / result["bare"]["step_s_median"] - 1.0
-                          if "bare" in result else None)
+    for name in topos:
+        row = result[name]
+        row["overhead"] = (row["step_s_median"] / result["bare"]["step_s_median"] - 1.0
+                           if "bare" in result else None)
+        if "bare" in result and "cpu_s_median" in row:
+            row["overhead_cpu_time"] = row["cpu_s_median"] / result["bare"]["cpu_s_median"] - 1.0
+    first = next(iter(topos))  # the one-engine JSON's keys, for its readers (tools/gpu_check.sh's report)
+    result["framework"], result["overhead"] = result[first], result[first]["overhead"]
     for loop in loops:
         loop.close()
     _free(device)
     return result
+
+
+def _engine_cfg(cfg, engine: str):
+    """``cfg`` with ``train.engine=engine`` (what a run plan for that engine was built from)."""
+    import copy
+
+    c = copy.deepcopy(cfg)
+    c.train.engine = engine
+    return c
 
 
 def report_lines(r: dict) -> list[str]:
@@ -245,12 +301,44 @@ def report_lines(r: dict) -> list[str]:
         return (f"{name:9s} step {s['step_s_median'] * 1e3:9.1f} ms (median of {s['steps_timed']})  "
                 f"{s['tokens_per_s']:12,.0f} tokens/s  MFU {mfu}  peak memory {mem}")
 
+    engines = r.get("engines", [])
     lines = [f"{r['input']} input, {r['precision']} on {r['device_name']}, {r['tokens_per_step']:,} tokens/step "
              f"(global batch {r['global_batch']} = micro {r['micro_batch']} x accum {r['accum']} x dp {r['dp']})"]
-    lines += [one(n) for n in ("bare", "framework") if n in r]
-    if r["overhead"] is not None:
-        lines.append(f"framework overhead vs the bare loop: {100 * r['overhead']:+.1f}%")
+    lines += [one(n) for n in ("bare", *engines) if n in r]
+    overheads = [f"{n} {100 * r[n]['overhead']:+.1f}%" for n in engines if r[n].get("overhead") is not None]
+    if overheads:
+        cpu = [f"{n} {100 * r[n]['overhead_cpu_time']:+.1f}%" for n in engines if "overhead_cpu_time" in r[n]]
+        lines.append(f"framework overhead vs the bare loop: {', '.join(overheads)}"
+                     + (f" (in process CPU time: {', '.join(cpu)})" if cpu else ""))
+    for name, why in r.get("skipped", {}).items():
+        lines.append(f"{name:9s} not measured: {why}")
     return lines
+
+
+def _plans(cfg, engines: Optional[str]) -> tuple[dict, dict]:
+    """(engine -> RunPlan for this launch, engine -> why it was skipped). An engine named in
+    ``--engines`` that refuses the config fails the command by name; one only there by default is
+    skipped with its reason (a pp=2 config is still benchmarked on DeepSpeed)."""
+    from ..config import ConfigError
+    from ..run_plan import RunPlan
+
+    explicit = engines is not None
+    names = [n.strip() for n in (engines or ",".join(ENGINES)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ConfigError(f"--engines {engines!r}: name each of {', '.join(ENGINES)} at most once, comma-separated "
+                          f"(e.g. --engines deepspeed,torch)")
+    plans, skipped = {}, {}
+    for name in names:
+        try:
+            plans[name] = RunPlan.for_launch(_engine_cfg(cfg, name))
+        except ConfigError as exc:  # LayoutError is one: the engine's refusal, by name
+            if explicit:
+                raise
+            skipped[name] = str(exc)
+    if not plans:
+        raise ConfigError("no engine can run this config: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    return plans, skipped
 
 
 def run(args) -> int:
@@ -259,7 +347,6 @@ def run(args) -> int:
     from ..engine import prepare_runtime_env
     from ..outputs import claim_output
     from ..parallel import setup_distributed
-    from ..run_plan import RunPlan
 
     if args.steps < 1 or args.warmup_steps < 0 or (args.rounds is not None and args.rounds < 1) or (
             args.threads is not None and args.threads < 1):
@@ -270,7 +357,11 @@ def run(args) -> int:
         claim_output([args.json], overwrite=args.overwrite, what="benchmark output")
     prepare_runtime_env()
     cfg = load_config(args.config, args.overrides)
-    topo = setup_distributed(RunPlan.for_launch(cfg))  # topo.plan: what measure() reads
+    plans, skipped = _plans(cfg, args.engines)  # every engine's refusal before anything is built
+    # One process group serves every engine (setup_distributed starts it once); each engine gets the
+    # Topology of its own plan (megatron's groups for DeepSpeed under TP, a DeviceMesh for torch).
+    topos = {name: setup_distributed(plan) for name, plan in plans.items()}
+    topo = next(iter(topos.values()))
     cfg = prepare_data(cfg, is_main=topo.is_main)
     rounds = args.rounds or (1 if topo.device.type == "cuda" else 4)
     rounds = min(rounds, args.steps)
@@ -279,11 +370,13 @@ def run(args) -> int:
     def save_partial(partial: dict) -> None:
         if topo.is_main and args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(args.json, json.dumps(partial, indent=2) + "\n")
+            atomic_write_text(args.json, json.dumps(dict(partial, skipped=skipped), indent=2) + "\n")
 
     result = measure(cfg, topo, steps=args.steps, warmup=args.warmup_steps, rounds=rounds, bare=not args.no_bare,
-                     on_partial=save_partial)
-    result["command"] = {"config": args.config, "overrides": list(args.overrides), "steps": args.steps}
+                     on_partial=save_partial, topos=topos)
+    result["skipped"] = skipped
+    result["command"] = {"config": args.config, "overrides": list(args.overrides), "steps": args.steps,
+                         "engines": list(plans)}
     if topo.is_main:
         print("\n".join(report_lines(result)))
         if args.json is not None:

@@ -42,10 +42,16 @@ def add_arguments(p):
 def _rank_key(est, budget):
     lay = est.layout
     # Fitting first; then least model parallelism (cheapest communication), least ZeRO (0 and 1
-    # move the same bytes, so they tie and the smaller memory wins), the biggest micro batch
-    # (best kernel efficiency), and least memory.
-    return (est.total > budget, lay.tp * lay.pp, max(lay.zero, 1), -lay.micro_batch, lay.sequence_parallel,
-            est.total)
+    # move the same bytes, so they tie and the smaller memory wins) or, under FSDP2, the smallest
+    # shard degree (more replication: fewer all-gathers), the biggest micro batch (best kernel
+    # efficiency), and least memory.
+    sharding = lay.dp_shard if lay.engine == "torch" else max(lay.zero, 1)
+    return (est.total > budget, lay.tp * lay.pp, sharding, -lay.micro_batch, lay.sequence_parallel, est.total)
+
+
+def _sharding(lay) -> str:
+    """The ZeRO column: the stage, or under FSDP2 the HSDP degrees (replicate x shard)."""
+    return f"{lay.dp_replicate}x{lay.dp_shard}" if lay.engine == "torch" else str(lay.zero)
 
 
 def run(args) -> int:
@@ -61,6 +67,8 @@ def run(args) -> int:
         raise ConfigError(f"--gpus {args.gpus}: the number of GPUs to plan for must be >= 1")
     budget = gpu_mem * HEADROOM
     seq = cfg.data.seq_len
+    torch_engine = cfg.train.engine == "torch"
+    zname, zw = ("FSDP", 5) if torch_engine else ("ZeRO", 4)
     layouts = feasible_layouts(cfg, args.gpus, precision=args.precision)
     estimates = sorted((estimate(cfg.model, seq, lay, args.precision) for lay in layouts),
                        key=lambda e: _rank_key(e, budget))
@@ -69,7 +77,8 @@ def run(args) -> int:
     ref_layout = (fitting or estimates)[0].layout if estimates else None
     saving = fixed_code_saving(cfg.model, ref_layout, args.precision) if ref_layout else None
     if args.json:
-        print(json.dumps({"config": args.config, "gpus": args.gpus, "gpu_mem_bytes": gpu_mem,
+        print(json.dumps({"config": args.config, "engine": cfg.train.engine, "gpus": args.gpus,
+                          "gpu_mem_bytes": gpu_mem,
                           "budget_bytes": budget, "precision": args.precision,
                           "params_total": counts.total, "input": cfg.model.input,
                           "layouts": [dict(e.as_dict(), fits=e.total <= budget) for e in estimates],
@@ -79,17 +88,21 @@ def run(args) -> int:
     print(f"{args.config}: {counts.total / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
           f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
+    if torch_engine:
+        print("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
+              "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads; "
+              "no pipeline parallelism yet, so pp = 1 only")
     print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= {HEADROOM:.0%} of that "
           f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage"
           + (" (grads = 16-bit gradients + the fp32 accumulators the trainer uses):" if args.precision != "fp32"
-             else ":"))
-    print(f"  {'TP':>3} {'PP':>3} {'DP':>4} {'ZeRO':>4} {'mb':>3} {'SP':>3} {'partition':>10} | {'params':>8} "
+             and not torch_engine else ":"))
+    print(f"  {'TP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | {'params':>8} "
           f"{'grads':>8} {'optim':>8} {'activ':>8} | {'total':>8}  fits")
     shown = estimates if args.all else fitting
     for e in shown[:args.top]:
         lay = e.layout
         partition = lay.partition if lay.pp > 1 else "-"
-        print(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.zero:>4} {lay.micro_batch:>3} "
+        print(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
               f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
               f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} | {e.total / GiB:8.2f}  "
               f"{'yes' if e.total <= budget else 'no'}")
@@ -101,7 +114,8 @@ def run(args) -> int:
         lay = ref_layout
         verb = "would save" if interface_of(m).has_table else "saves"
         print(f"fixed codes vs a learned {m.vocab_size} x {m.d_model} table {verb}, per GPU of the first "
-              f"stage (TP {lay.tp}, DP {lay.dp}, ZeRO {lay.zero}): {saving['params'] / 1e6:.1f}M params = "
+              f"stage (TP {lay.tp}, DP {lay.dp}, {zname} {_sharding(lay)}): "
+              f"{saving['params'] / 1e6:.1f}M params = "
               f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "
               f"{saving['optimizer_bytes'] / GiB:.3f} GiB optimizer state = {saving['total_bytes'] / GiB:.3f} GiB")
     return 0 if fitting else 1

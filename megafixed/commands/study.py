@@ -54,6 +54,8 @@ def run(args) -> int:
     if args.eval_limit < 0:
         raise ConfigError(f"--eval-limit {args.eval_limit} must be >= 0 (0 = every item)")
     configs = [run_config(args.config, args.overrides, r) for r in runs]  # every config is valid before we start
+    if not args.submit:  # (`megafixed submit` plans each of its jobs itself)
+        _check_plans(configs, gpu=True if args.dry_run else None)
     _claim_study_dir(out, args, grid)
     if not args.dry_run and not args.submit:
         from ..plotting import INSTALL, have_matplotlib
@@ -81,6 +83,18 @@ def run(args) -> int:
     report = write_report(out, results, command or f"megafixed study {args.config}")
     print(f"report: {report}")
     return exit_codes.OK
+
+
+def _check_plans(configs, gpu) -> None:
+    """Every run's plan for this launch (its layout, and what its engine -- ``train.engine`` -- refuses by
+    name, e.g. parallel.pp=2 with train.engine=torch) before the first run trains; a dry run plans for
+    GPUs, as ``train --dry-run`` does."""
+    from ..parallel.topology import launch_world
+    from ..run_plan import RunPlan
+
+    world = launch_world()[0]
+    for cfg in configs:
+        RunPlan.build(cfg, world, gpu=gpu)
 
 
 def _submit(args, runs, configs) -> int:

@@ -1,10 +1,10 @@
-"""``megafixed train CONFIG [overrides]``: train or resume a run with DeepSpeed.
+"""``megafixed train CONFIG [overrides]``: train or resume a run (DeepSpeed, or ``train.engine=torch``).
 
 Works as a plain process (one rank), under ``torchrun --nproc-per-node N`` or the ``deepspeed``
 launcher. Running the same command again resumes from ``<run_dir>/checkpoints/latest``.
 ``--dry-run`` validates everything (layout included, for ``--world-size`` ranks) and prints the
-resolved config and the DeepSpeed JSON without starting anything -- on a CPU login node it plans
-the GPU run (bf16, NCCL).
+resolved config and the engine's config (DeepSpeed's JSON, or the torch engine's record) without
+starting anything -- on a CPU login node it plans the GPU run (bf16, NCCL).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def add_arguments(p):
     p.add_argument("config", metavar="CONFIG", help="a YAML run config (examples/configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.max_steps=100")
     p.add_argument("--dry-run", action="store_true",
-                   help="validate config, data paths and layout; print the resolved config and DeepSpeed JSON")
+                   help="validate config, data paths and layout; print the resolved config and the engine's config")
     p.add_argument("--world-size", type=int, default=None,
                    help="with --dry-run: the number of ranks to plan for (default: this launch's)")
     p.add_argument("--target", choices=["gpu", "cpu"], default="gpu",
@@ -101,6 +101,7 @@ def dry_run(args) -> int:
     from ..engine import engine_config
     from ..parallel.topology import launch_world
     from ..run_plan import RunPlan
+    from ..train.run_dir import ENGINE_CONFIGS
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or launch_world()[0]
@@ -111,13 +112,20 @@ def dry_run(args) -> int:
         # Planning a cluster run on a laptop or login node: the shards live where the run will start.
         print(f"warning: {exc} (a dry run plans anyway; the shards must exist where the run starts)",
               file=sys.stderr)
-    ds = engine_config(cfg, plan)
+    record = engine_config(cfg, plan)
     print("# resolved config")
     print(yaml.safe_dump(resolve_code(cfg).to_dict(), sort_keys=False).rstrip())
-    print("# deepspeed config (written to <run_dir>/ds_config.json by a real run)")
-    print(json.dumps(ds, indent=2))
+    name = "deepspeed" if plan.engine == "deepspeed" else f"{plan.engine} engine"
+    print(f"# {name} config (written to <run_dir>/{ENGINE_CONFIGS[plan.engine]} by a real run)")
+    print(json.dumps(record, indent=2))
+    if plan.engine == "torch":
+        d = record["data_parallel"]
+        sharding = (f"engine torch, {d['mode']} (dp_replicate {d['replicate_degree']} x dp_shard "
+                    f"{d['shard_degree']})")
+    else:
+        sharding = f"zero {plan.zero_stage}"
     print(f"# plan: {plan.describe()}; {plan.precision} on {args.target}, backend {plan.backend}; "
-          f"zero {plan.zero_stage}. Nothing was started.")
+          f"{sharding}. Nothing was started.")
     return exit_codes.OK
 
 

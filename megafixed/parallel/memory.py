@@ -10,6 +10,16 @@ fp32           4       4      8 (Adam m and v; the params are the master)
 =============  ======  =====  ==========================================
 
 ZeRO-1 divides the optimizer state by DP, ZeRO-2 also the gradients, ZeRO-3 also the parameters.
+
+``train.engine=torch`` (FSDP2) shards all three over the DP shard degree (``dp / dp_replicate``;
+HSDP replicates across ``dp_replicate`` groups), as ZeRO-3, but keeps different bytes: the sharded
+parameters are the fp32 masters (4), gradients are reduce-scattered in fp32 (4), Adam m and v (8) --
+16 per parameter in bf16 and fp32 alike, against DeepSpeed bf16's 20. On top, the unsharded working
+copies in the compute dtype: two blocks' (the one computing and the one prefetched) plus the
+input's and the head's (gathered from forward to backward) with ``torch_engine.reshard_after_forward=
+true``, the whole stage's with false; and, with gradient accumulation, the unsharded fp32
+gradients FSDP2 accumulates between reductions (it reduce-scatters on the last micro batch only).
+
 TP divides every sharded matrix by ``tp`` (norms stay replicated); PP keeps one stage's layers,
 split by DeepSpeed's own partitioner (``parallel.pp_partition``).
 
@@ -45,6 +55,15 @@ class Layout:
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     partition: str = "parameters"  # parallel.pp_partition (only matters with pp > 1)
+    engine: str = "deepspeed"  # train.engine; "torch": FSDP2 over dp / dp_replicate (``zero`` unused)
+    dp_replicate: int = 1  # torch_engine.dp_replicate (HSDP's replicate degree)
+    accum: int = 1  # micro batches per step (FSDP2 accumulates unsharded gradients between reductions)
+    reshard_after_forward: bool = True  # torch_engine.reshard_after_forward
+
+    @property
+    def dp_shard(self) -> int:
+        """The degree the model states are sharded over (FSDP2's shard dim; ZeRO's dp)."""
+        return self.dp // self.dp_replicate if self.engine == "torch" else self.dp
 
 
 @dataclass
@@ -182,6 +201,10 @@ def model_state_bytes(n_params: int, layout: Layout, precision: str = "bf16") ->
     sets, as Megatron's main_grad): a 16-bit gradient per micro batch plus the fp32 accumulator,
     6 bytes per parameter.
     """
+    if layout.engine == "torch":  # FSDP2: fp32 masters, fp32 gradients and Adam state, all sharded
+        shard = layout.dp_shard
+        accumulated = n_params * 4 if layout.accum > 1 and shard > 1 else 0  # unsharded fp32 grads
+        return n_params * 4 / shard, n_params * 4 / shard + accumulated, n_params * 8 / shard
     if precision == "fp32":
         pb, gb, ob = 4, 4, 8
     else:
@@ -214,6 +237,16 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         if i == 0:
             act += in_flight * stored_input  # input codes / embedding output
         p, g, o = model_state_bytes(n_params, layout, precision)
+        if layout.engine == "torch" and (layout.dp_shard > 1 or precision != "fp32"):
+            # FSDP2's unsharded working parameters in the compute dtype (all-gathered or cast): the
+            # block computing plus the one prefetched, and the root's and the head's groups, which
+            # stay gathered from forward to backward (native/build.py); or every group
+            per_layer = layer_params(m, t)
+            edges = per_layer[0] + per_layer[-1]  # the input (table) and the head: root and head groups
+            # (one DP rank has no FSDP2: autocast's 16-bit copies of every weight live until backward)
+            everything = not layout.reshard_after_forward or layout.dp == 1
+            working = n_params if everything else min(n_params, 2 * per_layer[1] + edges)
+            p += working * e
         est = Estimate(layout, p, g, o, act, n_params)
         if best is None or est.total > best.total:
             best = est
@@ -229,19 +262,25 @@ def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = No
     from .layout import LayoutError
 
     out = []
+    torch_engine = getattr(cfg.train, "engine", "deepspeed") == "torch"
     tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
     for tp in tps:
-        for pp in range(1, gpus // tp + 1):
+        for pp in range(1, (1 if torch_engine else gpus // tp) + 1):  # the torch engine has no PP (yet)
             if gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
-            for zero in (0, 1, 2, 3):
+            # DeepSpeed: each ZeRO stage; torch: each HSDP replicate degree (1 = FSDP over all DP, dp = replicate)
+            for zero in ([r for r in range(1, dp + 1) if dp % r == 0] if torch_engine else (0, 1, 2, 3)):
                 for micro in (1, 2, 4, 8, 16, 32):
                     if micro * dp > cfg.train.global_batch:
                         continue
                     for sp in ((False, True) if tp > 1 else (False,)):
                         c = copy.deepcopy(cfg)
-                        c.parallel.tp, c.parallel.pp, c.zero.stage = tp, pp, zero
+                        c.parallel.tp, c.parallel.pp = tp, pp
+                        if torch_engine:
+                            c.torch_engine.dp_replicate = zero
+                        else:
+                            c.zero.stage = zero
                         c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
                         c.train.precision = precision or c.train.precision
                         c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend
@@ -252,8 +291,14 @@ def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = No
                         # Both balancing rules under PP: with fixed codes, balancing parameters
                         # moves blocks onto stage 0, which holds the most in-flight micro batches.
                         for part in (("parameters", "type:Block") if pp > 1 else ("parameters",)):
-                            out.append(Layout(tp, pp, dp, zero, micro, sp, cfg.train.activation_checkpointing,
-                                              part))
+                            if torch_engine:  # "zero" shows the ZeRO stage FSDP2's sharding equals
+                                accum = cfg.train.global_batch // (micro * dp)
+                                out.append(Layout(tp, pp, dp, 3 if dp // zero > 1 else 0, micro, sp,
+                                                  cfg.train.activation_checkpointing, part, "torch", zero, accum,
+                                                  cfg.torch_engine.reshard_after_forward))
+                            else:
+                                out.append(Layout(tp, pp, dp, zero, micro, sp, cfg.train.activation_checkpointing,
+                                                  part))
     return out
 
 

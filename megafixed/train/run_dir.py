@@ -1,7 +1,8 @@
 """``RunDirectory``: the one object that knows how a run directory is laid out.
 
     <run_dir>/config.yaml            the resolved config of the latest (re)start
-    <run_dir>/ds_config.json         the DeepSpeed JSON it ran with
+    <run_dir>/ds_config.json         the DeepSpeed JSON it ran with (train.engine=deepspeed)
+    <run_dir>/torch_engine.json      the torch-native engine's record: mesh, FSDP2, precision (train.engine=torch)
     <run_dir>/metrics.jsonl          one JSON object per logged step
     <run_dir>/tensorboard/           TensorBoard events (``train.tensorboard=true``)
     <run_dir>/.megafixed.lock        the writer's lock while a trainer runs (``run_lock.py``)
@@ -9,8 +10,8 @@
     <run_dir>/checkpoints/<tag>/     DeepSpeed's files, ``run.json`` and ``manifest.json``
 
 Every name above is spelled here and nowhere else in ``megafixed.train``, ``megafixed.parallel``
-and ``megafixed.engine``. ``ds_config.json`` is the engine's own config record
-(``engine_config_file``; the DeepSpeed engine's JSON). It imports nothing heavy (no torch), so
+and ``megafixed.engine``. ``ds_config.json`` / ``torch_engine.json`` is the engine's own config
+record (``engine_config_file(engine)``). It imports nothing heavy (no torch), so
 the CLI's cheap checks (``submit``, ``ckpt``) can use it, and it imports nothing of
 ``megafixed.train`` back (``lock`` imports ``run_lock`` when called).
 """
@@ -28,6 +29,8 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 CONFIG = "config.yaml"
 DS_CONFIG = "ds_config.json"
+TORCH_ENGINE_CONFIG = "torch_engine.json"
+ENGINE_CONFIGS = {"deepspeed": DS_CONFIG, "torch": TORCH_ENGINE_CONFIG}  # train.engine -> its record's file
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 LOCK = ".megafixed.lock"
@@ -73,10 +76,9 @@ class RunDirectory:
     def ds_config_file(self) -> Path:
         return self.path / DS_CONFIG
 
-    @property
-    def engine_config_file(self) -> Path:
-        """Where the engine's own config record goes (``Engine.config_record``)."""
-        return self.ds_config_file
+    def engine_config_file(self, engine: str) -> Path:
+        """Where the config record of ``engine`` (``Engine.name``; ``Engine.config_record``) goes."""
+        return self.path / ENGINE_CONFIGS[engine]
 
     @property
     def metrics_file(self) -> Path:
