@@ -94,25 +94,15 @@ def accelerator_name() -> str:
 
 
 def _native_checkpoint():
-    """The torch engine's checkpoint module, or None while it is not part of this tree yet.
+    """The torch engine's checkpoint module (imported only when a reader asks: it imports DCP)."""
+    from .native import checkpoint
 
-    TEMPORARY (issue 21): ``native/checkpoint.py`` is written by the checkpoint half of the issue;
-    until it lands no torch-engine checkpoint can exist, so the DeepSpeed readers must keep working."""
-    import importlib
-
-    name = f"{__name__}.native.checkpoint"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return None
+    return checkpoint
 
 
 def is_native_checkpoint(tag_dir: Path) -> bool:
     """A checkpoint tag written by the torch engine (DCP), not by DeepSpeed."""
-    native = _native_checkpoint()
-    return native is not None and native.is_native_checkpoint(Path(tag_dir))
+    return _native_checkpoint().is_native_checkpoint(Path(tag_dir))
 
 
 def read_state_dict(tag_dir: Path, *, verify: bool = True) -> dict:
@@ -133,8 +123,7 @@ def is_model_file(name: str) -> bool:
     """A checkpoint file that holds weights (what a weights-only reader verifies), of either engine."""
     from .deepspeed.convert import MODEL_FILE_RE
 
-    native = _native_checkpoint()
-    return bool(MODEL_FILE_RE.match(name)) or (native is not None and native.is_model_file(name))
+    return bool(MODEL_FILE_RE.match(name)) or _native_checkpoint().is_model_file(name)
 
 
 def weights_in_every_rank_file(tag_dir: Path) -> bool:

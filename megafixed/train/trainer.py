@@ -166,4 +166,16 @@ def _start_line(cfg, plan) -> str:
     b = plan.batch
     return (f"training {cfg.model.input} interface: {cfg.train.max_steps} steps, global batch {b.global_batch} "
             f"= micro {b.micro_batch} x accum {b.accum} x dp {plan.dp}, tp {plan.tp}, pp {plan.pp}, "
-            f"{plan.precision}, zero {plan.zero_stage}, run dir {Path(cfg.train.run_dir)}")
+            f"{plan.precision}, {_engine_words(plan)}, run dir {Path(cfg.train.run_dir)}")
+
+
+def _engine_words(plan) -> str:
+    """``zero 1`` (DeepSpeed) or ``torch engine, FSDP2 dp 2`` / ``HSDP 2x2``: what shards the state."""
+    if plan.engine == "deepspeed":
+        return f"zero {plan.zero_stage}"
+    replicate = getattr(plan, "dp_replicate", 1)
+    if plan.dp == 1:
+        return "torch engine"
+    if replicate == 1:
+        return f"torch engine, FSDP2 over dp {plan.dp}"
+    return f"torch engine, HSDP {replicate} x {plan.dp // replicate}"

@@ -80,13 +80,6 @@ class NativeEngine:
 
     def config_record(self) -> Optional[dict]:
         """The engine's own record (mesh, FSDP, mixed precision, compile, AC): ``native/config.py``."""
-        import importlib
+        from .config import engine_config
 
-        name = f"{__package__}.config"
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # TEMPORARY (issue 21): until native/config.py lands
-            if exc.name != name:
-                raise
-            return None
-        return module.engine_config(self.cfg, self.plan)
+        return engine_config(self.cfg, self.plan)
