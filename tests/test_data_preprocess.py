@@ -192,7 +192,9 @@ def test_ctrl_c_leaves_no_complete_looking_pair(data, tmp_path):
 
     root, jsonl, tok = data
     big = tmp_path / "big.jsonl"
-    big.write_bytes(open(jsonl, "rb").read() * 150)  # long enough to be interrupted mid-way
+    # long enough to be interrupted mid-way even when a loaded machine starves this poll loop (at 150 copies a
+    # fresh-clone suite once saw the run finish, exit 0, between the loop's last look and the signal)
+    big.write_bytes(open(jsonl, "rb").read() * 600)
     out = tmp_path / "out"
     out.mkdir()
     tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "preprocess_data.py")
