@@ -192,9 +192,7 @@ def test_ctrl_c_leaves_no_complete_looking_pair(data, tmp_path):
 
     root, jsonl, tok = data
     big = tmp_path / "big.jsonl"
-    # long enough to be interrupted mid-way even when a loaded machine starves this poll loop (at 150 copies a
-    # fresh-clone suite once saw the run finish, exit 0, between the loop's last look and the signal)
-    big.write_bytes(open(jsonl, "rb").read() * 600)
+    big.write_bytes(open(jsonl, "rb").read() * 150)  # long enough to be interrupted mid-way
     out = tmp_path / "out"
     out.mkdir()
     tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "preprocess_data.py")
@@ -202,7 +200,11 @@ def test_ctrl_c_leaves_no_complete_looking_pair(data, tmp_path):
                              str(out / "x"), "--workers", "2", "--shard-size-mb", "0.2", "--no-progress",
                              # the reference backend: gigatoken finishes this input before the signal lands
                              "--backend", "reference"],
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            # A suite started as a background job (`pytest ... &` from a script) inherits SIGINT
+                            # ignored, as POSIX shells set it for asynchronous commands, and so would this child,
+                            # which would then rightly run to the end. Ctrl-C at a terminal meets the default.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not any(".partial-" in f for f in os.listdir(out)) or len(os.listdir(out)) < 4:
         assert proc.poll() is None, proc.communicate()  # must still be running when we interrupt it
