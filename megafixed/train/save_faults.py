@@ -162,11 +162,13 @@ def named(exc: BaseException, ckpt_dir: Path, tag: str, is_main: bool, handed_by
 
 
 def tensor_bytes(obj) -> int:
-    """Bytes of the tensors in a (nested) state dict: what ``torch.save`` of it writes, about."""
+    """Bytes of the tensors in a (nested) state dict: what ``torch.save`` of it writes, about. A
+    DTensor (the torch engine's shards) counts this rank's local part, which is what this rank writes."""
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        t = getattr(obj, "_local_tensor", obj)
+        return t.numel() * t.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

@@ -194,18 +194,6 @@ def _load_error(exc: BaseException, tag_dir: Path) -> CheckpointError:
                            f"train.run_dir. torch.distributed.checkpoint said: {_one_line(cause)}")
 
 
-def local_bytes(obj) -> int:
-    """Bytes of this rank's part of the tensors in a nested state dict (a DTensor counts its shard)."""
-    if isinstance(obj, torch.Tensor):
-        t = getattr(obj, "_local_tensor", obj)
-        return t.numel() * t.element_size()
-    if isinstance(obj, dict):
-        return sum(local_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(local_bytes(v) for v in obj)
-    return 0
-
-
 # ----------------------------------------------------------------------------------- the format
 def is_native_checkpoint(tag_dir) -> bool:
     """Written by the torch-native engine (a DCP checkpoint: its ``.metadata`` index)."""
@@ -279,7 +267,9 @@ class DcpCheckpoint:
         tag_dir = Path(tag_dir)
         rank = dist.get_rank() if dist.is_initialized() else 0
         state = self.state_dict()
-        self.handed_bytes = local_bytes(state)
+        from ...train.save_faults import tensor_bytes
+
+        self.handed_bytes = tensor_bytes(state)
         tag_dir.mkdir(parents=True, exist_ok=True)
         own: dict = {}
         if rank == 0:
