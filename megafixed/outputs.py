@@ -21,8 +21,8 @@ import os
 import shutil
 from typing import Iterable, Iterator, Optional
 
-from .train.run_dir import CHECKPOINTS, CONFIG, LATEST, METRICS
-from .train.run_dir import TAG_RE as STEP_TAG
+from .run.run_dir import CHECKPOINTS, CONFIG, LATEST, METRICS
+from .run.run_dir import TAG_RE as STEP_TAG
 
 
 class OutputError(ValueError):

@@ -119,7 +119,7 @@ def rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def train(model, cfg, tp_context, clip: float = 1.0):
     from megafixed.config import OptimizerConfig
-    from megafixed.train.optim import build_optimizer
+    from megafixed.run.optim import build_optimizer
 
     # eps=1e-6, not 1e-8: Adam's first steps move each weight by ~lr*g/(|g|+eps), so with a tiny eps
     # an element whose gradient is ~0 turns fp32 summation-order noise (1e-9) into a visible

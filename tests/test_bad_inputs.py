@@ -127,7 +127,7 @@ def _build(ws: Path) -> None:
     torch.save({"module": sd, "config": cfg.to_dict()}, ck / "step_00000001" / "mp_rank_00_model_states.pt")
     (ck / "latest").write_text("step_00000001\n")
     (ws / "run" / "config.yaml").write_text("{}\n")
-    from megafixed.train import manifest  # written as a current megafixed writes it: readers verify it
+    from megafixed.run import manifest  # written as a current megafixed writes it: readers verify it
 
     tag1 = ck / "step_00000001"
     manifest.write(tag1, {"format": manifest.FORMAT, "step": 1},

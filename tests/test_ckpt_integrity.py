@@ -145,7 +145,7 @@ def test_a_damaged_file_is_named_by_inspect_and_on_resume(runs, tmp_path, capsys
         victim.unlink()
     assert main(["ckpt", "inspect", str(run_dir)]) == 1
     assert f"{victim}" in capsys.readouterr().out
-    from megafixed.train import manifest
+    from megafixed.run import manifest
     from megafixed.train.checkpoint import CheckpointError
     why = {"truncate": "truncated", "flip": "corrupt", "delete": "missing"}[damage]
     with pytest.raises(CheckpointError, match=rf"{victim.name}.*{why}.*latest at an earlier tag"):
@@ -158,7 +158,7 @@ def killed_mid_save(shards, tmp_path_factory):
     where one after the other would leave one idle): start the run with its step-4 save stalled after
     its first file, SIGKILL it once that file exists, note what is on disk, then run the same
     command again to resume. {mode: what the test asserts}."""
-    from megafixed.train import manifest
+    from megafixed.run import manifest
 
     root = tmp_path_factory.mktemp("killed")
     env = {**launch_free_env(), "MEGAFIXED_TEST_SLOW_SAVE": TAG4}  # the step-4 save stalls after its first file
@@ -213,6 +213,6 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint_latest_and_loadable(kill
     assert r["tag2_step"] == 2, r["tag2_step"]
     # the same command resumed from step 2 and logged what the uninterrupted run logged
     assert r["resume_code"] == 0, r["resume_output"]
-    from megafixed.train import manifest
+    from megafixed.run import manifest
     assert _losses(run_dir)[-2:] == _losses(runs / "sync")[-2:]
     assert (ckpt / "latest").read_text().strip() == TAG4 and manifest.verify(ckpt / TAG4)["step"] == 4

@@ -31,7 +31,7 @@ class FileEngine:
             raise self.fail_with
         path = tag_dir / "weights.pt"
         torch.save({"w": self.module.weight.detach(), "client": client_state}, path)
-        from megafixed.train.manifest import sha256_file
+        from megafixed.run.manifest import sha256_file
 
         on_written({str(path): {"size": path.stat().st_size, "sha256": sha256_file(path)}})
 
@@ -58,8 +58,8 @@ def _checkpointer(tmp_path, *overrides):
 
 
 def test_the_commit_protocol_runs_for_any_engine(tmp_path):
-    from megafixed.train import manifest
-    from megafixed.train.run_dir import RunDirectory
+    from megafixed.run import manifest
+    from megafixed.run.run_dir import RunDirectory
 
     ckpt, engine = _checkpointer(tmp_path), FileEngine()
     state = lambda: {"schedule": {}, "config": {}}  # noqa: E731
@@ -86,7 +86,7 @@ def test_the_commit_protocol_runs_for_any_engine(tmp_path):
 
 
 def test_a_failed_engine_save_leaves_latest_on_the_previous_checkpoint(tmp_path):
-    from megafixed.train.run_dir import RunDirectory
+    from megafixed.run.run_dir import RunDirectory
 
     ckpt = _checkpointer(tmp_path)
     state = lambda: {"schedule": {}, "config": {}}  # noqa: E731

@@ -172,7 +172,7 @@ def test_a_genuinely_old_checkpoint_is_read_with_one_warning(ws, tmp_path, capsy
 
 
 def test_an_import_from_before_imports_wrote_manifests_is_read_with_a_warning(tmp_path):
-    from megafixed.train import manifest
+    from megafixed.run import manifest
     from megafixed.train.checkpoint import CheckpointError
 
     tag = tmp_path / "imported"
@@ -232,12 +232,12 @@ def test_resume_loads_the_tag_it_was_given_not_a_moved_latest(ws, tmp_path):
 
 
 def _lock(path, **kw):
-    from megafixed.train.run_dir import RunDirectory
+    from megafixed.run.run_dir import RunDirectory
     return RunDirectory(path).lock(**kw)
 
 
 def test_run_lock_refuses_a_second_holder_naming_it_and_releases_only_its_own(tmp_path):
-    from megafixed.train.run_lock import RunDirectoryBusy
+    from megafixed.run.run_lock import RunDirectoryBusy
 
     with _lock(tmp_path) as first:
         assert json.loads((tmp_path / ".megafixed.lock").read_text())["pid"] == os.getpid()
@@ -254,7 +254,7 @@ def test_run_lock_refuses_a_second_holder_naming_it_and_releases_only_its_own(tm
 
 
 def test_run_lock_is_stale_once_its_holder_is_gone(tmp_path):
-    from megafixed.train.run_lock import RunDirectoryBusy
+    from megafixed.run.run_lock import RunDirectoryBusy
 
     lock = tmp_path / ".megafixed.lock"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -277,7 +277,7 @@ def test_run_lock_is_stale_once_its_holder_is_gone(tmp_path):
 
 
 def test_under_slurm_a_lock_of_an_earlier_incarnation_or_an_ended_job_is_stale_at_once(tmp_path, monkeypatch):
-    from megafixed.train.run_lock import RunDirectoryBusy
+    from megafixed.run.run_lock import RunDirectoryBusy
 
     lock = tmp_path / "run" / ".megafixed.lock"
     lock.parent.mkdir()
@@ -378,7 +378,7 @@ def small_tmpfs(ws, tmp_path):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_full_disk_during_a_save_is_named_and_keeps_the_previous_checkpoint(ws, small_tmpfs, mode):
-    from megafixed.train import manifest
+    from megafixed.run import manifest
     from megafixed.train.evaluate import trained_state_dict
 
     run = small_tmpfs / "run"
@@ -399,7 +399,7 @@ def test_a_full_disk_during_a_save_is_named_and_keeps_the_previous_checkpoint(ws
 def test_a_torch_zip_writer_error_is_mapped_to_the_filesystem_cause(tmp_path, monkeypatch):
     import errno
 
-    from megafixed.train import save_faults
+    from megafixed.run import save_faults
 
     ro = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     ro.__context__ = OSError(errno.ENOSPC, "No space left on device")

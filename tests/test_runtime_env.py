@@ -86,7 +86,7 @@ def test_deepspeeds_muon_checks_get_the_answers_they_would_without_importing_muo
         assert hasattr(sys.modules[module], name), (module, name)
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
-    from megafixed.train.optim import SkippableAdamW
+    from megafixed.run.optim import SkippableAdamW
 
     ours = SkippableAdamW([torch.nn.Parameter(torch.ones(2, 2))], lr=1e-3)
     assert not isinstance(ours, MuonWithAuxAdam)  # what the real class answers for our optimizer

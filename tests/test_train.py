@@ -50,7 +50,7 @@ def test_schedules_by_hand():
 
 def test_weight_decay_groups():
     from megafixed.model import GPT
-    from megafixed.train.optim import param_groups
+    from megafixed.run.optim import param_groups
 
     cfg = load_config(None, ["model.input=learned", "model.bias=true", "model.n_layers=1", "model.d_model=64",
                              "model.n_heads=4", "model.vocab_size=128"])
@@ -173,8 +173,8 @@ def _engine(cfg, module):
     from megafixed.engine.deepspeed.ops import prepare_ops
     from megafixed.parallel import setup_distributed
     from megafixed.parallel.layout import batch_layout
+    from megafixed.run.optim import build_optimizer
     from megafixed.run_plan import RunPlan
-    from megafixed.train.optim import build_optimizer
 
     topo = setup_distributed(RunPlan.for_launch(cfg))
     layout = batch_layout(cfg.train, topo.dp)

@@ -24,7 +24,7 @@ class BareLoopState:
 
     def __init__(self, cfg, topo, precision: str):
         from ..parallel import build_model
-        from ..train.optim import build_optimizer
+        from ..run.optim import build_optimizer
 
         self.device = topo.device
         self.precision, self.cfg = precision, cfg

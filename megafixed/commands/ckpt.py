@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..train.save_faults import human_size
+from ..run.save_faults import human_size
 
 HELP = "inspect a checkpoint: layout, step, tokens, input code, parameters, file sizes, manifest check"
 
@@ -25,8 +25,8 @@ def add_arguments(p):
 
 def resolve(path: str) -> Path:
     """The tag directory ``path`` names (a run dir or checkpoints dir means its ``latest``)."""
+    from ..run.run_dir import LATEST, RUN_RECORD, RunDirectory
     from ..train.checkpoint import CheckpointError, read_latest
-    from ..train.run_dir import LATEST, RUN_RECORD, RunDirectory
 
     root = Path(path)
     if not root.is_dir():
@@ -46,7 +46,7 @@ def inspect(tag_dir: Path) -> dict:
     from ..config import config_from_dict
     from ..model.interfaces import interface_of
     from ..model.params import count_params
-    from ..train import manifest
+    from ..run import manifest
     from ..train.checkpoint import CheckpointError, tag_step
     from ..train.resume import read_run_record
 

@@ -62,7 +62,7 @@ def run(args) -> int:
         print(f"{tag_dir} (TP {src[0]}, PP {src[1]}) -> plain state dict {args.out} ({len(sd)} tensors)")
         return 0
     check_target_layout(sd, args.tp, args.pp, recorded_model_config(tag_dir))
-    from ..train.manifest import derived
+    from ..run.manifest import derived
     from ..train.resume import read_run_record
 
     precision = ((read_run_record(tag_dir) or {}).get("layout") or {}).get("precision")

@@ -83,9 +83,9 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
     from ..data.tokenizers import load_tokenizer
     from ..model.generate import SamplingConfig, complete
     from ..parallel import setup_distributed
+    from ..run.run_dir import RunDirectory
     from ..run_plan import RunPlan
     from ..train.evaluate import evaluate_loss, load_trained_model
-    from ..train.run_dir import RunDirectory
     from ..train.trainer import train
 
     t_start = t_start or time.perf_counter()

@@ -17,7 +17,7 @@ import sys
 from .. import exit_codes
 from ..config import load_config
 from ..plural import count
-from ..train.run_dir import RunDirectory
+from ..run.run_dir import RunDirectory
 
 HELP = "submit a (multi-node) Slurm training job: sbatch script, pre-timeout checkpoint, requeue"
 

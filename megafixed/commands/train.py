@@ -83,7 +83,7 @@ def _train(args) -> int:
             raise
         raise lost from exc
     if topo.is_main:
-        from ..train.run_dir import RunDirectory
+        from ..run.run_dir import RunDirectory
 
         rd = RunDirectory(result.run_dir)
         ckpt = os.path.join(rd.checkpoints, result.checkpoint or "")
@@ -100,8 +100,8 @@ def dry_run(args) -> int:
     from ..config import resolve_code
     from ..engine import engine_config
     from ..parallel.topology import launch_world
+    from ..run.run_dir import ENGINE_CONFIGS
     from ..run_plan import RunPlan
-    from ..train.run_dir import ENGINE_CONFIGS
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or launch_world()[0]

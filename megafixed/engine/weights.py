@@ -49,7 +49,7 @@ def gather_state_dict(ckpt, tag: str | None = None, verify: bool = True) -> dict
 
 
 def _recorded_layout(tag_dir: Path) -> dict:
-    from ..train.run_record import read_run_record
+    from ..run.run_record import read_run_record
 
     return (read_run_record(tag_dir) or {}).get("layout") or {}
 
@@ -66,7 +66,7 @@ def detect_layout(tag_dir: Path) -> tuple[int, int]:
 def recorded_model_config(tag_dir: Path) -> dict | None:
     """The ``model`` section the checkpoint's run was trained with, if recorded."""
     if _native(tag_dir):
-        from ..train.run_record import read_run_record
+        from ..run.run_record import read_run_record
 
         cfg = (read_run_record(Path(tag_dir)) or {}).get("config") or {}
         return cfg.get("model")

@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
+from ..run.run_dir import CHECKPOINTS, LATEST, RUN_RECORD, RunDirectory
 from ..train.checkpoint import CheckpointError
-from ..train.run_dir import CHECKPOINTS, LATEST, RUN_RECORD, RunDirectory
 
 
 @dataclass

@@ -475,8 +475,8 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Callab
     from ..config import Config, save_config
     from ..engine.weights import write_checkpoint
     from ..outputs import claim_output, writing
-    from ..train.manifest import describe
-    from ..train.run_dir import RunDirectory
+    from ..run.manifest import describe
+    from ..run.run_dir import RunDirectory
 
     src = Path(hf_dir)
     cfg_path = src / "config.json"

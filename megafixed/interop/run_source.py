@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..run.run_dir import CHECKPOINTS, RunDirectory
 from ..train.checkpoint import CheckpointError, tag_step
-from ..train.run_dir import CHECKPOINTS, RunDirectory
 
 
 @dataclass

@@ -94,7 +94,7 @@ def lost_peer_error(exc: BaseException, run_dir: str, collective_timeout_s: floa
         return None
     size, rank, peers = dist.get_world_size(), dist.get_rank(), rendezvous.peers()
     alive, store_error = roll_call()
-    from ..train.run_dir import RunDirectory
+    from ..run.run_dir import RunDirectory
 
     rd = RunDirectory(run_dir)
     try:

@@ -51,8 +51,8 @@ def check_run_dir_takes(cfg, plan) -> Optional[str]:
     """Run the trainer's resume check now: raise its ``ResumeError`` if the run directory's latest
     checkpoint does not fit ``cfg`` on ``plan``'s layout (a ``RunPlan``: it has the sizes a
     Topology's resume check reads). Returns the tag checked (None: a new run)."""
+    from ..run.run_dir import RunDirectory
     from ..train.resume import check_resume, read_run_record
-    from ..train.run_dir import RunDirectory
 
     rd = RunDirectory(cfg.train.run_dir)
     tag = rd.read_latest()

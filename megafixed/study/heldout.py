@@ -19,8 +19,8 @@ def heldout_metrics(cfg, run_dir, max_windows: int = 256, batch: int = 8) -> dic
     from ..data.gpt_dataset import build_datasets
     from ..data.tokenizers import load_tokenizer
     from ..model.heldout import score_heldout
+    from ..run.run_dir import RunDirectory
     from ..train.evaluate import load_trained_model
-    from ..train.run_dir import RunDirectory
 
     run_cfg = load_config(str(RunDirectory(run_dir).config_file))  # resolved paths, as the run trained
     model, _ = load_trained_model(run_cfg, run_dir)

@@ -103,8 +103,8 @@ def probe_model(model, windows: torch.Tensor, layers=None) -> tuple[list, list, 
 def probe_run(run_dir, layers=None, tokens: int = 4096, split: str = "valid") -> ProbeResult:
     from ..config import load_config
     from ..data.gpt_dataset import build_datasets
+    from ..run.run_dir import RunDirectory
     from ..train.evaluate import load_trained_model
-    from ..train.run_dir import RunDirectory
 
     cfg = load_config(str(RunDirectory(run_dir).config_file))
     model, _ = load_trained_model(cfg, run_dir)

@@ -8,8 +8,8 @@ from typing import Callable, Optional
 
 from ..atomic import atomic_write_text
 from ..config import load_config
+from ..run.run_dir import RunDirectory
 from ..train.checkpoint import CheckpointError, tag_step
-from ..train.run_dir import RunDirectory
 from .plan import StudyRun
 
 EVAL_FILE = "study_eval.json"

@@ -4,10 +4,10 @@
   save, stop, each component deciding when it acts.
 * ``checkpoint.Checkpointer`` -- the engine-agnostic commit protocol (markers, sizes, run record,
   manifest, atomic ``latest``, rotation, RNG), the resume point and its cadence; ``resume`` (the
-  config check), ``run_record``, ``manifest``, ``run_dir.RunDirectory`` (every file name).
+  config check). The files it writes (``run_dir``, ``run_record``, ``manifest``) are ``megafixed.run``'s.
 * ``validation.Validator``, ``step_log.StepLog`` (metrics records, progress lines), ``stop``.
 * ``evaluate.evaluate_loss / load_trained_model`` -- reusable evaluation.
-* ``schedule.LRSchedule``, ``optim.build_optimizer``, ``metrics``.
+* ``schedule.LRSchedule``, ``metrics``; the optimizer is ``megafixed.run.optim``.
 
 The engine itself (DeepSpeed today) is ``megafixed.engine``; nothing here imports DeepSpeed.
 Nothing is imported here so that ``import megafixed.train.schedule`` stays light.

@@ -31,7 +31,7 @@ def _read_only(paths) -> None:
 
 
 def main(argv=None) -> None:
-    from . import manifest
+    from ..run import manifest
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=1024, help="total megabytes to write and verify")

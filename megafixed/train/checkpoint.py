@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_write_text
-from . import manifest
+from ..run import manifest
+from ..run.run_dir import LATEST, TAG_RE, CheckpointError, RunDirectory, read_latest, tag_for, tag_step  # noqa: F401
+from ..run.run_record import read_run_record, run_record, write_run_record
 from .resume import check_resume, layout_changes
-from .run_dir import LATEST, TAG_RE, CheckpointError, RunDirectory, read_latest, tag_for, tag_step  # noqa: F401
-from .run_record import read_run_record, run_record, write_run_record
 
 
 def write_latest(ckpt_dir: str | os.PathLike, tag: str) -> None:
@@ -237,7 +237,7 @@ class Checkpointer:
 
         def failed(exc: BaseException, asynchronous: bool = False) -> BaseException:
             # full disk / quota / permissions named; the partial tag removed; `latest` untouched
-            from .save_faults import named
+            from ..run.save_faults import named
             return named(exc, self.ckpt_dir, tag, is_main, engine.saved_bytes, asynchronous)
 
         def on_written(records: dict) -> None:

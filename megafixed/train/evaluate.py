@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .run_dir import CheckpointError, RunDirectory, read_latest
+from ..run.run_dir import CheckpointError, RunDirectory, read_latest
 
 
 @dataclass
@@ -58,7 +58,7 @@ def trained_state_dict(ckpt_dir: str | os.PathLike, tag: str) -> dict:
     The engine's reader gathers it (``megafixed.engine.read_state_dict``: TP/PP shards, ZeRO 0-3).
     """
     from ..engine import is_model_file, weights_in_every_rank_file
-    from .manifest import verify_for_reading
+    from ..run.manifest import verify_for_reading
 
     tag_dir = Path(ckpt_dir) / tag
     if not tag_dir.is_dir():
@@ -69,7 +69,7 @@ def trained_state_dict(ckpt_dir: str | os.PathLike, tag: str) -> dict:
                        warn=unverified.append)
     state = _read_state_dict(tag_dir)
     if unverified:
-        from .manifest import warn
+        from ..run.manifest import warn
         warn(unverified[0])
     return state
 
@@ -92,7 +92,7 @@ def load_trained_model(cfg, run_dir: str | os.PathLike, tag: Optional[str] = Non
     checked against the config on load (a mismatch raises naming the code fields).
     """
     from ..model import GPT
-    from .run_record import read_run_record
+    from ..run.run_record import read_run_record
 
     ckpt_dir = RunDirectory(run_dir).checkpoints
     tag = tag or read_latest(ckpt_dir)

@@ -10,8 +10,8 @@ the data position start from zero.
 from __future__ import annotations
 
 from ..config import ConfigError
+from ..run.run_dir import RunDirectory
 from .config_diff import config_diff, resolved
-from .run_dir import RunDirectory
 
 # Model fields that may differ between the source and the new run: they change no parameter.
 FREE_MODEL_KEYS = ("dropout", "init_std", "max_seq_len", "fused_first_layer")

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..atomic import atomic_write_text
-from .run_dir import RunDirectory
+from ..run.run_dir import RunDirectory
 
 
 def peak_flops_per_gpu() -> Optional[float]:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config_diff import DERIVED_KEYS, config_diff, resolved_cfg
-from .run_dir import RunDirectory
-from .run_record import (  # noqa: F401
+from ..run.run_dir import RunDirectory
+from ..run.run_record import (  # noqa: F401
     RUN_RECORD,
     ResumeError,
     plan_engine,
@@ -24,6 +23,7 @@ from .run_record import (  # noqa: F401
     run_record,
     write_run_record,
 )
+from .config_diff import DERIVED_KEYS, config_diff, resolved_cfg
 
 # Keys whose change makes the checkpoint's weights mean something else. Everything else is safe.
 FROZEN_PREFIXES = ("model.",)

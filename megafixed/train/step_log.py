@@ -7,8 +7,8 @@ import contextlib
 import time
 from typing import Optional
 
+from ..run.run_dir import RunDirectory
 from .metrics import MetricsLog, flops_per_token, matmul_param_count, peak_flops_per_gpu, progress_line
-from .run_dir import RunDirectory
 
 
 class StepLog:

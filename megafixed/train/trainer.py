@@ -26,10 +26,10 @@ import torch
 from ..atomic import atomic_write_text
 from ..config import Config, save_config
 from ..engine import build_engine
+from ..run.run_dir import RunDirectory, tag_step
+from ..run.run_lock import hold_run_dir
 from ..threads import apply_thread_policy
 from .checkpoint import Checkpointer
-from .run_dir import RunDirectory, tag_step
-from .run_lock import hold_run_dir
 from .schedule import LRSchedule
 from .step_log import StepLog
 from .stop import StopRequest

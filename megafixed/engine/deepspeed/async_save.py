@@ -147,7 +147,7 @@ class CheckpointWriter(TorchCheckpointEngine):
 
     # ---- DeepSpeed's CheckpointEngine interface
     def save(self, state_dict, path: str):
-        from ...train.save_faults import tensor_bytes
+        from ...run.save_faults import tensor_bytes
 
         self.handed_bytes += tensor_bytes(state_dict)
         if self.async_save:

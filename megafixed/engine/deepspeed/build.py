@@ -1,7 +1,7 @@
 """The model, its optimizer and the DeepSpeed engine around them, for one rank of a layout."""
 from __future__ import annotations
 
-from ...train.optim import build_optimizer
+from ...run.optim import build_optimizer
 from ..dtypes import COMPUTE_DTYPES, restore_exact_buffers
 
 

@@ -34,7 +34,7 @@ import torch
 from ...atomic import atomic_write_text
 from ...parallel.pipeline import gpt_key_to_pipe, pipe_key_to_gpt
 from ...parallel.tensor import sharded_dim
-from ...train.run_dir import LATEST
+from ...run.run_dir import LATEST
 from ..base import ConvertError  # noqa: F401  -- engine-agnostic: every engine's reader raises it
 
 _LAYER_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
@@ -186,11 +186,11 @@ def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None, verify: b
     tag_dir = resolve_tag_dir(ckpt, tag)
     unverified: list = []  # a pre-manifest checkpoint's warning, said once it has been read
     if verify:
-        from ...train.manifest import verify_for_reading
+        from ...run.manifest import verify_for_reading
         verify_for_reading(tag_dir, only=lambda name: bool(MODEL_FILE_RE.match(name)), warn=unverified.append)
     sd = _gather(tag_dir)
     if unverified:
-        from ...train.manifest import warn
+        from ...run.manifest import warn
         warn(unverified[0])
     return sd
 
@@ -270,8 +270,8 @@ def write_checkpoint(sd: dict, out: str | os.PathLike, tp: int, pp: int, tag: st
     and, given ``run_record``, a ``run.json``, so every reader verifies it. The tag is written under
     a temporary name and renamed into place, so files of an earlier conversion to another layout (an
     extra ``mp_rank_03``) never mix with the new ones, and a crash never leaves a half tag."""
-    from ...train import manifest
-    from ...train.run_record import write_run_record
+    from ...run import manifest
+    from ...run.run_record import write_run_record
 
     check_target_layout(sd, tp, pp)
     files = shard_state_dict(sd, tp, pp)

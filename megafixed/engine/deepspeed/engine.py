@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ...train.run_dir import CheckpointError
+from ...run.run_dir import CheckpointError
 from ..base import StepResult
 from . import step as ds_step
 
@@ -140,7 +140,7 @@ def load_files(ds_engine, tag_dir: Path, load_dir: Path, load_tag: str) -> dict:
 
 
 def _load_error(exc: BaseException, tag_dir: Path) -> CheckpointError:
-    from ...train.run_dir import LATEST, RunDirectory
+    from ...run.run_dir import LATEST, RunDirectory
 
     msg = str(exc)
     ckpt_dir = tag_dir.parent

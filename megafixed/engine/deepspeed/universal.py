@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ...train.run_dir import CheckpointError
+from ...run.run_dir import CheckpointError
 
 UNIVERSAL_DIR = "universal"  # inside the tag directory it was converted from
 DONE = ".complete"
@@ -125,7 +125,7 @@ def to_universal(tag_dir: Path, model_cfg, out: Optional[Path] = None, log=print
     from deepspeed.checkpoint import constants as C
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    from ...train.manifest import verify_for_reading
+    from ...run.manifest import verify_for_reading
 
     tag_dir, out = Path(tag_dir), Path(out) if out else universal_dir(tag_dir)
     if verify:

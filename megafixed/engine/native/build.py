@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ...train.optim import build_optimizer
+from ...run.optim import build_optimizer
 from ..dtypes import COMPUTE_DTYPES
 from .materialize import materialize
 

@@ -16,7 +16,7 @@ and DCP reshards on read (DCP's ``DefaultLoadPlanner``), so a checkpoint written
 FSDP or TP degree loads with its optimizer state; no conversion step (DeepSpeed's engine needs its
 universal checkpoint for that).
 
-Why the sizes and checksums come from our ``FileSystem``: the manifest (``train/manifest.py``)
+Why the sizes and checksums come from our ``FileSystem``: the manifest (``run/manifest.py``)
 records each file's sha256 computed from the bytes as they were written (no second read), which
 is what the DeepSpeed engine's ``CheckpointWriter`` does for its files. DCP writes every file
 through its ``FileSystem.create_stream``, sequentially (``tell``-based offsets, no seeks), so a
@@ -45,7 +45,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ...train.checkpoint_error import CheckpointError
+from ...run.checkpoint_error import CheckpointError
 
 CLIENT_STATE = "client_state.pt"
 METADATA = ".metadata"  # DCP's index file (torch.distributed.checkpoint.filesystem._metadata_fn)
@@ -151,7 +151,7 @@ def dcp_errors() -> tuple:
 
 def root_cause(exc: BaseException) -> BaseException:
     """DCP gathers every rank's exception into a ``CheckpointException`` (rank -> (exception,
-    traceback)) without chaining them. The cause the fault namer (``train/save_faults.py``) must see
+    traceback)) without chaining them. The cause the fault namer (``run/save_faults.py``) must see
     is a filesystem error (a full disk's ``OSError``) wherever a rank hit one -- the other ranks may
     only see torch's zip writer fail -- else this rank's own, else the first."""
     failures = getattr(exc, "failures", None)
@@ -182,7 +182,7 @@ def _one_line(msg: str, keep: int = 2) -> str:
 
 
 def _load_error(exc: BaseException, tag_dir: Path) -> CheckpointError:
-    from ...train.run_dir import LATEST, RunDirectory
+    from ...run.run_dir import LATEST, RunDirectory
 
     cause = root_cause(exc)
     ckpt_dir = tag_dir.parent
@@ -267,7 +267,7 @@ class DcpCheckpoint:
         tag_dir = Path(tag_dir)
         rank = dist.get_rank() if dist.is_initialized() else 0
         state = self.state_dict()
-        from ...train.save_faults import tensor_bytes
+        from ...run.save_faults import tensor_bytes
 
         self.handed_bytes = tensor_bytes(state)
         tag_dir.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
 
     tag_dir = Path(tag_dir)
     if verify:
-        from ...train.manifest import verify_for_reading
+        from ...run.manifest import verify_for_reading
 
         verify_for_reading(tag_dir)
     reader, _ = _metadata(tag_dir)
