@@ -105,9 +105,9 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
     ``world`` is this launch's ``megafixed.launch.world.LaunchWorld`` (default: detected). A
     single process without a launcher still gets a 1-rank process group, because DeepSpeed's
     engine needs one. Rank/world detection, its consistency checks and the rendezvous live in
-    ``megafixed.launch.world``. The groups: megatron-core's ``parallel_state`` under TP/PP for the
-    DeepSpeed engine; for ``plan.engine == "torch"`` one ``DeviceMesh`` (``topo.mesh``, no megatron
-    import) whose TP and DP groups the Topology carries.
+    ``megafixed.launch.world``. The groups are the plan's engine's (``EngineKind.setup_groups``):
+    megatron-core's ``parallel_state`` under TP/PP for the DeepSpeed engine; the torch engine's one
+    ``DeviceMesh`` (``topo.mesh``, no megatron import) whose TP and DP groups the Topology carries.
     """
     import torch.distributed as dist
 
@@ -137,19 +137,9 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
         rendezvous.init_process_group(lw, plan.backend, plan.collective_timeout_s)
         launch.check_agreement(lw)  # same job, same master, every node of the step in this one world
     at = plan.dims.coords(rank)
-    groups = {}
-    if getattr(plan, "engine", "deepspeed") == "torch":
-        groups = _mesh_groups(plan)
-    elif tp > 1 or pp > 1:
-        # megatron-core's layers find their TP group through parallel_state, so its groups are the
-        # ones we keep. Its default order (tp-cp-ep-dp-pp) is the plan's grid order.
-        from megatron.core import parallel_state as ps
+    from ..engines import kind_of
 
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                         create_gloo_process_groups=False)
-        groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
-                      model_parallel_group=ps.get_model_parallel_group())
+    groups = kind_of(plan).call("setup_groups", plan)  # the engine's own: megatron-core's, or a DeviceMesh
     topo = Topology(world_size=plan.world_size, rank=rank, local_rank=local_rank, tp=tp, pp=pp, dp=dp,
                     sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], pp_rank=at["pp"],
                     dp_rank=at["dp"], device=device, backend=plan.backend, plan=plan, **groups)
@@ -158,16 +148,6 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
         raise LayoutError(f"megatron-core's parallel_state was initialised with another layout than "
                           f"parallel.tp={tp}, parallel.pp={pp}; call setup_distributed once per process")
     return topo
-
-
-def _mesh_groups(plan: _RunPlan) -> dict:
-    """The torch engine's process groups: one DeviceMesh in the plan's rank order, and its groups
-    (no megatron-core on this path: the torch engine is a torch-only stack)."""
-    from ..engine.native.mesh import build_mesh, dp_submesh
-
-    mesh = build_mesh(plan, plan.dp_replicate)
-    tp_group = mesh["tp"].get_group()
-    return dict(mesh=mesh, tp_group=tp_group, dp_group=dp_submesh(mesh).get_group(), model_parallel_group=tp_group)
 
 
 class TopologyMPU:

@@ -106,9 +106,7 @@ def layout_changes(record: dict, plan) -> list[str]:
     now = current_layout(plan)
     names = {"tp": "parallel.tp", "pp": "parallel.pp", "zero_stage": "zero.stage", "precision": "train.precision",
              "dp": "the data-parallel size (world size / (tp*pp))"}
-    if now["engine"] == "torch":
-        keys = ["tp", "pp", "dp", "precision"]
-    else:
-        partitioned = max(plan.zero_stage, lay.get("zero_stage", 0)) >= 1
-        keys = ["tp", "pp", "zero_stage", "precision"] + (["dp"] if partitioned else [])
+    from ..engines import engine_kind
+
+    keys = engine_kind(now["engine"]).hook("describe").layout_change_keys(plan, lay)
     return [f"{names[k]} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]

@@ -170,12 +170,8 @@ def _start_line(cfg, plan) -> str:
 
 
 def _engine_words(plan) -> str:
-    """``zero 1`` (DeepSpeed) or ``torch engine, FSDP2 dp 2`` / ``HSDP 2x2``: what shards the state."""
-    if plan.engine == "deepspeed":
-        return f"zero {plan.zero_stage}"
-    replicate = getattr(plan, "dp_replicate", 1)
-    if plan.dp == 1:
-        return "torch engine"
-    if replicate == 1:
-        return f"torch engine, FSDP2 over dp {plan.dp}"
-    return f"torch engine, HSDP {replicate} x {plan.dp // replicate}"
+    """``zero 1`` (DeepSpeed) or ``torch engine, FSDP2 dp 2`` / ``HSDP 2x2``: what shards the state,
+    in the plan's engine's own words."""
+    from ..engines import kind_of
+
+    return kind_of(plan).hook("describe").start_words(plan)
