@@ -109,4 +109,4 @@ def layout_changes(record: dict, plan) -> list[str]:
     from ..engines import engine_kind
 
     keys = engine_kind(now["engine"]).hook("describe").layout_change_keys(plan, lay)
-    return [f"{names[k]} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
+    return [f"{names.get(k, k)} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
