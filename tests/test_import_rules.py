@@ -170,3 +170,63 @@ def test_the_torch_engine_imports_neither_deepspeed_nor_megatron():
     offenders = [f"{MODULES[m][0].relative_to(ROOT)}:{line} imports {name}" for m in native
                  for name, line in _imports(m, function_level=True) if _is_deepspeed_or_megatron(name)]
     assert not offenders, "the torch engine imports DeepSpeed/megatron:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------ (c) no engine's name outside it
+ENGINE_NAMES = ("deepspeed", "torch")  # the built-in engines' train.engine values
+REGISTRY = PACKAGE / "engines.py"
+ENGINE_PACKAGES = (ENGINE / "deepspeed", ENGINE / "native")
+# Still comparing names, to move behind their engine's record (``EngineKind.planner``): the
+# planner's ZeRO/FSDP2 arithmetic and its table. Listed so the rule holds everywhere else meanwhile.
+NOT_YET_MOVED = {PACKAGE / "parallel" / "memory.py", PACKAGE / "commands" / "plan.py"}
+
+
+def _engine_name_tests(tree: ast.AST) -> list[int]:
+    """Lines that compare an engine field (anything spelt ``...engine...``) with an engine's name."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        def is_name(o) -> bool:  # "torch", or a tuple/list/set of names
+            items = o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o]
+            return any(isinstance(c, ast.Constant) and c.value in ENGINE_NAMES for c in items)
+
+        names = [o for o in operands if is_name(o)]
+        fields = [o for o in operands if not is_name(o) and "engine" in ast.unparse(o).lower()]
+        if names and fields:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_engine_name_is_tested_outside_its_package_and_the_registry():
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for m, (path, _) in MODULES.items()
+                 if path != REGISTRY and path not in NOT_YET_MOVED
+                 and not any(path.is_relative_to(p) for p in ENGINE_PACKAGES)
+                 for line in _engine_name_tests(_tree(m))]
+    assert not offenders, ("an engine's name is compared outside its package (ask megafixed.engines: "
+                           "kind_of(plan), its hooks):\n" + "\n".join(offenders))
+
+
+def test_the_engine_name_scan_finds_a_name_test():
+    # the rule above must be able to fail
+    assert _engine_name_tests(ast.parse('if plan.engine == "torch":\n    pass')) == [1]
+    assert _engine_name_tests(ast.parse('x = getattr(p, "engine", "deepspeed") != "torch"')) == [1]
+    assert _engine_name_tests(ast.parse('if dtype == "torch": pass')) == []
+    assert _engine_name_tests(_tree("megafixed.parallel.memory"))  # a module still on the list
+
+
+# ------------------------------------------------------------------ (d) kernels/ (megafixed.kernels)
+KERNELS = ROOT / "kernels"
+
+
+def test_kernels_import_neither_deepspeed_nor_megatron():
+    offenders = []
+    for path in sorted(KERNELS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[0] in ("deepspeed", "megatron")]
+    assert any(KERNELS.rglob("*.py")), "the scan sees kernels/"
+    assert not offenders, "kernels/ imports an engine library:\n" + "\n".join(offenders)
