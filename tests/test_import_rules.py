@@ -176,9 +176,6 @@ def test_the_torch_engine_imports_neither_deepspeed_nor_megatron():
 ENGINE_NAMES = ("deepspeed", "torch")  # the built-in engines' train.engine values
 REGISTRY = PACKAGE / "engines.py"
 ENGINE_PACKAGES = (ENGINE / "deepspeed", ENGINE / "native")
-# Still comparing names, to move behind their engine's record (``EngineKind.planner``): the
-# planner's ZeRO/FSDP2 arithmetic and its table. Listed so the rule holds everywhere else meanwhile.
-NOT_YET_MOVED = {PACKAGE / "parallel" / "memory.py", PACKAGE / "commands" / "plan.py"}
 
 
 def _engine_name_tests(tree: ast.AST) -> list[int]:
@@ -201,7 +198,7 @@ def _engine_name_tests(tree: ast.AST) -> list[int]:
 
 def test_no_engine_name_is_tested_outside_its_package_and_the_registry():
     offenders = [f"{path.relative_to(ROOT)}:{line}" for m, (path, _) in MODULES.items()
-                 if path != REGISTRY and path not in NOT_YET_MOVED
+                 if path != REGISTRY
                  and not any(path.is_relative_to(p) for p in ENGINE_PACKAGES)
                  for line in _engine_name_tests(_tree(m))]
     assert not offenders, ("an engine's name is compared outside its package (ask megafixed.engines: "
@@ -213,7 +210,8 @@ def test_the_engine_name_scan_finds_a_name_test():
     assert _engine_name_tests(ast.parse('if plan.engine == "torch":\n    pass')) == [1]
     assert _engine_name_tests(ast.parse('x = getattr(p, "engine", "deepspeed") != "torch"')) == [1]
     assert _engine_name_tests(ast.parse('if dtype == "torch": pass')) == []
-    assert _engine_name_tests(_tree("megafixed.parallel.memory"))  # a module still on the list
+    assert _engine_name_tests(ast.parse('s = lay.dp_shard if lay.engine == "torch" else max(lay.zero, 1)')) == [1]
+    assert _engine_name_tests(ast.parse('if cfg.train.engine in ("deepspeed", "x"): pass')) == [1]
 
 
 # ------------------------------------------------------------------ (d) kernels/ (megafixed.kernels)

@@ -45,13 +45,13 @@ def _rank_key(est, budget):
     # move the same bytes, so they tie and the smaller memory wins) or, under FSDP2, the smallest
     # shard degree (more replication: fewer all-gathers), the biggest micro batch (best kernel
     # efficiency), and least memory.
-    sharding = lay.dp_shard if lay.engine == "torch" else max(lay.zero, 1)
+    sharding = lay.planner.rank_sharding(lay)
     return (est.total > budget, lay.tp * lay.pp, sharding, -lay.micro_batch, lay.sequence_parallel, est.total)
 
 
 def _sharding(lay) -> str:
-    """The ZeRO column: the stage, or under FSDP2 the HSDP degrees (replicate x shard)."""
-    return f"{lay.dp_replicate}x{lay.dp_shard}" if lay.engine == "torch" else str(lay.zero)
+    """The ZeRO column: the stage, or under FSDP2 the HSDP degrees (replicate x shard): its engine's words."""
+    return lay.planner.sharding_text(lay)
 
 
 def run(args) -> int:
@@ -67,8 +67,10 @@ def run(args) -> int:
         raise ConfigError(f"--gpus {args.gpus}: the number of GPUs to plan for must be >= 1")
     budget = gpu_mem * HEADROOM
     seq = cfg.data.seq_len
-    torch_engine = cfg.train.engine == "torch"
-    zname, zw = ("FSDP", 5) if torch_engine else ("ZeRO", 4)
+    from ..engines import engine_kind
+
+    planner = engine_kind(cfg.train.engine).hook("planner")  # the engine's sharding arithmetic and column
+    zname, zw = planner.COLUMN
     layouts = feasible_layouts(cfg, args.gpus, precision=args.precision)
     estimates = sorted((estimate(cfg.model, seq, lay, args.precision) for lay in layouts),
                        key=lambda e: _rank_key(e, budget))
@@ -88,14 +90,11 @@ def run(args) -> int:
     print(f"{args.config}: {counts.total / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
           f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
-    if torch_engine:
-        print("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
-              "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads; "
-              "no pipeline parallelism yet, so pp = 1 only")
+    if planner.intro(args.precision):
+        print(planner.intro(args.precision))
     print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= {HEADROOM:.0%} of that "
           f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage"
-          + (" (grads = 16-bit gradients + the fp32 accumulators the trainer uses):" if args.precision != "fp32"
-             and not torch_engine else ":"))
+          + planner.grads_note(args.precision) + ":")
     print(f"  {'TP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | {'params':>8} "
           f"{'grads':>8} {'optim':>8} {'activ':>8} | {'total':>8}  fits")
     shown = estimates if args.all else fitting
