@@ -70,13 +70,6 @@ class Topology:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    @property
-    def mpu(self):
-        """The model-parallel unit for ``deepspeed.initialize(mpu=...)``: needed under TP so that
-        ZeRO partitions over the DP group and the gradient norm counts each parameter once. With a
-        pipeline, DeepSpeed insists on None and builds its grid from the same numbers."""
-        return TopologyMPU(self) if self.tp > 1 and self.pp == 1 else None
-
 
 def launch_world() -> tuple[int, int, int]:
     """(world size, rank, local rank) from torchrun, the deepspeed launcher or a plain srun task
@@ -148,64 +141,3 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
         raise LayoutError(f"megatron-core's parallel_state was initialised with another layout than "
                           f"parallel.tp={tp}, parallel.pp={pp}; call setup_distributed once per process")
     return topo
-
-
-class TopologyMPU:
-    """The model-parallel unit DeepSpeed 0.19 queries, answered from the Topology.
-
-    megatron-core 0.16 no longer has ``get_model_parallel_rank/world_size`` (DeepSpeed still calls
-    them for checkpoint file names and the gradient-norm reduction), so this adapter spells out
-    exactly the calls DeepSpeed makes. "Model parallel" means TP x PP (one model replica).
-    """
-
-    def __init__(self, topo: Topology):
-        self.topo = topo
-
-    # tensor parallel
-    def get_tensor_model_parallel_rank(self) -> int:
-        return self.topo.tp_rank
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return self.topo.tp
-
-    def get_tensor_model_parallel_group(self):
-        return self.topo.tp_group
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.topo.rank - self.topo.tp_rank
-
-    # pipeline parallel
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return self.topo.pp_rank
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return self.topo.pp
-
-    def get_pipeline_model_parallel_group(self):
-        from megatron.core import parallel_state as ps
-        return ps.get_pipeline_model_parallel_group()
-
-    # model parallel = one replica (TP x PP)
-    def get_model_parallel_group(self):
-        return self.topo.model_parallel_group
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.topo.tp * self.topo.pp
-
-    def get_model_parallel_rank(self) -> int:
-        return self.topo.pp_rank * self.topo.tp + self.topo.tp_rank
-
-    # data parallel
-    def get_data_parallel_group(self):
-        return self.topo.dp_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.topo.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.topo.dp
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        import torch.distributed as dist
-        return dist.get_process_group_ranks(self.topo.dp_group)
-

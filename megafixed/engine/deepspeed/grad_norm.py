@@ -18,7 +18,7 @@ def is_tp_sharded(p: torch.Tensor) -> bool:
 
 
 def global_grad_norm(parameters, mpu=None) -> float:
-    """L2 norm of the whole model's gradient; ``mpu`` is ``topo.mpu`` or DeepSpeed's pipeline grid."""
+    """L2 norm of the whole model's gradient; ``mpu`` is ``topology_mpu(topo)`` or DeepSpeed's pipeline grid."""
     from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
     tp_rank = bwc_tensor_model_parallel_rank(mpu)

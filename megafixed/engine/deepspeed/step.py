@@ -46,7 +46,7 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
 
     ``grad_sync`` (plain engine, sequence parallelism, ZeRO 0/1) sums the sequence-parallel
     gradients over TP once, after the last micro batch's backward, and then lets DeepSpeed do
-    its data-parallel reduction (``megafixed.parallel.grads``).
+    its data-parallel reduction (``megafixed.engine.deepspeed.grads``).
     """
     engine.train()
     if is_pipeline_engine(engine):
