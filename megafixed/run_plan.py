@@ -135,9 +135,7 @@ class RunPlan:
                    collective_timeout_s=cfg.parallel.collective_timeout_s,
                    planned_from=_planned_values(cfg, COMMON_PLANNED_KEYS + planned_keys()),
                    engine_plan=kind.call("make_plan", cfg))
-        from .engine import check_supported  # light: the engine's own refusals, by name
-
-        check_supported(cfg, plan)
+        kind.call("check_supported", cfg, plan)  # the engine's own refusals, by name
         return plan
 
     def check_made_from(self, cfg: Config) -> None:

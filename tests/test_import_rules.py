@@ -243,3 +243,33 @@ def test_kernels_import_neither_deepspeed_nor_megatron():
                           if n.split(".")[0] in ("deepspeed", "megatron")]
     assert any(KERNELS.rglob("*.py")), "the scan sees kernels/"
     assert not offenders, "kernels/ imports an engine library:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------ (a) packages depend one way
+def _unit(module: str) -> str:
+    """A module's layer: its subpackage of megafixed (``megafixed.engine.native.build`` -> engine), or
+    the top-level module itself (``megafixed.run_plan`` -> run_plan; ``megafixed.engines`` -> engines)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _two_way_pairs(graph: dict[str, set[str]]) -> list[str]:
+    edges: dict[tuple, tuple] = {}
+    for m, targets in graph.items():
+        for t in targets:
+            if _unit(m) != _unit(t):
+                edges.setdefault((_unit(m), _unit(t)), (m, t))
+    return [f"{a} <-> {b} ({' imports '.join(edges[a, b])}; {' imports '.join(edges[b, a])})"
+            for a, b in sorted(edges) if a < b and (b, a) in edges]
+
+
+def test_no_two_packages_import_each_other_counting_function_level_imports():
+    pairs = _two_way_pairs(_graph(function_level=True))
+    assert not pairs, "packages importing each other (make one sit beneath the other):\n" + "\n".join(pairs)
+
+
+def test_the_package_rule_finds_a_two_way_pair():
+    graph = {"megafixed.config": {"megafixed.model.gpt"}, "megafixed.model.gpt": {"megafixed.config"},
+             "megafixed.engine.build": {"megafixed.parallel.layout"}, "megafixed.parallel.layout": set()}
+    assert _two_way_pairs(graph) == [
+        "config <-> model (megafixed.config imports megafixed.model.gpt; megafixed.model.gpt imports megafixed.config)"]

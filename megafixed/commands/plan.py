@@ -59,7 +59,7 @@ def run(args) -> int:
 
     prepare_runtime_env()  # DeepSpeed's partitioner is imported below: quiet, CPU-safe
     from ..model.interfaces import interface_of
-    from ..parallel.memory import GiB, estimate, feasible_layouts, fixed_code_saving, tp_param_counts
+    from ..parallel.memory import GiB, estimate, fixed_code_saving, tp_param_counts
 
     cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
     gpu_mem = parse_bytes(args.gpu_mem)
@@ -118,3 +118,50 @@ def run(args) -> int:
               f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "
               f"{saving['optimizer_bytes'] / GiB:.3f} GiB optimizer state = {saving['total_bytes'] / GiB:.3f} GiB")
     return 0 if fitting else 1
+
+
+def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list:
+    """Every (tp, pp, dp, zero, micro, sp) whose run plan builds, for ``gpus`` GPUs in ``precision``
+    (None: the config's ``train.precision``, resolved for a GPU). Here, above the run plan, rather
+    than in ``parallel.memory`` (which the run plan's layer sits on)."""
+    from ..engines import engine_kind
+
+    planner = engine_kind(getattr(cfg.train, "engine", None)).hook("planner")
+    out = []
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
+    for tp in tps:
+        for pp in planner.pp_degrees(gpus, tp):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            for option in planner.sharding_options(dp):  # ZeRO stages; HSDP replicate degrees
+                for micro in (1, 2, 4, 8, 16, 32):
+                    if micro * dp > cfg.train.global_batch:
+                        continue
+                    for sp in ((False, True) if tp > 1 else (False,)):
+                        if _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision):
+                            # Both balancing rules under PP: with fixed codes, balancing parameters
+                            # moves blocks onto stage 0, which holds the most in-flight micro batches.
+                            for part in (("parameters", "type:Block") if pp > 1 else ("parameters",)):
+                                out.append(planner.make_layout(cfg, tp, pp, dp, option, micro, sp, part))
+    return out
+
+
+def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision) -> bool:
+    """Whether the run plan of this variant of ``cfg`` builds (its layout rules and engine's refusals)."""
+    import copy
+
+    from ..parallel.layout import LayoutError
+    from ..run_plan import RunPlan
+
+    c = copy.deepcopy(cfg)
+    c.parallel.tp, c.parallel.pp = tp, pp
+    planner.set_sharding(c, option)
+    c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
+    c.train.precision = precision or c.train.precision
+    c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend
+    try:
+        RunPlan.build(c, gpus, gpu=True)
+    except LayoutError:
+        return False
+    return True

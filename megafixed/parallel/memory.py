@@ -131,7 +131,10 @@ def layer_params(m, tp: int = 1) -> list[int]:
 def stage_bounds(m, layout: Layout, partition: str = "parameters") -> list[int]:
     """Layer boundaries of the pipeline stages, computed by DeepSpeed's own partitioner with the
     same weights ``PipelineModule`` uses (so the plan matches the real split)."""
-    from ..engine import stage_bounds as engine_stage_bounds
+    from ..engines import engine_kind
+
+    def engine_stage_bounds(weights, parts, method):  # the layout's engine's partitioner (DeepSpeed's)
+        return engine_kind(layout.engine).call("stage_bounds", weights, parts, method)
 
     n_items = m.n_layers + 2
     if layout.pp == 1:
@@ -233,52 +236,6 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         if best is None or est.total > best.total:
             best = est
     return best
-
-
-def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list[Layout]:
-    """Every (tp, pp, dp, zero, micro, sp) whose run plan builds, for ``gpus`` GPUs in ``precision``
-    (None: the config's ``train.precision``, resolved for a GPU)."""
-    from ..engines import engine_kind
-
-    planner = engine_kind(getattr(cfg.train, "engine", None)).hook("planner")
-    out = []
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
-    for tp in tps:
-        for pp in planner.pp_degrees(gpus, tp):
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            for option in planner.sharding_options(dp):  # ZeRO stages; HSDP replicate degrees
-                for micro in (1, 2, 4, 8, 16, 32):
-                    if micro * dp > cfg.train.global_batch:
-                        continue
-                    for sp in ((False, True) if tp > 1 else (False,)):
-                        if _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision):
-                            # Both balancing rules under PP: with fixed codes, balancing parameters
-                            # moves blocks onto stage 0, which holds the most in-flight micro batches.
-                            for part in (("parameters", "type:Block") if pp > 1 else ("parameters",)):
-                                out.append(planner.make_layout(cfg, tp, pp, dp, option, micro, sp, part))
-    return out
-
-
-def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision) -> bool:
-    """Whether the run plan of this variant of ``cfg`` builds (its layout rules and engine's refusals)."""
-    import copy
-
-    from ..run_plan import RunPlan
-    from .layout import LayoutError
-
-    c = copy.deepcopy(cfg)
-    c.parallel.tp, c.parallel.pp = tp, pp
-    planner.set_sharding(c, option)
-    c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
-    c.train.precision = precision or c.train.precision
-    c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend
-    try:
-        RunPlan.build(c, gpus, gpu=True)
-    except LayoutError:
-        return False
-    return True
 
 
 def fixed_code_saving(m, layout: Layout, precision: str = "bf16") -> dict:
