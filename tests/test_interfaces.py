@@ -32,7 +32,7 @@ class RandomSignInput(nn.Module):
         self.reset_buffers()
 
     @torch.no_grad()
-    def reset_buffers(self) -> None:  # after meta construction + to_empty (parallel.build_model)
+    def reset_buffers(self) -> None:  # after meta construction + to_empty (engine.deepspeed.model.build_model)
         if self.code_table.is_meta:
             return
         gen = torch.Generator().manual_seed(self.seed)
