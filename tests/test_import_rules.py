@@ -268,6 +268,16 @@ def test_no_two_packages_import_each_other_counting_function_level_imports():
     assert not pairs, "packages importing each other (make one sit beneath the other):\n" + "\n".join(pairs)
 
 
+def test_the_packages_form_layers_counting_function_level_imports():
+    # stronger than pairs: no longer loop either (train -> parallel -> launch -> train was one)
+    graph = _graph(function_level=True)
+    units: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        units.setdefault(_unit(m), set()).update(_unit(t) for t in targets if _unit(t) != _unit(m))
+    cycles = _cycles(units)
+    assert not cycles, "package-level import cycles: " + "; ".join(" -> ".join(sorted(c)) for c in cycles)
+
+
 def test_the_package_rule_finds_a_two_way_pair():
     graph = {"megafixed.config": {"megafixed.model.gpt"}, "megafixed.model.gpt": {"megafixed.config"},
              "megafixed.engine.build": {"megafixed.parallel.layout"}, "megafixed.parallel.layout": set()}
