@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...model.gpt import init_value
+from ..dtypes import restore_exact_buffers
 
 
 def _ties(module: nn.Module) -> list[tuple[str, str]]:
@@ -74,6 +75,4 @@ def materialize(module: nn.Module, model_cfg, seed: int, device) -> None:
         if tuple(local.shape) != tuple(target.shape):  # a placement this slicing does not follow: a bug
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} does not fit {tuple(target.shape)}")
         target.copy_(local.to(target.dtype))
-    for sub in module.modules():
-        if hasattr(sub, "reset_buffers"):
-            sub.reset_buffers()
+    restore_exact_buffers(module)
