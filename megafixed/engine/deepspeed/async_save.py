@@ -43,7 +43,11 @@ from ..common import BackgroundSave
 
 
 class _HashingFile:
-    """A write-only binary file that hashes and counts what passes through it."""
+    """A write-only binary file that hashes and counts what passes through it.
+
+    Not the torch engine's ``native.checkpoint._HashingStream`` on purpose: that one offers
+    ``fileno``/``tell`` because DCP needs them, and given a ``fileno`` torch's legacy (non-zip,
+    ``zipfile_serialization=False``) writer writes storages straight to the descriptor, past the hash."""
 
     def __init__(self, fh):
         self.fh, self.h, self.n = fh, hashlib.sha256(), 0

@@ -54,7 +54,11 @@ def grad_norm(parameters) -> torch.Tensor:
     A DTensor gradient's norm is reduced over its own mesh (its Shard placements are summed, a
     Replicate one counted once); plain gradients are whole on every rank. Gradients on different
     meshes (TP-only DTensors beside plain tensors, when tp > 1 and dp == 1) are normed per mesh and
-    combined, which ``torch.nn.utils.get_total_norm`` alone cannot do."""
+    combined, which ``torch.nn.utils.get_total_norm`` alone cannot do.
+
+    The DeepSpeed engine's norm (``deepspeed.grad_norm.global_grad_norm``) is the same number over
+    plain megatron-core tensors, counted by their ``tensor_model_parallel`` mark and summed over the
+    model-parallel group: a different mechanism, said there, so the two are not one function."""
     from torch.distributed.tensor import DTensor
 
     groups: dict = {}
