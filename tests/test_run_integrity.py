@@ -212,7 +212,7 @@ def test_resume_loads_the_tag_it_was_given_not_a_moved_latest(ws, tmp_path):
     from types import SimpleNamespace
 
     from megafixed.config import load_config
-    from megafixed.train.checkpoint import Checkpointer, ResumePoint
+    from megafixed.train.checkpoint import Checkpointer, ResumePoint, RunIdentity
 
     run = _copy_run(ws, tmp_path)
     point = ResumePoint(tag=TAG2, tag_dir=run / "checkpoints" / TAG2)  # what the resume read and verified
@@ -227,7 +227,7 @@ def test_resume_loads_the_tag_it_was_given_not_a_moved_latest(ws, tmp_path):
     cfg = load_config(str(run / "config.yaml"), [f"train.run_dir={run}"])
     plan = SimpleNamespace(tp=1, pp=1, dp=1, zero_stage=cfg.zero.stage, precision="fp32")  # a RunPlan's layout
     topo = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, is_main=True, plan=plan)
-    Checkpointer(cfg, topo).load(Engine(), point)
+    Checkpointer(cfg.train, topo, RunIdentity.of(cfg, plan)).load(Engine(), point)
     assert seen == [TAG2]
 
 
