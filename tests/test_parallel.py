@@ -43,10 +43,10 @@ def _close(a: float, b: float, rtol: float = RTOL) -> bool:
 
 def _assert_same_run(got: dict, ref: dict, what: str, grad_norm: bool = True) -> None:
     assert len(got["loss"]) == len(ref["loss"]) == 3
-    for step, (a, b) in enumerate(zip(got["loss"], ref["loss"])):
+    for step, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
         assert _close(a, b), f"{what}: loss at step {step} is {a}, single process {b}"
     if grad_norm:
-        for step, (a, b) in enumerate(zip(got["grad_norm"], ref["grad_norm"])):
+        for step, (a, b) in enumerate(zip(got["grad_norm"], ref["grad_norm"], strict=True)):
             assert _close(a, b), f"{what}: grad_norm at step {step} is {a}, single process {b}"
 
 
