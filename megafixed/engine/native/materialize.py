@@ -64,7 +64,7 @@ def materialize(module: nn.Module, model_cfg, seed: int, device) -> None:
 
     The one initialiser of both engines (``model.gpt.init_parameters``) fills the values: a DTensor's
     shape is the global one, so only the slicing is this engine's (the DeepSpeed engine slices plain
-    megatron-core shards by their TP dim, ``megafixed.parallel.build_model``)."""
+    megatron-core shards by their TP dim, ``megafixed.engine.deepspeed.model.build_model``)."""
     ties = _ties(module)
     module.to_empty(device=device)
     _retie(module, ties)

@@ -76,7 +76,7 @@ def vocab_parallel_loss(logits, targets):
     (same value, full memory). Returns a plain tensor (the same on every TP rank), like the
     single-process loss, so the engine averages, logs and back-propagates it as usual.
 
-    The DeepSpeed engine's twin (``megafixed.parallel.tensor.vocab_parallel_loss``) computes the same
+    The DeepSpeed engine's twin (``megafixed.engine.deepspeed.tp_layers.vocab_parallel_loss``) computes the same
     float32 loss with megatron-core's ``vocab_parallel_cross_entropy``, which takes plain local logits
     and its own TP group; this one takes DTensor placements and torch's collectives. Each accepts only
     its own stack's logits, so beyond ``.float()`` and the mean there is no common body to share."""
