@@ -37,6 +37,9 @@ def add_arguments(p):
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    from .plan_fake import add_arguments as fake_arguments
+
+    fake_arguments(p)  # --fake, and the GPU and links of the step-time bound
 
 
 def _rank_key(est, budget):
@@ -78,12 +81,20 @@ def run(args) -> int:
     counts = tp_param_counts(cfg.model)
     ref_layout = (fitting or estimates)[0].layout if estimates else None
     saving = fixed_code_saving(cfg.model, ref_layout, args.precision) if ref_layout else None
+    from .plan_fake import columns, header, measure_rows, row_extras
+
+    shown = estimates if args.all else fitting
+    rows = shown[:args.top]
+    fakes = dict(zip(map(id, rows), measure_rows(args, planner, rows))) if args.fake else {}
+    extras = {id(e): row_extras(cfg, e, args, fakes.get(id(e)), args.precision)
+              for e in (estimates if args.json else rows)}
     if args.json:
         print(json.dumps({"config": args.config, "engine": cfg.train.engine, "gpus": args.gpus,
                           "gpu_mem_bytes": gpu_mem,
                           "budget_bytes": budget, "precision": args.precision,
                           "params_total": counts.total, "input": cfg.model.input,
-                          "layouts": [dict(e.as_dict(), fits=e.total <= budget) for e in estimates],
+                          "layouts": [dict(e.as_dict(), fits=e.total <= budget, **extras.get(id(e), {}))
+                                      for e in estimates],
                           "fixed_code_saving_per_gpu": saving}))
         return 0 if fitting else 1
     m = cfg.model
@@ -96,15 +107,14 @@ def run(args) -> int:
           f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage"
           + planner.grads_note(args.precision) + ":")
     print(f"  {'TP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | {'params':>8} "
-          f"{'grads':>8} {'optim':>8} {'activ':>8} | {'total':>8}  fits")
-    shown = estimates if args.all else fitting
+          f"{'grads':>8} {'optim':>8} {'activ':>8} | {'total':>8}  fits |" + header(args.fake))
     for e in shown[:args.top]:
         lay = e.layout
         partition = lay.partition if lay.pp > 1 else "-"
         print(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
               f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
               f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} | {e.total / GiB:8.2f}  "
-              f"{'yes' if e.total <= budget else 'no'}")
+              f"{'yes' if e.total <= budget else 'no':>4} |" + columns(extras[id(e)]))
     if len(shown) > args.top:
         print(f"  ... {len(shown) - args.top} more (--top N)")
     if not fitting:

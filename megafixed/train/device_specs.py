@@ -60,3 +60,27 @@ def hbm_bandwidth(device_name: Optional[str]) -> Optional[float]:
     """Data-sheet memory bandwidth in bytes/s, or None if the device is not in the table."""
     spec = spec_for(device_name)
     return None if spec is None else spec.hbm_tbps * 1e12
+
+
+class Link(NamedTuple):
+    name: str
+    gbps_per_gpu: float  # GB/s one GPU can send (one direction) over this link
+
+
+# Bandwidth per GPU and direction, from the vendors' sheets: NVLink 4 (H100/H200 SXM) is 900 GB/s
+# bidirectional per GPU (NVIDIA H100 data sheet), 450 each way; NVLink 3 (A100 SXM) 600 -> 300;
+# NVLink 5 (B200) 1.8 TB/s -> 900. InfiniBand NDR is 400 Gb/s = 50 GB/s per port and direction
+# (NVIDIA ConnectX-7 / Quantum-2), HDR 200 Gb/s = 25 GB/s; DGX H100 nodes have one port per GPU.
+LINKS: dict[str, Link] = {
+    "nvlink3": Link("NVLink 3", 300.0),
+    "nvlink4": Link("NVLink 4", 450.0),
+    "nvlink5": Link("NVLink 5", 900.0),
+    "ib-ndr400": Link("InfiniBand NDR 400G", 50.0),
+    "ib-hdr200": Link("InfiniBand HDR 200G", 25.0),
+}
+NODE_LINK = {"H100 SXM": "nvlink4", "H200 SXM": "nvlink4", "A100 40GB SXM": "nvlink3", "A100 80GB SXM": "nvlink3",
+             "B200": "nvlink5"}  # each SXM part's link inside a node (PCIe/NVL parts: not listed, no bound)
+
+
+def link(name: str) -> Optional[Link]:
+    return LINKS.get(name.lower())

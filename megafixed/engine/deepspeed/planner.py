@@ -58,3 +58,29 @@ def intro(precision: str):
 
 def grads_note(precision: str) -> str:
     return " (grads = 16-bit gradients + the fp32 accumulators the trainer uses)" if precision != "fp32" else ""
+
+
+def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> None:
+    """ZeRO's collectives of one step (``parallel.traffic``), in the communication dtype (the
+    compute dtype: DeepSpeed reduces 16-bit gradients): ZeRO-0 all-reduces the gradients; ZeRO-1
+    and -2 reduce-scatter them and all-gather the updated 16-bit parameters; ZeRO-3 instead gathers
+    every parameter in forward and again in backward, per micro batch. Not measured: DeepSpeed
+    cannot run under fake tensors (``fake_refusal``)."""
+    dp, z = layout.dp, layout.zero
+    e = 4 if precision == "fp32" else 2
+    if z == 0:
+        out.add("dp", "all_reduce", n_params * e, dp)
+        return
+    out.add("dp", "reduce_scatter", n_params * e, dp)
+    out.add("dp", "all_gather", n_params * e * (2 * layout.accum if z >= 3 else 1), dp)
+
+
+def fake_refusal(layout):
+    """DeepSpeed's engine cannot run under ``FakeTensorMode``: it talks to real process groups
+    through ``deepspeed.comm`` and allocates through its accelerator (flat fp32 partitions, pinned
+    buffers, CUDA streams), none of which a fake tensor or a fake process group stands in for."""
+    return ("not measurable under fake tensors: DeepSpeed's engine runs real collectives (deepspeed.comm) "
+            "and accelerator allocations; its model is checked against a real CPU run instead")
+
+
+FAKE_WORKER = None

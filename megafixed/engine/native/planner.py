@@ -68,3 +68,32 @@ def intro(precision: str):
 
 def grads_note(precision: str) -> str:
     return ""
+
+
+def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> None:
+    """FSDP2's collectives of one step (``parallel.traffic``): every micro batch all-gathers each
+    block in the compute dtype in forward and, resharded after it, again in backward; the head and
+    the root (their groups stay gathered to backward) once each. The last micro batch
+    reduce-scatters the fp32 gradients over the shard degree, and HSDP then all-reduces each
+    shard over the replicas. Sizes are per TP rank (FSDP2 shards TP's DTensors locally)."""
+    from ...parallel.memory import layer_params
+
+    shard, replicate = layout.dp_shard, layout.dp_replicate
+    e = 4 if precision == "fp32" else 2
+    per_layer = layer_params(m, layout.tp)
+    if shard > 1:
+        block_gathers = 2 if layout.reshard_after_forward else 1
+        gathered = blocks * per_layer[1] * block_gathers + per_layer[0] + per_layer[-1]
+        out.add("dp_shard", "all_gather", layout.accum * gathered * e, shard)
+        out.add("dp_shard", "reduce_scatter", n_params * 4, shard)
+    out.add("dp_replicate", "all_reduce", n_params * 4 / shard, replicate)
+
+
+def fake_refusal(layout):
+    """Why ``megafixed plan --fake`` cannot measure this layout, or None (``fake_measure.py``)."""
+    if layout.pp > 1:
+        return "pipeline parallelism is not measured under fake tensors yet (pp must be 1)"
+    return None
+
+
+FAKE_WORKER = "megafixed.engine.native.fake_worker"  # run as `python -m` per row by `plan --fake`

@@ -1,0 +1,104 @@
+"""Bytes each rank all-gathers, reduce-scatters and all-reduces per training step, by axis, before
+launching anything (``megafixed plan``'s ``comm_bytes``; ``--fake`` measures the same figures).
+
+A collective's bytes are its buffer on one rank (NCCL-tests' "size"): the gathered output of an
+all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce. What the wire
+carries follows from it by the ring factors in ``BUS_FACTOR`` (``(n-1)/n`` per all-gather and
+reduce-scatter, twice that per all-reduce), which the step-time bound applies per group size.
+
+Engine-neutral terms are here: tensor parallelism (DTensor's and megatron-core's TP move the same
+activations: Megatron's f/g pair per attention and MLP, Korthikanti et al. 2022 section 4.2.2) and
+the pipeline's point-to-point activations; the data-parallel terms are the engine's (its planner's
+``dp_traffic``: FSDP2's gathers and reduce-scatters, ZeRO's reductions).
+
+Per layer and micro batch, with ``A = s*b*h`` activation elements of ``e`` bytes:
+
+* TP without SP: an all-reduce of ``A`` after each row-parallel Linear (2 forward) and of each
+  module's input gradient (2 backward); with SP, each all-reduce becomes a reduce-scatter plus an
+  all-gather of the same ``A`` (2 + 2 forward, 2 + 2 backward). Activation checkpointing repeats
+  the forward's collectives once more. The head adds one more pair (its input gathered / its input
+  gradient reduced), and the vocabulary-parallel loss three all-reduces of ``s*b`` fp32 values.
+* PP: each stage boundary sends ``A`` forward and receives its gradient backward (``A*e`` each
+  way per micro batch). Not checked against a measurement: no engine's PP runs under ``--fake``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """Bytes a ring moves over each rank's link per byte of buffer (NCCL-tests' busbw factors)."""
+    if n <= 1:
+        return 0.0
+    return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n,
+            "p2p": 1.0}[kind]
+
+
+@dataclass
+class Traffic:
+    """Bytes per rank per step: ``{(axis, kind): bytes}``, and each axis' group size."""
+    bytes: dict = field(default_factory=dict)
+    group: dict = field(default_factory=dict)  # axis -> ranks in its group
+
+    def add(self, axis: str, kind: str, nbytes: float, group: int) -> None:
+        if nbytes and group > 1:
+            self.bytes[(axis, kind)] = self.bytes.get((axis, kind), 0.0) + nbytes
+            self.group[axis] = group
+
+    @property
+    def total(self) -> float:
+        return sum(self.bytes.values())
+
+    def by_kind(self) -> dict:
+        out: dict = {}
+        for (_, kind), b in self.bytes.items():
+            out[kind] = out.get(kind, 0.0) + b
+        return out
+
+    def as_dict(self) -> dict:
+        return {"total": self.total, "by_kind": self.by_kind(),
+                "by_axis": {f"{a}.{k}": b for (a, k), b in sorted(self.bytes.items())}, "groups": dict(self.group)}
+
+
+def tp_traffic(out: Traffic, m, seq: int, layout, act_bytes: int, blocks: int, last_stage: bool) -> None:
+    """Tensor parallelism's activation collectives of one step (``layout.accum`` micro batches)."""
+    t = layout.tp
+    if t == 1:
+        return
+    a = seq * layout.micro_batch * m.d_model * act_bytes
+    forwards = 2 if layout.activation_checkpointing else 1  # the recomputation repeats the forward's
+    per_layer_fwd, per_layer_bwd = 2 * a * forwards, 2 * a  # of each kind (SP), or of all-reduces
+    head = a if last_stage else 0
+    n = layout.accum
+    if layout.sequence_parallel:
+        for kind in ("all_gather", "reduce_scatter"):
+            out.add("tp", kind, n * (blocks * (per_layer_fwd + per_layer_bwd) + head), t)
+    else:
+        out.add("tp", "all_reduce", n * (blocks * (per_layer_fwd + per_layer_bwd) + head), t)
+    if last_stage:  # loss_parallel: max, sum of exp and the target logit, fp32 per position
+        out.add("tp", "all_reduce", n * 3 * seq * layout.micro_batch * 4, t)
+
+
+def pp_traffic(out: Traffic, m, seq: int, layout, act_bytes: int) -> None:
+    """A middle stage's sends and receives: the activation forward and its gradient backward."""
+    if layout.pp == 1:
+        return
+    a = seq * layout.micro_batch * m.d_model * act_bytes / (layout.tp if layout.sequence_parallel else 1)
+    out.add("pp", "p2p", layout.accum * 2 * 2 * a, layout.pp)  # send + receive, each direction
+
+
+def traffic(m, seq: int, layout, precision: str = "bf16") -> Traffic:
+    """Bytes per rank per step on the most loaded stage (the one the memory estimate reports)."""
+    from .memory import blocks_per_stage, stage_params
+
+    e = 4 if precision == "fp32" else 2
+    per_stage = stage_params(m, layout, layout.partition)
+    blocks = blocks_per_stage(m, layout, layout.partition)
+    worst = max(range(layout.pp), key=lambda i: per_stage[i])
+    out = Traffic()
+    tp_traffic(out, m, seq, layout, e, blocks[worst], worst == layout.pp - 1)
+    pp_traffic(out, m, seq, layout, e)
+    layout.planner.dp_traffic(out, m, layout, per_stage[worst], blocks[worst], precision)
+    return out
