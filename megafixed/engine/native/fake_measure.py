@@ -63,7 +63,7 @@ def _tracker(model, optimizer):
     return tracker
 
 
-def _one_step(model, optimizer, cfg, topo, inputs, labels, accum: int) -> None:
+def _one_step(model, optimizer, topo, inputs, labels, accum: int, tracker) -> None:
     """``step.train_step``'s tensor work (forward, backward per micro batch with FSDP2's sync on the
     last, the global grad norm, the optimizer step) without its Python scalars, which fake tensors
     have no value for."""
@@ -76,6 +76,7 @@ def _one_step(model, optimizer, cfg, topo, inputs, labels, accum: int) -> None:
 
         loss_context = lambda: tp_loss(model)  # noqa: E731
     for k in range(accum):
+        tracker.reset_mod_stats()  # its per-module stats refuse a second root forward; the peak is kept
         step._set_gradient_sync(model, k == accum - 1)
         with loss_context():
             with compute():
@@ -106,7 +107,7 @@ def measure_step(cfg, topo) -> dict:
         for i in range(STEPS):
             comm = CommBytesMode() if i == STEPS - 1 else contextlib.nullcontext()
             with comm:
-                _one_step(model, optimizer, cfg, topo, inputs, labels, topo.plan.batch.accum)
+                _one_step(model, optimizer, topo, inputs, labels, topo.plan.batch.accum, tracker)
     peak = tracker.get_tracker_snapshot("peak")
     device_peak = max(peak.values(), key=lambda d: d.get("Total", 0)) if peak else {}
     parts = {str(k): int(v) for k, v in device_peak.items() if str(k) != "Total"}
