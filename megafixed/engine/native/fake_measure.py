@@ -114,6 +114,28 @@ def measure_step(cfg, topo) -> dict:
     return {"peak_bytes": int(device_peak.get("Total", 0)), "parts": parts, "comm": comm.summary()}
 
 
+@contextlib.contextmanager
+def _mesh_slicing_outside_fake_mode():
+    """A DeviceMesh made inside the fake mode (FSDP2's 2-D DP x TP mesh, ``DeviceMesh._concatenate``;
+    slices) computes its coordinates with ``nonzero`` on its rank tensor, which a fake tensor cannot
+    answer (its output shape depends on the values); the ranks are real, so a mesh is made with the
+    fake mode set aside."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
+
+
 def measure_fake(cfg, plan) -> dict:
     """``measure_step`` for rank 0 of ``plan`` under ``FakeTensorMode`` on a fake process group of
     ``plan.world_size`` (initialised here: one per process, so one plan per process)."""
@@ -126,7 +148,7 @@ def measure_fake(cfg, plan) -> dict:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
         topo = topology(cfg, plan, 0, torch.device("cpu"))  # outside the mode: the mesh reads real ranks
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), _mesh_slicing_outside_fake_mode():
             out = measure_step(cfg, topo)
     finally:
         dist.destroy_process_group()
