@@ -139,3 +139,15 @@ def test_analytic_model_within_10_percent_of_the_fake_1p7b_step_at_64_ranks(name
         # FSDP2's fp32 accumulator where the measured peak has none. Fix the model, not this bound.
         pytest.xfail(f"analytic {e.total / 2**30:.2f} GiB vs fake {fake['peak_bytes'] / 2**30:.2f} GiB")
     assert e.total == pytest.approx(fake["peak_bytes"], rel=0.10)
+
+
+def test_plan_fake_puts_the_measurement_beside_the_analytic_row(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(SMALL)
+    capsys.readouterr()
+    cli_main(["plan", str(cfg), "--gpus", "2", "--top", "1", "--fake", "--json"])
+    captured = capsys.readouterr()
+    row = json.loads(captured.out)["layouts"][0]
+    assert row["fake_peak_gib"] > 0 and row["fake"]["seconds"] > 0
+    assert row["fake_comm_bytes"] == pytest.approx(row["comm_bytes"], rel=0.01)  # analytic vs measured
+    assert sum(x.startswith("fake 1/1: ") and "peak" in x for x in captured.err.splitlines()) == 1
