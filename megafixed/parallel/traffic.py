@@ -16,7 +16,8 @@ Per layer and micro batch, with ``A = s*b*h`` activation elements of ``e`` bytes
 * TP without SP: an all-reduce of ``A`` after each row-parallel Linear (2 forward) and of each
   module's input gradient (2 backward); with SP, each all-reduce becomes a reduce-scatter plus an
   all-gather of the same ``A`` (2 + 2 forward, 2 + 2 backward). Activation checkpointing repeats
-  the forward's collectives once more. The head adds one more pair (its input gathered / its input
+  the forward's collectives but the block's last (non-reentrant checkpointing stops recomputing
+  once backward has what it saved; measured at 1.7B, TP2). The head adds one more pair (its input gathered / its input
   gradient reduced), and the vocabulary-parallel loss three all-reduces of ``s*b`` fp32 values.
 * PP: each stage boundary sends ``A`` forward and receives its gradient backward (``A*e`` each
   way per micro batch). Not checked against a measurement: no engine's PP runs under ``--fake``.
@@ -68,15 +69,17 @@ def tp_traffic(out: Traffic, m, seq: int, layout, act_bytes: int, blocks: int, l
     if t == 1:
         return
     a = seq * layout.micro_batch * m.d_model * act_bytes
-    forwards = 2 if layout.activation_checkpointing else 1  # the recomputation repeats the forward's
-    per_layer_fwd, per_layer_bwd = 2 * a * forwards, 2 * a  # of each kind (SP), or of all-reduces
+    ac = layout.activation_checkpointing
     head = a if last_stage else 0
     n = layout.accum
+    # Per layer: 2 forward + 2 backward of each kind (SP) or of all-reduces; checkpointing's
+    # recompute repeats the forward's but the block's last (the MLP's row-parallel reduction: no
+    # backward needs its output, and non-reentrant checkpointing stops recomputing early).
     if layout.sequence_parallel:
-        for kind in ("all_gather", "reduce_scatter"):
-            out.add("tp", kind, n * (blocks * (per_layer_fwd + per_layer_bwd) + head), t)
+        out.add("tp", "all_gather", n * (blocks * a * (4 + (2 if ac else 0)) + head), t)
+        out.add("tp", "reduce_scatter", n * (blocks * a * (4 + (1 if ac else 0)) + head), t)
     else:
-        out.add("tp", "all_reduce", n * (blocks * (per_layer_fwd + per_layer_bwd) + head), t)
+        out.add("tp", "all_reduce", n * (blocks * a * (4 + (1 if ac else 0)) + head), t)
     if last_stage:  # loss_parallel: max, sum of exp and the target logit, fp32 per position
         out.add("tp", "all_reduce", n * 3 * seq * layout.micro_batch * 4, t)
 
