@@ -85,6 +85,10 @@ def build(cfg, topo):
 
     if topo.mesh is None and topo.world_size > 1:  # a caller bug: the topology of another engine
         raise RuntimeError("train.engine=torch needs the Topology setup_distributed builds for it (with its mesh)")
+    if topo.plan.pp > 1:  # the pipeline's stages and schedule (pipeline.py, pipeline_step.py)
+        from .pipeline_step import build_pipeline_engine
+
+        return build_pipeline_engine(cfg, topo)
     model = build_model(cfg, topo)
     optimizer = build_optimizer(model, cfg.optimizer)
     return NativeEngine(model, optimizer, cfg=cfg, topo=topo)

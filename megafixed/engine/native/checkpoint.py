@@ -215,15 +215,14 @@ def weights_in_every_rank_file(tag_dir) -> bool:
 # ----------------------------------------------------------------------------------- re-layout
 def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     """Why a torch-engine checkpoint of layout ``old`` cannot load on ``new`` (run-record layouts),
-    or None: another DP, FSDP (torch_engine.dp_replicate) or TP degree, or precision (the master
+    or None: another DP, FSDP (torch_engine.dp_replicate) TP or PP degree, pipeline schedule or vpp, or precision (the master
     weights and Adam moments are fp32 either way), is DCP's resharding on load."""
     engines = (old.get("engine") or "deepspeed", new.get("engine") or "deepspeed")
     if engines[0] != engines[1]:
         return (f"the checkpoint was written by train.engine={engines[0]}, whose files train.engine={engines[1]} "
                 f"does not read; only its weights cross over (train.init_from)")
-    if max(int(old.get("pp") or 1), int(new.get("pp") or 1)) > 1:
-        return ("train.engine=torch does not do pipeline parallelism, so a checkpoint cannot move to or from "
-                "parallel.pp > 1 on it; use parallel.pp=1")
+    # Another pipeline split, schedule or vpp too: parameter names are global (blocks.N) whatever the
+    # stages, so each rank's DCP templates simply name fewer or more of them.
     return None
 
 
