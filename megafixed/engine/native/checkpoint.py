@@ -215,8 +215,8 @@ def weights_in_every_rank_file(tag_dir) -> bool:
 # ----------------------------------------------------------------------------------- re-layout
 def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     """Why a torch-engine checkpoint of layout ``old`` cannot load on ``new`` (run-record layouts),
-    or None: another DP, FSDP (torch_engine.dp_replicate) TP or PP degree, pipeline schedule or vpp, or precision (the master
-    weights and Adam moments are fp32 either way), is DCP's resharding on load."""
+    or None: another DP, FSDP (torch_engine.dp_replicate), TP or PP degree, pipeline schedule or vpp,
+    or precision (the master weights and Adam moments are fp32 either way), is DCP's resharding on load."""
     engines = (old.get("engine") or "deepspeed", new.get("engine") or "deepspeed")
     if engines[0] != engines[1]:
         return (f"the checkpoint was written by train.engine={engines[0]}, whose files train.engine={engines[1]} "
