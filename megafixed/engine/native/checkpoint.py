@@ -226,6 +226,17 @@ def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     return None
 
 
+def _nested_param_groups(tag_dir: Path) -> bool:
+    """Written with one ``param_groups`` list (before the flat optimizer state dict)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(tag_dir)).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: dcp.load names the damage
+        return False
+    return f"{OPTIM}.param_groups" in keys
+
+
 # ----------------------------------------------------------------------------------- the checkpointer
 class DcpCheckpoint:
     """One rank's DCP checkpoint files for a model (FSDP2/DTensor or plain) and its optimizer.
@@ -241,6 +252,7 @@ class DcpCheckpoint:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._async_group = None  # the gloo group background saves run their collectives on
+        self.every_rank_reads = False  # load_weights: True for pipeline stages (pipeline_step.py)
 
     # ---- what the engine seam asks
     @property
@@ -251,11 +263,18 @@ class DcpCheckpoint:
     def saved_bytes(self) -> int:
         return self.handed_bytes
 
-    def state_dict(self) -> dict:
-        """``{"model": ..., "optim": ...}`` of this rank, plain-GPT names, DTensor values."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def state_dict(self, flat: bool = True) -> dict:
+        """``{"model": ..., "optim": ...}`` of this rank, plain-GPT names, DTensor values.
 
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        ``flat``: the optimizer's param-group settings stored per parameter name
+        (``flatten_optimizer_state_dict``, torchtitan's choice), not as one ``param_groups`` list:
+        DCP keeps one copy of a non-tensor entry that every rank names alike, which is right for
+        DP/TP ranks (the same groups) and wrong for pipeline stages (each rank's groups list other
+        parameters). ``flat=False`` reads checkpoints written before."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer,
+                                  options=StateDictOptions(flatten_optimizer_state_dict=flat))
         return {MODEL: msd, OPTIM: osd}
 
     def save(self, tag_dir: Path, client_state: dict, *, on_written: Callable[[dict], None],
@@ -318,13 +337,15 @@ class DcpCheckpoint:
         """Model and optimizer from ``tag_dir`` onto this layout (DCP reshards whatever layout wrote
         it, so ``relayout`` needs nothing extra); returns the client state."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         tag_dir = Path(tag_dir)
-        state = self.state_dict()  # this layout's templates (a fresh optimizer's moments initialised)
+        flat = not _nested_param_groups(tag_dir)
+        state = self.state_dict(flat)  # this layout's templates (a fresh optimizer's moments initialised)
         try:
             dcp.load(state, checkpoint_id=str(tag_dir))
-            set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
+            set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM],
+                           options=StateDictOptions(flatten_optimizer_state_dict=flat))
             client = torch.load(tag_dir / CLIENT_STATE, map_location="cpu", weights_only=False)
         except dcp_errors() as exc:
             raise _load_error(exc, tag_dir) from None
@@ -344,9 +365,13 @@ class DcpCheckpoint:
         from ..dtypes import restore_exact_buffers
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        full = read_state_dict() if rank == 0 else None
+        # pipeline stages hold different parameters: each rank reads the file and keeps its own part
+        every = self.every_rank_reads
+        full = read_state_dict() if rank == 0 or every else None
         own = get_model_state_dict(self.model)  # plain-GPT names (no compile/AC wrapper prefixes)
-        if rank == 0:
+        if full is not None:
+            if every:
+                full = {k: v for k, v in full.items() if k in own or not k.startswith(("blocks.", "input.", "head."))}
             missing, extra = sorted(set(own) - set(full))[:4], sorted(set(full) - set(own))[:4]
             if missing or extra:
                 why = f"its weights do not fit this model (missing {missing}, extra {extra})"
@@ -358,12 +383,12 @@ class DcpCheckpoint:
         else:
             why = None
         if dist.is_initialized():
-            box = [why]
-            dist.broadcast_object_list(box, src=0)
-            why = box[0]
+            said = [None] * dist.get_world_size()
+            dist.all_gather_object(said, why)
+            why = next((w for w in said if w), None)
         if why:
             raise ConfigError(why)
-        distributed = dist.is_initialized() and dist.get_world_size() > 1
-        set_model_state_dict(self.model, full if rank == 0 else {},
+        distributed = dist.is_initialized() and dist.get_world_size() > 1 and not every
+        set_model_state_dict(self.model, full if full is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed))
         restore_exact_buffers(self.model)

@@ -32,6 +32,7 @@ class PipelineEngine(NativeEngine):
     def __init__(self, parts, stages, ids, schedule, optimizer, *, cfg, topo):
         super().__init__(parts, optimizer, cfg=cfg, topo=topo)
         self.stages, self.ids, self.schedule = stages, ids, schedule
+        self.checkpoints.every_rank_reads = True  # train.init_from: each stage keeps its own weights
         self.pp_group = topo.mesh["pp"].get_group()
         self.n_stages = topo.plan.pp * cfg.parallel.vpp
         from .schedules import is_v_shaped, stage_ids
