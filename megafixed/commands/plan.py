@@ -90,8 +90,12 @@ def run(args) -> int:
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
     if torch_engine:
         print("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
-              "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads; "
-              "no pipeline parallelism yet, so pp = 1 only")
+              "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads, "
+              "reduce-scattered every micro batch")
+        print(f"pipeline (pp > 1): parallel.pp_schedule={cfg.parallel.pp_schedule}, parallel.vpp={cfg.parallel.vpp} "
+              f"(the schedule column); bubble = idle / busy time per rank replayed from the schedule's own action "
+              f"table (F = I = W = 1, B = 2), the closed form (p-1)/(v*m) in brackets; activ holds the microbatches "
+              f"each stage keeps in flight in that table")
     print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= {HEADROOM:.0%} of that "
           f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage"
           + (" (grads = 16-bit gradients + the fp32 accumulators the trainer uses):" if args.precision != "fp32"
@@ -101,11 +105,13 @@ def run(args) -> int:
     shown = estimates if args.all else fitting
     for e in shown[:args.top]:
         lay = e.layout
-        partition = lay.partition if lay.pp > 1 else "-"
+        partition = (lay.schedule if lay.engine == "torch" else lay.partition) if lay.pp > 1 else "-"
+        bubble = (f"  bubble {e.pipeline['bubble_fraction']:.3f} ({e.pipeline['bubble_formula']:.3f}), in flight "
+                  f"{e.pipeline['in_flight_per_rank']}" if e.pipeline else "")
         print(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
               f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
               f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} | {e.total / GiB:8.2f}  "
-              f"{'yes' if e.total <= budget else 'no'}")
+              f"{'yes' if e.total <= budget else 'no'}{bubble}")
     if len(shown) > args.top:
         print(f"  ... {len(shown) - args.top} more (--top N)")
     if not fitting:

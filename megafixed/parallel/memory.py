@@ -17,8 +17,15 @@ parameters are the fp32 masters (4), gradients are reduce-scattered in fp32 (4),
 16 per parameter in bf16 and fp32 alike, against DeepSpeed bf16's 20. On top, the unsharded working
 copies in the compute dtype: two blocks' (the one computing and the one prefetched) plus the
 input's and the head's (gathered from forward to backward) with ``torch_engine.reshard_after_forward=
-true``, the whole stage's with false; and, with gradient accumulation, the unsharded fp32
-gradients FSDP2 accumulates between reductions (it reduce-scatters on the last micro batch only).
+true``, the whole stage's with false or under pipeline parallelism. Gradient accumulation adds
+nothing: FSDP2 reduce-scatters every micro batch's gradients into the sharded fp32 ones (as
+torchtitan does), instead of holding the unsharded fp32 gradients between reductions.
+
+The torch engine's pipeline (``parallel.pp_schedule``, ``parallel.vpp``) splits the layers as
+``engine.native.schedules.stage_spans`` does, and the microbatches each stage holds in flight are
+read from the schedule's own action table (``parallel.bubble``): 1F1B's ``pp - i`` on stage ``i``,
+GPipe's all of them, the interleaved and zero-bubble schedules' own counts; a rank adds up its
+stages'. The bubble fraction is reported beside it.
 
 TP divides every sharded matrix by ``tp`` (norms stay replicated); PP keeps one stage's layers,
 split by DeepSpeed's own partitioner (``parallel.pp_partition``).
@@ -41,6 +48,7 @@ The estimates are checked against measured tensor bytes on CPU in ``tests/test_p
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 GiB = 1024 ** 3
 
@@ -57,8 +65,11 @@ class Layout:
     partition: str = "parameters"  # parallel.pp_partition (only matters with pp > 1)
     engine: str = "deepspeed"  # train.engine; "torch": FSDP2 over dp / dp_replicate (``zero`` unused)
     dp_replicate: int = 1  # torch_engine.dp_replicate (HSDP's replicate degree)
-    accum: int = 1  # micro batches per step (FSDP2 accumulates unsharded gradients between reductions)
+    accum: int = 1  # micro batches per step (the pipeline's microbatches)
     reshard_after_forward: bool = True  # torch_engine.reshard_after_forward
+    schedule: str = "1F1B"  # parallel.pp_schedule (the torch engine's; DeepSpeed runs 1F1B)
+    vpp: int = 1  # parallel.vpp: pipeline stages per rank
+    edge: int = 1  # parallel.pp_input_head_layers
 
     @property
     def dp_shard(self) -> int:
@@ -183,6 +194,7 @@ class Estimate:
     optimizer: float
     activations: float
     params_count: int  # parameters on the worst stage's GPU (before ZeRO-3 sharding)
+    pipeline: Optional[dict] = None  # the torch engine's pipeline: schedule, bubble, microbatches in flight
 
     @property
     def total(self) -> float:
@@ -202,9 +214,8 @@ def model_state_bytes(n_params: int, layout: Layout, precision: str = "bf16") ->
     6 bytes per parameter.
     """
     if layout.engine == "torch":  # FSDP2: fp32 masters, fp32 gradients and Adam state, all sharded
-        shard = layout.dp_shard
-        accumulated = n_params * 4 if layout.accum > 1 and shard > 1 else 0  # unsharded fp32 grads
-        return n_params * 4 / shard, n_params * 4 / shard + accumulated, n_params * 8 / shard
+        shard = layout.dp_shard  # (gradients reduce-scattered every micro batch: never held unsharded)
+        return n_params * 4 / shard, n_params * 4 / shard, n_params * 8 / shard
     if precision == "fp32":
         pb, gb, ob = 4, 4, 8
     else:
@@ -220,6 +231,10 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
     """Memory per GPU on the most loaded pipeline stage."""
     e = 4 if precision == "fp32" else 2
     masks = (m.dropout > 0) if dropout_masks is None else dropout_masks
+    if layout.engine == "torch" and layout.pp > 1:
+        from .pipeline_memory import torch_pipeline_estimate
+
+        return torch_pipeline_estimate(m, seq, layout, precision, masks)
     per_stage = stage_params(m, layout, layout.partition)
     blocks = blocks_per_stage(m, layout, layout.partition)
     t, b, sp = layout.tp, layout.micro_batch, layout.sequence_parallel
@@ -265,7 +280,7 @@ def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = No
     torch_engine = getattr(cfg.train, "engine", "deepspeed") == "torch"
     tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
     for tp in tps:
-        for pp in range(1, (1 if torch_engine else gpus // tp) + 1):  # the torch engine has no PP (yet)
+        for pp in range(1, gpus // tp + 1):
             if gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
@@ -290,12 +305,15 @@ def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = No
                             continue
                         # Both balancing rules under PP: with fixed codes, balancing parameters
                         # moves blocks onto stage 0, which holds the most in-flight micro batches.
-                        for part in (("parameters", "type:Block") if pp > 1 else ("parameters",)):
+                        for part in (("parameters", "type:Block") if pp > 1 and not torch_engine
+                                     else ("parameters",)):
                             if torch_engine:  # "zero" shows the ZeRO stage FSDP2's sharding equals
                                 accum = cfg.train.global_batch // (micro * dp)
+                                par = cfg.parallel
                                 out.append(Layout(tp, pp, dp, 3 if dp // zero > 1 else 0, micro, sp,
                                                   cfg.train.activation_checkpointing, part, "torch", zero, accum,
-                                                  cfg.torch_engine.reshard_after_forward))
+                                                  cfg.torch_engine.reshard_after_forward, par.pp_schedule,
+                                                  par.vpp, par.pp_input_head_layers))
                             else:
                                 out.append(Layout(tp, pp, dp, zero, micro, sp, cfg.train.activation_checkpointing,
                                                   part))
