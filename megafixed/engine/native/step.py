@@ -1,9 +1,10 @@
 """One optimizer step and one validation pass of the torch engine.
 
 The DeepSpeed engine's numerics, in torch: each micro batch's loss is scaled by ``1 / accum``
-before its backward (DeepSpeed's gradient-accumulation scaling), FSDP2 reduces the gradients over
-the data-parallel ranks by their mean only after the last micro batch
-(``set_requires_gradient_sync``), the global gradient norm is taken over the whole mesh before
+before its backward (DeepSpeed's gradient-accumulation scaling), FSDP2 reduce-scatters each micro
+batch's gradients over the data-parallel ranks (their mean) into the sharded fp32 gradients, as
+torchtitan does -- holding the unsharded fp32 gradients until the last micro batch would cost a
+full fp32 copy of the model per rank between reductions -- the global gradient norm is taken over the whole mesh before
 clipping (the norm DeepSpeed reports), and the reported loss is the mean over micro batches and
 DP ranks with one non-finite flag every rank agrees on (``engine.batches.dp_mean_and_flag``).
 """
@@ -39,13 +40,6 @@ def compute_context(model, precision: str, device) -> Callable:
         return contextlib.nullcontext
     kind, dtype = torch.device(device).type, COMPUTE_DTYPES[precision]
     return lambda: torch.autocast(kind, dtype=dtype)
-
-
-def _set_gradient_sync(model, enabled: bool) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)  # recursive: every fully_shard'ed block and the head
 
 
 def grad_norm(parameters) -> torch.Tensor:
@@ -96,9 +90,8 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
     device = device if device is not None else next(model.parameters()).device
     compute = compute_context(model, precision, device)
     local_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for k in range(accum):
+    for _ in range(accum):
         inputs, labels = split_tokens(next(batches), device, vocab_size)
-        _set_gradient_sync(model, k == accum - 1)  # reduce once per step, after the last micro batch
         with loss_context(model):
             with compute():
                 loss = model(inputs, labels)
