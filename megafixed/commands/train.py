@@ -124,9 +124,28 @@ def dry_run(args) -> int:
                     f"{d['shard_degree']})")
     else:
         sharding = f"zero {plan.zero_stage}"
+    if plan.engine == "torch" and plan.pp > 1:
+        print(_pipeline_line(cfg, plan))
     print(f"# plan: {plan.describe()}; {plan.precision} on {args.target}, backend {plan.backend}; "
           f"{sharding}. Nothing was started.")
     return exit_codes.OK
+
+
+def _pipeline_line(cfg, plan) -> str:
+    """The torch pipeline's schedule, bubble and in-flight activation memory per stage (``megafixed plan``'s)."""
+    from ..parallel.memory import GiB, Layout, estimate
+
+    par, b = cfg.parallel, plan.batch
+    layout = Layout(tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch=b.micro_batch,
+                    sequence_parallel=plan.sequence_parallel,
+                    activation_checkpointing=cfg.train.activation_checkpointing, engine="torch", dp_replicate=cfg.torch_engine.dp_replicate, accum=b.accum,
+                    reshard_after_forward=False, schedule=par.pp_schedule, vpp=par.vpp, edge=par.pp_input_head_layers)
+    pipe = estimate(cfg.model, b.seq_len, layout, plan.precision).pipeline
+    acts = ", ".join(f"stage {k}: {pipe['in_flight_per_stage'][k]} in flight, {v / GiB:.3f} GiB"
+                     for k, v in pipe["activation_bytes_per_stage"].items())
+    return (f"# pipeline: {pipe['schedule']}, {plan.pp} ranks x {par.vpp} stages, {b.accum} microbatches; bubble "
+            f"{pipe['bubble_fraction']:.3f} from its action table ((p-1)/(v*m) = {pipe['bubble_formula']:.3f}); "
+            f"activations {acts}")
 
 
 def _check_data_paths(cfg) -> None:

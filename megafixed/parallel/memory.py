@@ -232,9 +232,7 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
     e = 4 if precision == "fp32" else 2
     masks = (m.dropout > 0) if dropout_masks is None else dropout_masks
     if layout.engine == "torch" and layout.pp > 1:
-        from .pipeline_memory import torch_pipeline_estimate
-
-        return torch_pipeline_estimate(m, seq, layout, precision, masks)
+        return _torch_pipeline_estimate(m, seq, layout, precision, masks)
     per_stage = stage_params(m, layout, layout.partition)
     blocks = blocks_per_stage(m, layout, layout.partition)
     t, b, sp = layout.tp, layout.micro_batch, layout.sequence_parallel
@@ -263,6 +261,34 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
             working = n_params if everything else min(n_params, 2 * per_layer[1] + edges)
             p += working * e
         est = Estimate(layout, p, g, o, act, n_params)
+        if best is None or est.total > best.total:
+            best = est
+    return best
+
+
+def _torch_pipeline_estimate(m, seq: int, layout: Layout, precision: str, masks: bool) -> Estimate:
+    """The most loaded pipeline rank of the torch engine (``pipeline_memory``: its split and the
+    schedule's microbatches in flight), with the ``pipeline`` summary attached."""
+    from ..engine.native.schedules import is_v_shaped, stage_ids, stage_spans
+    from .pipeline_memory import pipeline_summary, stage_param_count
+
+    e = 4 if precision == "fp32" else 2
+    t, b, sp = layout.tp, layout.micro_batch, layout.sequence_parallel
+    layer = layer_activation_bytes(m, seq, b, t, sp, e, masks)
+    stored_input = seq * b * m.d_model * e / (t if sp else 1)
+    ac = layout.activation_checkpointing
+    summary = pipeline_summary(m, layout, stored_input if ac else layer, stored_input, seq * b * m.vocab_size * 4 / t)
+    spans = stage_spans(m.n_layers, layout.pp * layout.vpp, layout.edge)
+    per_layer = layer_params(m, t)
+    best = None
+    for r in range(layout.pp):
+        mine = [spans[i] for i in stage_ids(r, layout.pp, layout.vpp, is_v_shaped(layout.schedule))]
+        n_params = sum(stage_param_count(per_layer, s) for s in mine)
+        act = sum(summary["activation_bytes_per_stage"][str(s.index)] for s in mine) + (layer if ac else 0)
+        p, g, o = model_state_bytes(n_params, layout, precision)
+        if layout.dp_shard > 1 or precision != "fp32":
+            p += n_params * e  # every working parameter unsharded (gathered or cast) under PP
+        est = Estimate(layout, p, g, o, act, n_params, pipeline=summary)
         if best is None or est.total > best.total:
             best = est
     return best

@@ -82,19 +82,17 @@ def engine_config(cfg, plan) -> dict:
 
 
 def pipeline_record(cfg, plan) -> dict:
-    """The pipeline's schedule, split, bubble and microbatches in flight (``plan.pp > 1``)."""
+    """The pipeline's schedule, split, bubble and microbatches in flight (``plan.pp > 1``); the
+    activation bytes those hold are ``megafixed.parallel.pipeline_memory``'s (--dry-run prints them)."""
     if plan.pp == 1:
         return {"degree": 1}
-    from ...parallel.memory import Layout
-    from ...parallel.pipeline_memory import pipeline_summary
+    from ...parallel.bubble import bubble
+    from .schedules import canonical_name, stage_spans
 
-    par, b = cfg.parallel, plan.batch
-    layout = Layout(tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch=b.micro_batch,
-                    sequence_parallel=plan.sequence_parallel,
-                    activation_checkpointing=cfg.train.activation_checkpointing, engine="torch",
-                    dp_replicate=cfg.torch_engine.dp_replicate, accum=b.accum, schedule=par.pp_schedule,
-                    vpp=par.vpp, edge=par.pp_input_head_layers)
-    summary = pipeline_summary(cfg.model, b.seq_len, layout, 4 if plan.precision == "fp32" else 2,
-                               cfg.model.dropout > 0)
+    par = cfg.parallel
+    name = canonical_name(par.pp_schedule)
+    spans = stage_spans(cfg.model.n_layers, plan.pp * par.vpp, par.pp_input_head_layers)
     return {"degree": plan.pp, "stages_per_rank": par.vpp, "input_head_layers": par.pp_input_head_layers,
-            "by": "torch.distributed.pipelining (PipelineStage + the schedule class)", **summary}
+            "by": "torch.distributed.pipelining (PipelineStage + the schedule class)",
+            "stage_blocks": [[s.first, s.end] for s in spans],
+            **bubble(name, plan.pp, plan.batch.accum, par.vpp).as_dict()}

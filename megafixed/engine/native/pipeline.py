@@ -95,8 +95,8 @@ def _apply_fsdp_stage(stage: StageModule, mesh, precision: str) -> None:
     schedule runs several microbatches' forwards before their backwards (torchtitan's PP rule)."""
     from torch.distributed.fsdp import fully_shard
 
-    from .build import mixed_precision_policy
     from .mesh import dp_mesh
+    from .precision import mixed_precision_policy
 
     kwargs = dict(mesh=dp_mesh(mesh), mp_policy=mixed_precision_policy(precision), reshard_after_forward=False)
     for block in stage.blocks.values():
