@@ -138,7 +138,8 @@ def _pipeline_line(cfg, plan) -> str:
     par, b = cfg.parallel, plan.batch
     layout = Layout(tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch=b.micro_batch,
                     sequence_parallel=plan.sequence_parallel,
-                    activation_checkpointing=cfg.train.activation_checkpointing, engine="torch", dp_replicate=cfg.torch_engine.dp_replicate, accum=b.accum,
+                    activation_checkpointing=cfg.train.activation_checkpointing, engine="torch",
+                    dp_replicate=cfg.torch_engine.dp_replicate, accum=b.accum,
                     reshard_after_forward=False, schedule=par.pp_schedule, vpp=par.vpp, edge=par.pp_input_head_layers)
     pipe = estimate(cfg.model, b.seq_len, layout, plan.precision).pipeline
     acts = ", ".join(f"stage {k}: {pipe['in_flight_per_stage'][k]} in flight, {v / GiB:.3f} GiB"
