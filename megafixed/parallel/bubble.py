@@ -18,6 +18,7 @@ spaces the actions); the replay is a dozen lines over that table.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # unit costs of the action kinds (the rest -- REDUCE_GRAD, UNSHARD, RESHARD, sends and receives -- cost 0)
@@ -158,6 +159,7 @@ def formula(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
     return (pp - 1) / (vpp * microbatches)
 
 
+@functools.lru_cache(maxsize=256)  # the planner asks for the same schedule once per layout row
 def bubble(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> Bubble:
     """The schedule's bubble fraction (replayed from its action table) beside the formula."""
     table = action_table(schedule, pp, microbatches, vpp)
