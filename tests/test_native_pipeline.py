@@ -60,6 +60,14 @@ def test_each_schedule_constraint_is_refused_in_one_line_by_the_plan(overrides, 
     assert needle in message and "\n" not in message, message
 
 
+def test_the_deepspeed_engine_keeps_its_1f1b_and_refuses_other_schedules_by_name():
+    cfg = load_config(None, [*TINY, "train.engine=deepspeed", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
+                             "parallel.vpp=2"])
+    with pytest.raises(ConfigError, match=r"train\.engine=deepspeed runs the 1F1B pipeline schedule only"):
+        RunPlan.build(cfg, 2, gpu=False)
+    assert RunPlan.build(load_config(None, [*TINY, "train.engine=deepspeed", "parallel.pp=2"]), 2, gpu=False).pp == 2
+
+
 def test_every_library_schedule_name_plans():
     for name, vpp in (("GPipe", 1), ("1F1B", 1), ("interleaved1f1b", 2), ("LoopedBFS", 2),
                       ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)):

@@ -21,11 +21,10 @@ true``, the whole stage's with false or under pipeline parallelism. Gradient acc
 nothing: FSDP2 reduce-scatters every micro batch's gradients into the sharded fp32 ones (as
 torchtitan does), instead of holding the unsharded fp32 gradients between reductions.
 
-The torch engine's pipeline (``parallel.pp_schedule``, ``parallel.vpp``) splits the layers as
-``engine.native.schedules.stage_spans`` does, and the microbatches each stage holds in flight are
-read from the schedule's own action table (``parallel.bubble``): 1F1B's ``pp - i`` on stage ``i``,
-GPipe's all of them, the interleaved and zero-bubble schedules' own counts; a rank adds up its
-stages'. The bubble fraction is reported beside it.
+An engine's planner may size its own pipeline (``pipeline_estimate``): the torch engine's
+(``engine/native/pipeline_plan.py``) splits the layers as its stages do and reads the microbatches
+each stage holds in flight from the schedule's own action table (``parallel.bubble``), with the
+bubble fraction beside it.
 
 TP divides every sharded matrix by ``tp`` (norms stay replicated); PP keeps one stage's layers,
 split by DeepSpeed's own partitioner (``parallel.pp_partition``).
@@ -63,9 +62,9 @@ class Layout:
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     partition: str = "parameters"  # parallel.pp_partition (only matters with pp > 1)
-    engine: str = "deepspeed"  # train.engine; "torch": FSDP2 over dp / dp_replicate (``zero`` unused)
-    dp_replicate: int = 1  # torch_engine.dp_replicate (HSDP's replicate degree)
-    accum: int = 1  # micro batches per step (the pipeline's microbatches)
+    engine: str = ""  # train.engine ("": the default engine); its planner does its model-state arithmetic
+    dp_replicate: int = 1  # HSDP's replicate degree (torch_engine.dp_replicate; 1 for ZeRO)
+    accum: int = 1  # micro batches per step (a pipeline's microbatches)
     reshard_after_forward: bool = True  # torch_engine.reshard_after_forward
     schedule: str = "1F1B"  # parallel.pp_schedule (the torch engine's; DeepSpeed runs 1F1B)
     vpp: int = 1  # parallel.vpp: pipeline stages per rank
@@ -74,7 +73,14 @@ class Layout:
     @property
     def dp_shard(self) -> int:
         """The degree the model states are sharded over (FSDP2's shard dim; ZeRO's dp)."""
-        return self.dp // self.dp_replicate if self.engine == "torch" else self.dp
+        return self.dp // self.dp_replicate
+
+    @property
+    def planner(self):
+        """Its engine's planner (``EngineKind.planner``: its sharding arithmetic and table column)."""
+        from ..engines import engine_kind
+
+        return engine_kind(self.engine).hook("planner")
 
 
 @dataclass
@@ -135,7 +141,10 @@ def layer_params(m, tp: int = 1) -> list[int]:
 def stage_bounds(m, layout: Layout, partition: str = "parameters") -> list[int]:
     """Layer boundaries of the pipeline stages, computed by DeepSpeed's own partitioner with the
     same weights ``PipelineModule`` uses (so the plan matches the real split)."""
-    from ..engine import stage_bounds as engine_stage_bounds
+    from ..engines import engine_kind
+
+    def engine_stage_bounds(weights, parts, method):  # the layout's engine's partitioner (DeepSpeed's)
+        return engine_kind(layout.engine).call("stage_bounds", weights, parts, method)
 
     n_items = m.n_layers + 2
     if layout.pp == 1:
@@ -194,7 +203,7 @@ class Estimate:
     optimizer: float
     activations: float
     params_count: int  # parameters on the worst stage's GPU (before ZeRO-3 sharding)
-    pipeline: Optional[dict] = None  # the torch engine's pipeline: schedule, bubble, microbatches in flight
+    pipeline: Optional[dict] = None  # an engine's own pipeline summary (schedule, bubble, in flight)
 
     @property
     def total(self) -> float:
@@ -207,32 +216,18 @@ class Estimate:
 
 
 def model_state_bytes(n_params: int, layout: Layout, precision: str = "bf16") -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes for ``n_params`` on one GPU under ZeRO ``layout.zero``.
-
-    16-bit runs accumulate gradients in fp32 (``data_types.grad_accum_dtype``, which the trainer
-    sets, as Megatron's main_grad): a 16-bit gradient per micro batch plus the fp32 accumulator,
-    6 bytes per parameter.
-    """
-    if layout.engine == "torch":  # FSDP2: fp32 masters, fp32 gradients and Adam state, all sharded
-        shard = layout.dp_shard  # (gradients reduce-scattered every micro batch: never held unsharded)
-        return n_params * 4 / shard, n_params * 4 / shard, n_params * 8 / shard
-    if precision == "fp32":
-        pb, gb, ob = 4, 4, 8
-    else:
-        pb, gb, ob = 2, 2 + 4, 12
-    dp, z = layout.dp, layout.zero
-    params = n_params * pb / (dp if z >= 3 else 1)
-    grads = n_params * gb / (dp if z >= 2 else 1)
-    opt = n_params * ob / (dp if z >= 1 else 1)
-    return params, grads, opt
+    """(params, grads, optimizer) bytes for ``n_params`` on one GPU: the layout's engine's arithmetic
+    (DeepSpeed's ZeRO stages, ``engine/deepspeed/planner.py``; FSDP2's, ``engine/native/planner.py``)."""
+    return layout.planner.model_state_bytes(n_params, layout, precision)
 
 
 def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks: bool | None = None) -> Estimate:
     """Memory per GPU on the most loaded pipeline stage."""
     e = 4 if precision == "fp32" else 2
     masks = (m.dropout > 0) if dropout_masks is None else dropout_masks
-    if layout.engine == "torch" and layout.pp > 1:
-        return _torch_pipeline_estimate(m, seq, layout, precision, masks)
+    own = getattr(layout.planner, "pipeline_estimate", None)
+    if layout.pp > 1 and own is not None:  # the engine sizes its own pipeline (its split, its schedule)
+        return own(m, seq, layout, precision, masks)
     per_stage = stage_params(m, layout, layout.partition)
     blocks = blocks_per_stage(m, layout, layout.partition)
     t, b, sp = layout.tp, layout.micro_batch, layout.sequence_parallel
@@ -250,100 +245,11 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         if i == 0:
             act += in_flight * stored_input  # input codes / embedding output
         p, g, o = model_state_bytes(n_params, layout, precision)
-        if layout.engine == "torch" and (layout.dp_shard > 1 or precision != "fp32"):
-            # FSDP2's unsharded working parameters in the compute dtype (all-gathered or cast): the
-            # block computing plus the one prefetched, and the root's and the head's groups, which
-            # stay gathered from forward to backward (native/build.py); or every group
-            per_layer = layer_params(m, t)
-            edges = per_layer[0] + per_layer[-1]  # the input (table) and the head: root and head groups
-            # (one DP rank has no FSDP2: autocast's 16-bit copies of every weight live until backward)
-            everything = not layout.reshard_after_forward or layout.dp == 1
-            working = n_params if everything else min(n_params, 2 * per_layer[1] + edges)
-            p += working * e
+        p += layout.planner.working_param_bytes(m, layout, n_params, precision, e)  # e.g. FSDP2's gathered copies
         est = Estimate(layout, p, g, o, act, n_params)
         if best is None or est.total > best.total:
             best = est
     return best
-
-
-def _torch_pipeline_estimate(m, seq: int, layout: Layout, precision: str, masks: bool) -> Estimate:
-    """The most loaded pipeline rank of the torch engine (``pipeline_memory``: its split and the
-    schedule's microbatches in flight), with the ``pipeline`` summary attached."""
-    from ..engine.native.schedules import is_v_shaped, stage_ids, stage_spans
-    from .pipeline_memory import pipeline_summary, stage_param_count
-
-    e = 4 if precision == "fp32" else 2
-    t, b, sp = layout.tp, layout.micro_batch, layout.sequence_parallel
-    layer = layer_activation_bytes(m, seq, b, t, sp, e, masks)
-    stored_input = seq * b * m.d_model * e / (t if sp else 1)
-    ac = layout.activation_checkpointing
-    summary = pipeline_summary(m, layout, stored_input if ac else layer, stored_input, seq * b * m.vocab_size * 4 / t)
-    spans = stage_spans(m.n_layers, layout.pp * layout.vpp, layout.edge)
-    per_layer = layer_params(m, t)
-    best = None
-    for r in range(layout.pp):
-        mine = [spans[i] for i in stage_ids(r, layout.pp, layout.vpp, is_v_shaped(layout.schedule))]
-        n_params = sum(stage_param_count(per_layer, s) for s in mine)
-        act = sum(summary["activation_bytes_per_stage"][str(s.index)] for s in mine) + (layer if ac else 0)
-        p, g, o = model_state_bytes(n_params, layout, precision)
-        if layout.dp_shard > 1 or precision != "fp32":
-            p += n_params * e  # every working parameter unsharded (gathered or cast) under PP
-        est = Estimate(layout, p, g, o, act, n_params, pipeline=summary)
-        if best is None or est.total > best.total:
-            best = est
-    return best
-
-
-def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list[Layout]:
-    """Every (tp, pp, dp, zero, micro, sp) whose run plan builds, for ``gpus`` GPUs in ``precision``
-    (None: the config's ``train.precision``, resolved for a GPU)."""
-    import copy
-
-    from ..run_plan import RunPlan
-    from .layout import LayoutError
-
-    out = []
-    torch_engine = getattr(cfg.train, "engine", "deepspeed") == "torch"
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
-    for tp in tps:
-        for pp in range(1, gpus // tp + 1):
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            # DeepSpeed: each ZeRO stage; torch: each HSDP replicate degree (1 = FSDP over all DP, dp = replicate)
-            for zero in ([r for r in range(1, dp + 1) if dp % r == 0] if torch_engine else (0, 1, 2, 3)):
-                for micro in (1, 2, 4, 8, 16, 32):
-                    if micro * dp > cfg.train.global_batch:
-                        continue
-                    for sp in ((False, True) if tp > 1 else (False,)):
-                        c = copy.deepcopy(cfg)
-                        c.parallel.tp, c.parallel.pp = tp, pp
-                        if torch_engine:
-                            c.torch_engine.dp_replicate = zero
-                        else:
-                            c.zero.stage = zero
-                        c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
-                        c.train.precision = precision or c.train.precision
-                        c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend
-                        try:
-                            RunPlan.build(c, gpus, gpu=True)
-                        except LayoutError:
-                            continue
-                        # Both balancing rules under PP: with fixed codes, balancing parameters
-                        # moves blocks onto stage 0, which holds the most in-flight micro batches.
-                        for part in (("parameters", "type:Block") if pp > 1 and not torch_engine
-                                     else ("parameters",)):
-                            if torch_engine:  # "zero" shows the ZeRO stage FSDP2's sharding equals
-                                accum = cfg.train.global_batch // (micro * dp)
-                                par = cfg.parallel
-                                out.append(Layout(tp, pp, dp, 3 if dp // zero > 1 else 0, micro, sp,
-                                                  cfg.train.activation_checkpointing, part, "torch", zero, accum,
-                                                  cfg.torch_engine.reshard_after_forward, par.pp_schedule,
-                                                  par.vpp, par.pp_input_head_layers))
-                            else:
-                                out.append(Layout(tp, pp, dp, zero, micro, sp, cfg.train.activation_checkpointing,
-                                                  part))
-    return out
 
 
 def fixed_code_saving(m, layout: Layout, precision: str = "bf16") -> dict:

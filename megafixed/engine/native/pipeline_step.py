@@ -15,13 +15,12 @@ every schedule reduces to, without overlap, which is all a validation pass needs
 """
 from __future__ import annotations
 
-import math
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from ..base import NonFiniteLossError, StepResult, nonfinite_message
+from ..base import StepResult
 from ..batches import dp_mean, dp_mean_and_flag, split_tokens
 from .engine import NativeEngine
 
@@ -69,22 +68,12 @@ class PipelineEngine(NativeEngine):
             local += torch.stack([loss.detach().double() for loss in losses]).sum()
         dist.all_reduce(local, group=self.pp_group)  # NaN on the last stage reaches every stage
         value, nonfinite = dp_mean_and_flag(local, self.topo.dp_group, self.topo.dp)
-        if nonfinite:
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.cfg.train.on_nonfinite == "stop":
-                raise NonFiniteLossError(nonfinite_message(step, value))
-            return StepResult(loss=value, grad_norm=None, skipped=True)
         from .pipeline import pp_grad_norm
-        from .step import clip_
+        from .step import apply_update
 
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        total = float(pp_grad_norm(params, self.pp_group))
-        clip_(params, self.cfg.optimizer.grad_clip, total)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=value, grad_norm=total if math.isfinite(total) else None, skipped=False)
+        return apply_update(self.optimizer, value, nonfinite, lr=lr, grad_clip=self.cfg.optimizer.grad_clip,
+                            on_nonfinite=self.cfg.train.on_nonfinite, step=step,
+                            norm=lambda params: pp_grad_norm(params, self.pp_group))
 
     @torch.no_grad()
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
