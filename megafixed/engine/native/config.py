@@ -49,8 +49,9 @@ def engine_config(cfg, plan) -> dict:
             "mode": mode, "degree": dp, "replicate_degree": replicate, "shard_degree": shard,
             # what fully_shard wraps (build.py): each block, the head (a tied one stays with the input
             # table in the root's group), then the root; one data-parallel rank: no FSDP at all
-            "fully_shard_units": ((["each block"] + ([] if cfg.model.tie_embeddings else ["head"]) + ["root"])
-                                  if dp > 1 else []),
+            # under PP each stage module is a root (pipeline.py), its blocks and head wrapped inside it
+            "fully_shard_units": ((["each block"] + ([] if cfg.model.tie_embeddings else ["head"])
+                                   + (["each stage (its root)"] if plan.pp > 1 else ["root"])) if dp > 1 else []),
             # each block's; build.py keeps the head's; off under PP (the schedule interleaves microbatches)
             "reshard_after_forward": te.reshard_after_forward and plan.pp == 1,
             "head_reshard_after_forward": False,  # and the root's gathered: backward needs them first
