@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from _metrics import assert_rows_match, logged_step, read_metrics
 from _train_data import reference_overrides
 from megafixed.config import ConfigError, load_config
 from megafixed.run_plan import RunPlan
@@ -220,19 +221,15 @@ def pp2_reference(tiny_shards, tmp_path_factory):
 
 
 def _assert_continues(run_dir, ref_dir, first: int):
-    from test_native_checkpoint import _metrics
-
-    got, want = _metrics(run_dir), _metrics(ref_dir)
+    got, want = read_metrics(run_dir, "loss"), read_metrics(ref_dir, "loss")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for a, b in zip(got[first:], want[first:]):
-        assert a["consumed_samples"] == b["consumed_samples"]
-        for key in ("loss", "grad_norm"):
-            assert math.isclose(a[key], b[key], rel_tol=RTOL), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+    assert_rows_match(got[first:], want[first:], f"{run_dir} vs the uninterrupted PP2 run",
+                      keys=("consumed_samples", "loss", "grad_norm"))
 
 
 @pytest.mark.multiprocess
 def test_a_pp2_run_killed_between_saves_reruns_bit_identically(tiny_shards, pp2_reference, tmp_path):
-    from test_native_checkpoint import _kill9, _logged_step, _metrics, _popen, _run
+    from test_native_checkpoint import _kill9, _popen, _run
 
     run_dir = tmp_path / "run"
     overrides = _overrides(tiny_shards, run_dir, *PP2)
@@ -243,9 +240,9 @@ def test_a_pp2_run_killed_between_saves_reruns_bit_identically(tiny_shards, pp2_
     while time.monotonic() < deadline and victim.poll() is None:
         if latest.exists():
             saved = int(latest.read_text().strip().split("_")[1])
-            if _logged_step(run_dir) > saved:  # past a complete checkpoint, before the next one
+            if logged_step(run_dir) > saved:  # past a complete checkpoint, before the next one
                 _kill9(victim)
-                killed_at = _logged_step(run_dir)
+                killed_at = logged_step(run_dir)
                 break
         time.sleep(0.005)
     victim.wait()
@@ -257,7 +254,7 @@ def test_a_pp2_run_killed_between_saves_reruns_bit_identically(tiny_shards, pp2_
     assert any(ln.startswith("resumed from") and f"(step {saved}," in ln for ln in rerun.stdout.splitlines()), \
         rerun.stdout[-3000:]
     keys = ("step", "loss", "grad_norm", "consumed_samples", "lr")
-    got, want = _metrics(run_dir), _metrics(pp2_reference.wait())
+    got, want = read_metrics(run_dir, "loss"), read_metrics(pp2_reference.wait(), "loss")
     assert [r["step"] for r in want] == list(range(1, STEPS + 1))
     assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in want]  # same bits
 
