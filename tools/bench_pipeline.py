@@ -43,7 +43,7 @@ def main() -> None:
     engines = {}
     for name, vpp in SCHEDULES:
         cfg = load_config(None, [*MODEL, f"parallel.pp_schedule={name}", f"parallel.vpp={vpp}"])
-        topo = setup_distributed(RunPlan.build(cfg, 2, gpu=False))
+        topo = setup_distributed(RunPlan.build(cfg, 2))  # this machine: gloo and fp32 on CPU, NCCL and bf16 on GPUs
         engines[name] = (build_engine(cfg, topo), cfg)
     data = torch.randint(0, 512, (16, 129), generator=torch.Generator().manual_seed(0))
     times: dict = {name: [] for name in engines}
