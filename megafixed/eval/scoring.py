@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
+ATTENTION_BYTES = 1 << 30  # per forward, per layer: bounds memory on long (few-shot) documents
+
 
 @dataclass
 class Request:
@@ -103,10 +105,16 @@ class Scorer:
             bar = ProgressLines(total, desc="scoring", unit="requests")
         else:
             bar = tqdm(total=total, desc="scoring", unit="req", disable=not self.progress, leave=False)
-        for s in range(0, len(rows), self.batch_size):
-            for gi, ri, ll, greedy in score_rows(self.model, rows[s:s + self.batch_size], self.device):
+        s = 0
+        while s < len(rows):
+            # the attention scores of a row are heads x width^2 floats (the mask is not causal-only, so
+            # SDPA may take its math path): fewer rows per forward for wide ones (few-shot prompts)
+            width = len(rows[s].ids)
+            n = max(1, min(self.batch_size, ATTENTION_BYTES // (4 * self.model.cfg.n_heads * width * width)))
+            for gi, ri, ll, greedy in score_rows(self.model, rows[s:s + n], self.device):
                 out[gi][ri] = (ll, greedy)
             self.forwards += 1
-            bar.update(sum(len(r.targets) for r in rows[s:s + self.batch_size]))
+            bar.update(sum(len(r.targets) for r in rows[s:s + n]))
+            s += n
         bar.close()
         return out  # type: ignore[return-value]
