@@ -92,13 +92,26 @@ def pp_traffic(out: Traffic, m, seq: int, layout, act_bytes: int) -> None:
     out.add("pp", "p2p", layout.accum * 2 * 2 * a, layout.pp)  # send + receive, each direction
 
 
+def _stages(m, layout) -> tuple[list, list]:
+    """(parameters, blocks) of each pipeline stage: the engine's partitioner's split, or, for an
+    engine without one (the torch engine splits in its own pipeline plan), blocks evenly."""
+    from .memory import blocks_per_stage, layer_params, stage_params
+
+    try:
+        return stage_params(m, layout, layout.partition), blocks_per_stage(m, layout, layout.partition)
+    except NotImplementedError:
+        per_layer, pp = layer_params(m, layout.tp), layout.pp
+        blocks = [m.n_layers // pp + (1 if i < m.n_layers % pp else 0) for i in range(pp)]
+        params = [b * per_layer[1] for b in blocks]
+        params[0] += per_layer[0]
+        params[-1] += per_layer[-1]
+        return params, blocks
+
+
 def traffic(m, seq: int, layout, precision: str = "bf16") -> Traffic:
     """Bytes per rank per step on the most loaded stage (the one the memory estimate reports)."""
-    from .memory import blocks_per_stage, stage_params
-
     e = 4 if precision == "fp32" else 2
-    per_stage = stage_params(m, layout, layout.partition)
-    blocks = blocks_per_stage(m, layout, layout.partition)
+    per_stage, blocks = _stages(m, layout)
     worst = max(range(layout.pp), key=lambda i: per_stage[i])
     out = Traffic()
     tp_traffic(out, m, seq, layout, e, blocks[worst], worst == layout.pp - 1)

@@ -64,8 +64,8 @@ def _tracker(model, optimizer):
 
 
 def _one_step(model, optimizer, topo, inputs, labels, accum: int, tracker) -> None:
-    """``step.train_step``'s tensor work (forward, backward per micro batch with FSDP2's sync on the
-    last, the global grad norm, the optimizer step) without its Python scalars, which fake tensors
+    """``step.train_step``'s tensor work (forward, backward per micro batch, the global grad norm,
+    the optimizer step) without its Python scalars, which fake tensors
     have no value for."""
     from . import step
 
@@ -75,9 +75,9 @@ def _one_step(model, optimizer, topo, inputs, labels, accum: int, tracker) -> No
         from .tensor import loss_context as tp_loss
 
         loss_context = lambda: tp_loss(model)  # noqa: E731
-    for k in range(accum):
+    for _ in range(accum):
         tracker.reset_mod_stats()  # its per-module stats refuse a second root forward; the peak is kept
-        step._set_gradient_sync(model, k == accum - 1)
+        # FSDP2's default, as step.train_step: each micro batch's backward reduce-scatters its gradients
         with loss_context():
             with compute():
                 loss = model(inputs, labels)
