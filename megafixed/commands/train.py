@@ -45,19 +45,24 @@ def run(args) -> int:
         except Exception as exc:  # noqa: BLE001 -- the error boundary decides what is a bug
             return report(exc)
     prepare_runtime_env()  # before anything imports deepspeed
-    code = exit_codes.OK
+    from ..train.stop import StopRequest
+
+    code, stop = exit_codes.OK, StopRequest()
     try:
-        code = _train(args)
+        code = _train(args, stop)
     except Exception as exc:  # noqa: BLE001
+        from ..launch.refusal import give_rank0_the_lead
+
         code = report(exc)
+        # rank 0's line must be out before the launcher ends the job (a TERM already caught: it has)
+        give_rank0_the_lead(exc, code, ended_already=lambda: stop.requested)
     _flush_and_exit(code)
 
 
-def _train(args) -> int:
+def _train(args, stop) -> int:
     from ..data.prepare import prepare_data
     from ..parallel import setup_distributed
     from ..run_plan import RunPlan
-    from ..train.stop import StopRequest
     from ..train.trainer import train
 
     # SIGUSR1 (Slurm's pre-timeout signal, which the job script forwards) and SIGTERM (scancel, preemption,
@@ -66,7 +71,6 @@ def _train(args) -> int:
     # of the default action (death without a checkpoint). Requeueing is the job script's decision (it
     # sees exit 75 and knows whether the signal was the pre-timeout one): see megafixed/launch.
     # Ctrl-C (SIGINT) is the same request from a keyboard; a second one aborts (train/stop.py).
-    stop = StopRequest()
     stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM), interrupt=True)
     cfg = load_config(args.config, args.overrides)
     plan = RunPlan.for_launch(cfg)  # the layout, validated once, before any process group exists

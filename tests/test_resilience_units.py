@@ -1,0 +1,110 @@
+"""The resilience pieces on their own, without training: the fault grammar, the skip-steps parser and
+its run-directory file, the bad-step guard's arithmetic (against numpy), the straggler verdict and the
+hang watchdog's stack files and exit code (in a child process)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from megafixed.run import faults, skip_steps
+from megafixed.run.bad_steps import BadStepGuard
+
+
+def test_fault_grammar():
+    got = faults.parse("nan@3:rank=1; spike@6:factor=1000;slow:rank=1:factor=2.5;hang@4;exit@9:rank=0")
+    assert [(f.kind, f.step, f.rank, f.factor) for f in got] == [
+        ("nan", 3, 1, 1.0), ("spike", 6, None, 1000.0), ("slow", None, 1, 2.5), ("hang", 4, None, 1.0),
+        ("exit", 9, 0, 1.0)]
+    assert faults.parse("spike@2")[0].factor == faults.DEFAULT_FACTOR["spike"]
+    plan = faults.FaultPlan(got, rank=1)
+    assert math.isnan(plan.loss_factor(3)) and plan.loss_factor(6) == 1000.0 and plan.loss_factor(5) is None
+    assert faults.FaultPlan(got, rank=0).loss_factor(3) is None  # the NaN is rank 1's only
+    assert plan.slow == 2.5 and faults.FaultPlan(got, rank=0).slow is None
+    assert faults.FaultPlan.from_env(0, env={}) is None  # unset: nothing to ask per step
+
+
+@pytest.mark.parametrize("raw, names", [
+    ("nan", "needs @STEP"), ("slow@3", "takes no @STEP"), ("boom@3", "is not a fault"),
+    ("nan@x", "not a number"), ("nan@0", "out of range"), ("nan@3:rank=-1", "out of range"),
+    ("hang@3:factor=2", "unknown option"), ("nan@3:colour=red", "unknown option"), (";", "names no fault")])
+def test_fault_grammar_refuses_in_one_line(raw, names):
+    with pytest.raises(faults.InjectError) as err:
+        faults.parse(raw)
+    text = str(err.value)
+    assert names in text and faults.ENV in text and "\n" not in text
+    from megafixed.errors import describe
+
+    assert describe(err.value)[0] == 2
+
+
+def test_skip_steps_parse_and_file(tmp_path):
+    assert skip_steps.parse("5-6,900-1200, 7") == [(5, 7), (900, 1200)]
+    assert skip_steps.parse(["3", 4]) == [(3, 4)] and skip_steps.parse(None) == []
+    for bad in ("a-b", "6-5", "0", "3-"):
+        with pytest.raises(skip_steps.SkipStepsError, match="data.skip_steps"):
+            skip_steps.parse(bad)
+    s = skip_steps.SkipSteps("2", tmp_path / "faults")
+    assert 2 in s and 5 not in s
+    s.add_window(5, 6, reason="rollback 1: spike loss at step 6", write=True)
+    again = skip_steps.SkipSteps("2", tmp_path / "faults")  # what a resume reads back
+    assert again.ranges == [(2, 2), (5, 6)] and 6 in again and 7 not in again
+    assert again.windows()[0]["reason"].startswith("rollback 1")
+
+
+def test_guard_matches_numpy_and_waits_for_a_full_window():
+    rng = np.random.default_rng(0)
+    values = list(3.0 + 0.01 * rng.standard_normal(12))
+    guard = BadStepGuard(sigma=6.0, window=8)
+    for i, v in enumerate(values[:8]):
+        assert guard.judge(i + 1, "loss", v) is None  # window not yet full: no verdict, however odd
+        guard.accept(v, None)
+    window = np.array(values[:8])
+    limit = window.mean() + 6.0 * window.std()  # population std, as the guard's
+    assert guard.judge(9, "loss", float(limit) * (1 - 1e-9)) is None
+    spike = guard.judge(9, "loss", float(limit) * (1 + 1e-9) + 1e-12)
+    assert spike is not None and spike.kind == "spike" and spike.action == "stop"
+    assert spike.mean == pytest.approx(window.mean()) and spike.std == pytest.approx(window.std())
+    assert guard.judge(9, "loss", 0.0) is None  # one-sided: a falling loss is no fault
+    nan = guard.judge(9, "grad_norm", float("nan"))
+    assert nan.kind == "nonfinite" and nan.what == "grad_norm"
+    restored = BadStepGuard(sigma=6.0, window=8)
+    restored.load_state_dict(json.loads(json.dumps(guard.state_dict())))  # through a checkpoint's JSON
+    assert restored.judge(9, "loss", 100.0).mean == spike.mean
+
+
+def test_straggler_verdict_names_the_slow_rank():
+    from megafixed.train.stragglers import StragglerReport
+
+    rep = StragglerReport(factor=1.5, world=3, device="cpu", hosts=["a", "b", "c"])
+    rows = [[1.0, 0.2], [1.0, 0.7], [1.0, 0.25]]
+    median = 0.25
+    slow = [r for r, (_, c) in enumerate(rows) if c > 1.5 * median]
+    assert slow == [1]
+    figures = {"stragglers": [{"rank": 1, "host": "b", "compute_s": 0.7}], "median_compute_s": median}
+    line = rep.line(10, figures)
+    assert "rank 1 on b" in line and "train.straggler_factor" in line
+
+
+def test_watchdog_dumps_stacks_and_exits_hung(tmp_path):
+    from megafixed import exit_codes
+
+    code = textwrap.dedent(f"""
+        import time
+        from megafixed.train.watchdog import HangWatchdog
+        w = HangWatchdog(timeout_s=1.0, slow_phase_s=1.0, faults_dir={str(tmp_path)!r}, rank=0, world=1).start()
+        w.enter(1); w.finish(1, 0.01); w.enter(2)
+        def stuck_in_a_step():
+            time.sleep(30)
+        stuck_in_a_step()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == exit_codes.HUNG, proc.stderr
+    (stack,) = tmp_path.glob("hang.step00000002.rank00000.*.txt")
+    assert "stuck_in_a_step" in stack.read_text()  # the main thread's frame, dumped from the watchdog's
+    assert "no step completed within 1s" in proc.stdout and "step 2" in proc.stdout
