@@ -43,11 +43,18 @@ class SkippableAdamW(torch.optim.AdamW):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.skip_next_step = False
+        # Asked once, at the first step() call of an update, where the engine already holds the update's
+        # global gradient norm (ZeRO computes and clips with it just before): True skips the update.
+        self.before_update = None
 
     @torch.no_grad()
     def step(self, closure=None):
+        # The engine clears the flag after its whole update: ZeRO 1/2 call step() once per parameter
+        # group (``_optimizer_step``), and every group of a skipped update must be skipped.
+        if not self.skip_next_step and self.before_update is not None:
+            ask, self.before_update = self.before_update, None
+            self.skip_next_step = bool(ask())
         if self.skip_next_step:
-            self.skip_next_step = False
             return None
         return super().step(closure)
 

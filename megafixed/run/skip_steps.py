@@ -21,11 +21,13 @@ class SkipStepsError(ValueError):
     """A malformed ``data.skip_steps`` (exit 2, one line)."""
 
 
-def parse(text, key: str = "data.skip_steps") -> list[tuple[int, int]]:
-    """``"5-6,900-1200"`` (or a list of such items, or ints) -> sorted, merged inclusive ranges."""
+def parse(text, key: str = "data.skip_steps", error: type = None) -> list[tuple[int, int]]:
+    """``"5-6,900-1200"`` (or a list of such items, or ints) -> sorted, merged inclusive ranges.
+    ``error``: the exception class to raise (the config's ConfigError), else SkipStepsError."""
     if text is None or text == "":
         return []
-    items = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    error = error or SkipStepsError
+    items = [p for item in (text if isinstance(text, (list, tuple)) else [text]) for p in str(item).split(",")]
     ranges = []
     for item in items:
         part = str(item).strip()
@@ -35,10 +37,10 @@ def parse(text, key: str = "data.skip_steps") -> list[tuple[int, int]]:
         try:
             a, b = int(lo), int(hi) if dash else int(lo)
         except ValueError:
-            raise SkipStepsError(f"{key}={text!r}: {part!r} is not a step or a range of steps; write e.g. "
+            raise error(f"{key}={text!r}: {part!r} is not a step or a range of steps; write e.g. "
                                  f"'5-6,900-1200' (steps as numbered in the logs, ranges inclusive)") from None
         if a < 1 or b < a:
-            raise SkipStepsError(f"{key}={text!r}: {part!r} is not a range of steps >= 1 (first <= last)")
+            raise error(f"{key}={text!r}: {part!r} is not a range of steps >= 1 (first <= last)")
         ranges.append((a, b))
     return merge(ranges)
 

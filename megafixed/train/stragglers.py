@@ -74,19 +74,19 @@ class StragglerReport:
     def __init__(self, *, factor: float, world: int, device, hosts: Optional[list] = None):
         self.factor, self.world, self.device = float(factor), world, torch.device(device)
         self.hosts = hosts or [socket.gethostname()] * world
-        self.steps, self.wall_s, self.compute_s = 0, 0.0, 0.0
+        self.steps, self.wall_s = 0, 0.0
 
-    def add_step(self, wall_s: float, compute_s: float) -> None:
+    def add_step(self, wall_s: float) -> None:
         self.steps += 1
         self.wall_s += wall_s
-        self.compute_s += compute_s
 
-    def gather(self) -> Optional[dict]:
-        """On every rank (a collective): the per-rank means since the last gather, and the stragglers."""
+    def gather(self, compute_s: float) -> Optional[dict]:
+        """On every rank (a collective): the per-rank means since the last gather (``compute_s``: the
+        forward time of those steps, ``ForwardClock.take``), and the stragglers."""
         if self.steps == 0:
             return None
-        mine = torch.tensor([self.wall_s / self.steps, self.compute_s / self.steps], dtype=torch.float64)
-        self.steps, self.wall_s, self.compute_s = 0, 0.0, 0.0
+        mine = torch.tensor([self.wall_s / self.steps, compute_s / self.steps], dtype=torch.float64)
+        self.steps, self.wall_s = 0, 0.0
         if self.world > 1 and dist.is_initialized():
             dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
             out = [torch.zeros(2, dtype=torch.float64, device=dev) for _ in range(self.world)]
@@ -95,7 +95,8 @@ class StragglerReport:
         else:
             rows = [mine.tolist()]
         compute = [c for _, c in rows]
-        median = statistics.median(compute)
+        # the lower median: with two ranks the faster is the reference (the mean of two would hide a 3x one)
+        median = statistics.median_low(compute)
         slow = [r for r, c in enumerate(compute) if self.world > 1 and median > 0 and c > self.factor * median]
         return {"rank_step_s": [round(w, 6) for w, _ in rows], "rank_compute_s": [round(c, 6) for c in compute],
                 "rank_wait_s": [round(max(w - c, 0.0), 6) for w, c in rows], "median_compute_s": median,

@@ -74,6 +74,10 @@ class HangWatchdog:
 
     # ---- the main thread
     def start(self) -> "HangWatchdog":
+        """Once, at the first step (the first step's allowance counts from here)."""
+        if self._thread is not None:
+            return self
+        self.deadline = time.monotonic() + max(self.timeout(), self.slow_phase_s)
         self._thread = threading.Thread(target=self._watch, name="megafixed-hang-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -84,6 +88,11 @@ class HangWatchdog:
     def finish(self, step: int, seconds: float) -> None:
         self.finished = step
         self.recent.append(seconds)
+        self.deadline = time.monotonic() + self.timeout()
+
+    def touch(self, step: int) -> None:
+        """Progress without a timed step (a skipped step's batches consumed)."""
+        self.entered = self.finished = step
         self.deadline = time.monotonic() + self.timeout()
 
     @contextlib.contextmanager

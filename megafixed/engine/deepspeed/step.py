@@ -15,8 +15,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..base import NonFiniteLossError, StepResult, nonfinite_message
+from ..base import StepResult
 from ..batches import dp_mean, dp_mean_and_flag, none_if_nan, split_tokens
+from ..guarded import loss_verdict, norm_verdict, scaled_loss
 
 
 def _fence_checkpoint_copies(engine) -> None:
@@ -41,7 +42,7 @@ def _stage0_grad_norm(engine) -> Optional[float]:
 
 def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *, dp: int, dp_group=None,
                on_nonfinite: str = "stop", step: int = 0, grad_sync=None,
-               vocab_size: Optional[int] = None) -> StepResult:
+               vocab_size: Optional[int] = None, guard=None, faults=None) -> StepResult:
     """Run one optimizer step over ``accum`` micro batches from ``batches`` on this rank.
 
     ``grad_sync`` (plain engine, sequence parallelism, ZeRO 0/1) sums the sequence-parallel
@@ -56,16 +57,18 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
         loss = engine.train_batch(data_iter=pairs)  # already averaged over micro batches and DP
         value = float(loss)
         nonfinite = not torch.isfinite(torch.tensor(value))
-        if nonfinite and on_nonfinite == "stop":
-            raise NonFiniteLossError(nonfinite_message(step, value))
         # With ZeRO-1 (the pipeline engine's maximum) DeepSpeed itself skips an update whose
-        # gradients are non-finite, which is what a non-finite loss produces.
-        return StepResult(loss=value, grad_norm=none_if_nan(engine.get_global_grad_norm()), skipped=nonfinite)
+        # gradients are non-finite, which is what a non-finite loss produces. A spike is judged only
+        # after the schedule's update here (it runs inside train_batch): stop and rollback act on it.
+        verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+        grad_norm = none_if_nan(engine.get_global_grad_norm())
+        verdict = verdict or norm_verdict(guard, step, grad_norm)
+        return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite, verdict=verdict)
 
     local_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
     for k in range(accum):
         inputs, labels = split_tokens(next(batches), engine.device, vocab_size)
-        loss = engine(inputs, labels)
+        loss = scaled_loss(engine(inputs, labels), faults, step)  # an injected fault (MEGAFIXED_INJECT), if any
         engine.backward(loss)
         local_sum += loss.detach().double()
         if k < accum - 1:
@@ -74,19 +77,33 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
             grad_sync.finish()  # one TP all-reduce of the SP gradients, at the boundary
             engine.allreduce_gradients()  # then DeepSpeed's DP reduction, which it deferred for us
     value, nonfinite = dp_mean_and_flag(local_sum / accum, dp_group, dp)
-    if nonfinite:
-        if on_nonfinite == "stop":
-            raise NonFiniteLossError(nonfinite_message(step, value))
-        optimizer.skip_next_step = True
-    grad_norm = None
-    if not nonfinite and engine.zero_optimization_stage() == 0:
-        grad_norm = _stage0_grad_norm(engine)
+    # The guard judges values every rank already holds (the reduced loss, the global norm): every rank
+    # reaches the same verdict with no collective of its own, and no device read is added.
+    verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+    grad_norm, judged = None, {}
+    if verdict is None and engine.zero_optimization_stage() == 0:
+        grad_norm = _stage0_grad_norm(engine)  # before the update: ours to compute without ZeRO
+        verdict = norm_verdict(guard, step, grad_norm)
+    elif verdict is None and guard is not None:
+        def judge_zero_norm() -> bool:  # inside ZeRO's step: its norm is computed, the update not yet run
+            judged["verdict"] = norm_verdict(guard, step, _zero_grad_norm(engine))
+            return judged["verdict"] is not None
+        optimizer.before_update = judge_zero_norm
+    optimizer.skip_next_step = verdict is not None
     _fence_checkpoint_copies(engine)
     engine.step()
-    optimizer.skip_next_step = False  # ZeRO may have skipped on its own without consuming the flag
-    if grad_norm is None and not nonfinite:
+    optimizer.skip_next_step, optimizer.before_update = False, None  # ZeRO may skip without asking us
+    verdict = verdict or judged.get("verdict")
+    if grad_norm is None and verdict is None:
         grad_norm = none_if_nan(engine.get_global_grad_norm())
-    return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite)
+    return StepResult(loss=value, grad_norm=grad_norm, skipped=verdict is not None, verdict=verdict)
+
+
+def _zero_grad_norm(engine):
+    """The global norm ZeRO computed for this update (``DeepSpeedZeroOptimizer``/``BF16_Optimizer`` keep
+    it before they call the client optimizer's step); inf when it found an overflow."""
+    norm = getattr(engine.optimizer, "_global_grad_norm", None)
+    return None if norm is None else float(norm)
 
 
 @torch.no_grad()

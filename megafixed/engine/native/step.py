@@ -15,8 +15,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..base import NonFiniteLossError, StepResult, nonfinite_message
+from ..base import StepResult
 from ..batches import dp_mean, dp_mean_and_flag, split_tokens
+from ..guarded import loss_verdict, norm_verdict, scaled_loss
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,7 @@ def clip_(parameters, max_norm: float, total: float) -> None:
 def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *, lr: float, dp: int, dp_group,
                grad_clip: float, on_nonfinite: str = "stop", step: int = 0, vocab_size: Optional[int] = None,
                device=None, loss_context: Callable = lambda _m: contextlib.nullcontext(),
-               precision: str = "fp32") -> StepResult:
+               precision: str = "fp32", guard=None, faults=None) -> StepResult:
     """One optimizer step over ``accum`` micro batches of this rank (``batches``)."""
     model.train()
     device = device if device is not None else next(model.parameters()).device
@@ -101,17 +102,19 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
         _set_gradient_sync(model, k == accum - 1)  # reduce once per step, after the last micro batch
         with loss_context(model):
             with compute():
-                loss = model(inputs, labels)
+                loss = scaled_loss(model(inputs, labels), faults, step)  # MEGAFIXED_INJECT, if set
             (loss / accum).backward()
         local_sum += _plain(loss).detach().double()
     value, nonfinite = dp_mean_and_flag(local_sum / accum, dp_group, dp)
-    if nonfinite:
-        optimizer.zero_grad(set_to_none=True)
-        if on_nonfinite == "stop":
-            raise NonFiniteLossError(nonfinite_message(step, value))
-        return StepResult(loss=value, grad_norm=None, skipped=True)  # the batch is dropped, no update
+    # The guard judges the reduced loss and the global norm, identical on every rank (no collective,
+    # no device read of its own: both values are read here anyway).
+    verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    total = float(grad_norm(params))
+    total = float(grad_norm(params)) if verdict is None else None
+    verdict = verdict or norm_verdict(guard, step, total)
+    if verdict is not None:
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss=value, grad_norm=None, skipped=True, verdict=verdict)  # the batch is dropped
     clip_(params, grad_clip, total)
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -1,0 +1,149 @@
+"""The trainer's faults-and-recovery component: one object the loop asks around each step.
+
+* before a step: a step in ``data.skip_steps`` or a rollback window has its batches consumed without
+  training (``skip_step``); the hang watchdog is told the step began; injected ``exit``/``hang``
+  faults happen (``megafixed.run.faults``);
+* the engine's step asks ``engine.guard`` (``megafixed.run.bad_steps``) for a verdict on the loss and
+  the gradient norm before its update, and ``engine.faults`` for an injected loss factor;
+* after a step (``after_step``): a verdict is reported (one line, a ``metrics.jsonl`` row, a line of
+  ``<run_dir>/faults/bad_steps.jsonl``) and acted on -- ``stop`` raises, ``skip`` was the engine's,
+  ``rollback`` reloads (``rollback.py``) and returns the checkpoint's client state; a good step
+  enters the guard's windows;
+* at each log interval (``log_extra``) the ranks' step times are gathered and stragglers named.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import Optional
+
+from ..run.bad_steps import BadStepGuard
+from ..run.faults import ENV, FaultPlan
+from ..run.skip_steps import SkipSteps, spelled
+from .rollback import BadStepError, roll_back
+from .stragglers import ForwardClock, StragglerReport
+from .watchdog import HangWatchdog
+
+BAD_STEPS_FILE = "bad_steps.jsonl"  # under <run_dir>/faults/
+
+
+class Resilience:
+    def __init__(self, cfg, topo, engine, checkpointer, say):
+        from ..launch import rendezvous
+
+        self.cfg, self.topo, self.engine, self.checkpointer, self.say = cfg, topo, engine, checkpointer, say
+        self.faults_dir = checkpointer.run_dir.path / "faults"
+        self.plan = FaultPlan.from_env(topo.rank)
+        self.guard = BadStepGuard.from_config(cfg.train)
+        self.skips = SkipSteps(cfg.data.skip_steps, self.faults_dir)
+        hosts = [p["host"] for p in sorted(rendezvous.peers(), key=lambda p: p["rank"])]
+        hosts = hosts if len(hosts) == topo.world_size else None
+        self.watchdog = HangWatchdog.for_run(cfg, topo, self.faults_dir, say)  # started at the first step
+        slow = self.plan.slow_down if self.plan is not None and self.plan.slow else None
+        self.clock = ForwardClock(engine.module, engine.device, on_forward=slow)
+        self.stragglers = StragglerReport(factor=cfg.train.straggler_factor, world=topo.world_size,
+                                          device=engine.device, hosts=hosts)
+        engine.guard, engine.faults = self.guard, self.plan  # what the engine's step asks
+        if self.plan is not None:  # every checkpoint's run record says a drill was running
+            checkpointer.record["fault_injection"] = os.environ.get(ENV)
+        if self.skips:
+            say(f"skipping the batches of steps {spelled(self.skips.ranges)} (data.skip_steps"
+                + (f" and rollbacks recorded in {self.skips.file}" if self.skips.rolled_back else "") + ")")
+        if self.plan is not None:
+            say(f"fault injection: {'; '.join(f.spelled() for f in self.plan.faults) or 'none on this rank'} "
+                f"(MEGAFIXED_INJECT)")
+
+    def close(self) -> None:
+        self.watchdog.stop()
+
+    # ---- around a step
+    def skip_step(self, step: int, batches, accum: int) -> bool:
+        """Step ``step + 1`` is to be skipped: consume its batches (no forward, no RNG) and say so."""
+        if step + 1 not in self.skips:
+            return False
+        for _ in range(accum):
+            next(batches)
+        self.watchdog.touch(step + 1)
+        return True
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Around the engine's step of (log) step ``step + 1``."""
+        self.watchdog.start().enter(step + 1)
+        if self.plan is not None:
+            self.plan.before_step(step + 1)
+        self.clock.active, t0 = True, time.perf_counter()
+        try:
+            yield
+        finally:
+            self.clock.active = False
+        wall = time.perf_counter() - t0
+        self.watchdog.finish(step + 1, wall)
+        self.stragglers.add_step(wall)
+
+    def grace(self):
+        """Around a save or a validation pass (the watchdog allows them longer)."""
+        return self.watchdog.grace()
+
+    # ---- after a step
+    def after_step(self, step: int, result, metrics) -> Optional[dict]:
+        """Act on the verdict of (log) step ``step``; the checkpoint's client state after a rollback."""
+        verdict = getattr(result, "verdict", None)
+        if verdict is None:
+            if not result.skipped:
+                self.guard.accept(result.loss, result.grad_norm)
+            return None
+        self._report(verdict, metrics)
+        if verdict.action == "stop":
+            from ..engine.base import NonFiniteLossError, nonfinite_message
+
+            if verdict.kind == "nonfinite" and verdict.what == "loss":
+                raise NonFiniteLossError(nonfinite_message(step - 1, verdict.value))
+            raise BadStepError(f"{self._line(verdict)}. The run stops here; the last checkpoint is intact. Set "
+                               f"{verdict.key()}=skip or =rollback to go on past such steps")
+        if verdict.action == "skip":
+            return None
+        client = roll_back(self.checkpointer, self.engine, verdict, self.skips, self.cfg, self.topo, self.say)
+        self.guard.load_state_dict(client.get("bad_steps"))
+        _rewind(metrics.metrics, int(client["step"]))
+        metrics.write({"step": verdict.step, "bad_step": verdict.record()})  # kept past the truncation
+        return client
+
+    def _line(self, verdict) -> str:
+        return verdict.line(self.guard.sigma, self.guard.size)
+
+    def _report(self, verdict, metrics) -> None:
+        self.say(self._line(verdict))
+        metrics.write({"step": verdict.step, "bad_step": verdict.record()})
+        if self.topo.is_main:
+            self.faults_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.faults_dir / BAD_STEPS_FILE, "a") as f:
+                f.write(json.dumps(verdict.record()) + "\n")
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of this component: the guard's windows."""
+        return {"bad_steps": self.guard.state_dict()}
+
+    def log_extra(self, step: int) -> dict:
+        """At a log interval (every rank: a collective): the per-rank step times, stragglers named."""
+        figures = self.stragglers.gather(self.clock.take())
+        if figures is None:
+            return {}
+        line = self.stragglers.line(step, figures)
+        if line:
+            self.say(line)
+        return figures
+
+
+def _rewind(log, step: int) -> None:
+    """The metrics (and TensorBoard events) past ``step`` go, as on a resume from that step: the
+    files are closed and reopened by the next record, which truncates them first (``MetricsLog._open``)."""
+    if log.fh is not None:
+        log.fh.close()
+        log.fh = None
+    if log.writer is not None:
+        log.writer.close()
+        log.writer = None
+    log.resume_step = step
