@@ -105,6 +105,7 @@ class FaultPlan:
     """This rank's share of the injected faults; the trainer and the engine's step ask it."""
 
     def __init__(self, faults: list[Fault], rank: int, say=print):
+        self.every_rank = list(faults)
         self.faults = [f for f in faults if f.applies(rank)]
         self.rank, self.say = rank, say
         self.slow = next((f.factor for f in self.faults if f.kind == "slow"), None)
@@ -135,9 +136,13 @@ class FaultPlan:
                 time.sleep(1.0)
 
     def slow_down(self, seconds: float) -> None:
-        """A forward that took ``seconds`` takes ``factor`` times as long (``slow``)."""
+        """A forward that took ``seconds`` takes ``factor`` times as long (``slow``): the rank computes
+        (spins), as a slower device would, rather than sleeps."""
         if self.slow and self.slow > 1:
-            time.sleep((self.slow - 1.0) * seconds)
+            clock = time.process_time
+            end = clock() + (self.slow - 1.0) * seconds
+            while clock() < end:
+                pass
 
     def _line(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)  # every rank: the faulty rank may not be rank 0

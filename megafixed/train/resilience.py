@@ -52,8 +52,7 @@ class Resilience:
             say(f"skipping the batches of steps {spelled(self.skips.ranges)} (data.skip_steps"
                 + (f" and rollbacks recorded in {self.skips.file}" if self.skips.rolled_back else "") + ")")
         if self.plan is not None:
-            say(f"fault injection: {'; '.join(f.spelled() for f in self.plan.faults) or 'none on this rank'} "
-                f"(MEGAFIXED_INJECT)")
+            say(f"fault injection: {'; '.join(f.spelled() for f in self.plan.every_rank)} ({ENV})")
 
     def close(self) -> None:
         self.watchdog.stop()
@@ -71,9 +70,10 @@ class Resilience:
     @contextlib.contextmanager
     def step(self, step: int):
         """Around the engine's step of (log) step ``step + 1``."""
-        self.watchdog.start().enter(step + 1)
+        self.watchdog.start()
         if self.plan is not None:
-            self.plan.before_step(step + 1)
+            self.plan.before_step(step + 1)  # an injected hang stops here: this rank never enters the step
+        self.watchdog.enter(step + 1)
         self.clock.active, t0 = True, time.perf_counter()
         try:
             yield

@@ -5,10 +5,11 @@ with its host, in one line and in ``metrics.jsonl``; the per-rank figures are in
 Per rank and step, two figures:
 
 * ``compute_s``: the time in the model's forward passes of the step (hooks on the rank's module).
-  Under data parallelism a forward holds no collective, so it is this rank's own speed; a slow GPU,
-  a throttled CPU or a noisy neighbour shows here. (On CUDA the time comes from CUDA events read at
-  the log interval, so no host sync is added per step.) The backward is not timed on its own because
-  the engines' gradient reduction runs inside it.
+  Under data parallelism a forward holds no collective, so it is this rank's own speed; a slow or
+  throttled GPU shows here. On CUDA the time comes from CUDA events read at the log interval, so no
+  host sync is added per step; on CPU it is the process's CPU time (``time.process_time``), since a
+  few-millisecond forward's wall time on a shared machine is mostly the scheduler's noise. The
+  backward is not timed on its own because the engines' gradient reduction runs inside it.
 * ``wait_s``: the rest of the step's wall time -- backward, reductions and waiting for the slowest
   rank. In lock-step training every rank's wall time is the same, so only ``compute_s`` can tell
   which rank is slow; a rank with a small ``compute_s`` and a large ``wait_s`` is waiting for others.
@@ -31,6 +32,7 @@ class ForwardClock:
 
     def __init__(self, module: torch.nn.Module, device, on_forward=None):
         self.cuda = torch.device(device).type == "cuda"
+        self.now = time.perf_counter if self.cuda else time.process_time
         self.active, self.host_s, self.events, self._t0 = False, 0.0, [], None
         self.on_forward = on_forward  # the ``slow`` fault: called with each forward's seconds
         module.register_forward_pre_hook(self._pre)
@@ -43,15 +45,15 @@ class ForwardClock:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             self.events.append([start, None])
-        self._t0 = time.perf_counter()
+        self._t0 = self.now()
 
     def _post(self, _module, _args, _out):
         if not self.active or self._t0 is None:
             return
-        seconds = time.perf_counter() - self._t0
+        seconds = self.now() - self._t0
         if self.on_forward is not None:
             self.on_forward(seconds)  # before the clock stops: an injected slow-down is compute
-            seconds = time.perf_counter() - self._t0
+            seconds = self.now() - self._t0
         self.host_s += seconds
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
