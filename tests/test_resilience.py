@@ -212,6 +212,7 @@ def test_spike_rollback_equals_fresh_skip_and_survives_a_requeue(tiny_shards, tm
     assert [r["step"] for r in records(rolled) if r.get("skipped_data")] == [5, 6]
 
 
+@pytest.mark.slow
 def test_no_false_verdict_over_a_quickstart_shaped_run(tiny_shards, tmp_path, monkeypatch):
     """300 steps with the quickstart's optimizer, schedule and clipping and the guard's defaults
     (window 128, 6 sigma; default action skip): not one verdict."""
