@@ -138,6 +138,7 @@ class HangWatchdog:
                 self.store.set(_key("dumped", self.rank), str(path))
         if self.rank == 0:
             self._name_the_ranks()
+            time.sleep(1.0)  # the others leave first, each with HUNG: a launcher then sees 76, not its own kill
         else:
             self._wait_for(lambda: self.store is None or self.store.check([_key("named", 0)]))
         sys.stdout.flush()
