@@ -108,3 +108,21 @@ def test_watchdog_dumps_stacks_and_exits_hung(tmp_path):
     (stack,) = tmp_path.glob("hang.step00000002.rank00000.*.txt")
     assert "stuck_in_a_step" in stack.read_text()  # the main thread's frame, dumped from the watchdog's
     assert "no step completed within 1s" in proc.stdout and "step 2" in proc.stdout
+
+
+def test_submit_nodes_range_renders_and_refuses_a_shrink_that_splits_tp(tmp_path, capsys):
+    from megafixed.cli import main
+
+    cfg = tmp_path / "empty.yaml"
+    cfg.write_text("{}\n")
+    common = [str(cfg), "--gpus-per-node", "1", "--cpu", "--dry-run", "data.mock=true", "model.vocab_size=256",
+              "model.code_bits=8", f"train.run_dir={tmp_path / 'run'}", "train.global_batch=12", "train.micro_batch=2"]
+    assert main(["submit", *common, "--nodes", "2-3"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --nodes=2-3" in out and "# megafixed training job: 2-3 node(s)" in out
+    # A TP pair over two one-GPU nodes cannot lose a node: refused, naming the node count and the fix.
+    assert main(["submit", *common, "--nodes", "1-2", "parallel.tp=2", "train.global_batch=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--nodes 1-2: on 1 node(s) (1 ranks)" in err[0] and "raise the minimum to 2" in err[0]
+    assert main(["submit", *common, "--nodes", "3-2"]) == 2
+    assert "MIN must not exceed MAX" in capsys.readouterr().err

@@ -54,6 +54,32 @@ class Resilience:
         if self.plan is not None:
             say(f"fault injection: {'; '.join(f.spelled() for f in self.plan.every_rank)} ({ENV})")
 
+    def note_shrink(self, resume) -> Optional[str]:
+        """A resume on fewer ranks than the checkpoint's (a requeued job back on fewer nodes, ``submit
+        --nodes MIN-MAX``): the data-parallel degree is re-laid out and the global batch kept by
+        accumulating more. Said in one line and kept in the run record (``shrunk_from``)."""
+        import os
+
+        from ..run.run_record import read_run_record
+
+        nodes = os.environ.get("SLURM_JOB_NUM_NODES")
+        if nodes:
+            self.checkpointer.record["nodes"] = int(nodes)
+        old = read_run_record(resume.tag_dir) if resume is not None else None
+        lay = (old or {}).get("layout") or {}
+        if not lay or lay.get("tp", 1) * lay.get("pp", 1) * lay.get("dp", 1) <= self.topo.world_size:
+            return None
+        plan, world = self.topo.plan, lay.get("tp", 1) * lay.get("pp", 1) * lay.get("dp", 1)
+        was = {"world": world, "dp": lay.get("dp"), "nodes": (old or {}).get("nodes")}
+        self.checkpointer.record["shrunk_from"] = was
+        where = f" on {was['nodes']} nodes" if was["nodes"] else ""
+        now = f" on {nodes} nodes" if nodes else ""
+        line = (f"the job shrank: checkpoint {resume.tag} was written by {world} ranks{where} (dp {lay.get('dp')}), "
+                f"this run has {self.topo.world_size}{now} (dp {plan.dp}); the global batch "
+                f"{plan.batch.global_batch} is kept by accumulating {plan.batch.accum} micro batches per step")
+        self.say(line)
+        return line
+
     def close(self) -> None:
         self.watchdog.stop()
 

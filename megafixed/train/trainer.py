@@ -88,6 +88,7 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
     step, consumed, client = _start(cfg, topo, engine, checkpointer, resume, say)
     res = Resilience(cfg, topo, engine, checkpointer, say)  # bad steps, skipped data, hangs, stragglers
     res.guard.load_state_dict((client or {}).get("bad_steps"))
+    res.note_shrink(resume)
     _write_run_files(cfg, topo, engine)  # only now: a refused resume must not replace the run's own files
     from ..data.gpt_dataset import micro_batches
 
