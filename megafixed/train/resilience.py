@@ -133,8 +133,8 @@ class Resilience:
             return None
         client = roll_back(self.checkpointer, self.engine, verdict, self.skips, self.cfg, self.topo, self.say)
         self.guard.load_state_dict(client.get("bad_steps"))
-        _rewind(metrics.metrics, int(client["step"]))
-        metrics.write({"step": verdict.step, "bad_step": verdict.record()})  # kept past the truncation
+        _rewind(metrics, int(client["step"]))
+        metrics.metrics.write({"step": verdict.step, "bad_step": verdict.record()})  # kept past the truncation
         return client
 
     def _line(self, verdict) -> str:
@@ -142,7 +142,7 @@ class Resilience:
 
     def _report(self, verdict, metrics) -> None:
         self.say(self._line(verdict))
-        metrics.write({"step": verdict.step, "bad_step": verdict.record()})
+        metrics.metrics.write({"step": verdict.step, "bad_step": verdict.record()})  # the file; not the history
         if self.topo.is_main:
             self.faults_dir.mkdir(parents=True, exist_ok=True)
             with open(self.faults_dir / BAD_STEPS_FILE, "a") as f:
@@ -163,9 +163,11 @@ class Resilience:
         return figures
 
 
-def _rewind(log, step: int) -> None:
-    """The metrics (and TensorBoard events) past ``step`` go, as on a resume from that step: the
-    files are closed and reopened by the next record, which truncates them first (``MetricsLog._open``)."""
+def _rewind(steps, step: int) -> None:
+    """The records (and TensorBoard events) past ``step`` go, as on a resume from that step: the files
+    are closed and reopened by the next record, which truncates them first (``MetricsLog._open``)."""
+    steps.history[:] = [r for r in steps.history if r.get("step", 0) <= step]
+    log = steps.metrics
     if log.fh is not None:
         log.fh.close()
         log.fh = None
