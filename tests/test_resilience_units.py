@@ -126,3 +126,25 @@ def test_submit_nodes_range_renders_and_refuses_a_shrink_that_splits_tp(tmp_path
     assert len(err) == 1 and "--nodes 1-2: on 1 node(s) (1 ranks)" in err[0] and "raise the minimum to 2" in err[0]
     assert main(["submit", *common, "--nodes", "3-2"]) == 2
     assert "MIN must not exceed MAX" in capsys.readouterr().err
+
+
+def test_the_real_quickstart_trace_gets_no_verdict_and_a_spike_in_it_does():
+    """Replays the loss and grad norm of every step of a real 300-step quickstart run (recorded once in
+    tests/quickstart_trace.json; the run takes ~10 min on 2 cores) through the guard's defaults."""
+    from pathlib import Path
+
+    rows = json.loads((Path(__file__).parent / "quickstart_trace.json").read_text())["steps"]
+    assert [r[0] for r in rows] == list(range(1, 301))
+
+    def replay(trace):
+        guard, found = BadStepGuard(), []
+        for step, loss, norm in trace:
+            found += [v for v in (guard.judge(step, "loss", loss), guard.judge(step, "grad_norm", norm)) if v]
+            guard.accept(loss, norm)
+        return found
+
+    assert replay(rows) == []
+    spiked = [list(r) for r in rows]
+    spiked[250][1] *= 1.5  # the same trace with one loss 1.5x: the guard must see it
+    (v,) = replay(spiked)
+    assert (v.step, v.kind, v.what) == (251, "spike", "loss")
