@@ -111,7 +111,8 @@ def test_nan_skip_keeps_weights_and_adam_state(one_process_nan):
     assert any(not torch.equal(three[n], four[n]) for n in three)  # and step 4 trained again
     rec = {r["step"]: r for r in records(run) if "loss" in r}
     assert rec[3]["consumed_samples"] == 3 * 8  # the batch counts as consumed
-    assert_latest_verifies(run)
+    tag = assert_latest_verifies(run)
+    assert json.loads((run / "checkpoints" / tag / "run.json").read_text())["fault_injection"] == "nan@3"
 
 
 def _launch(nproc: int, args: list[str], env: dict, timeout: float):
@@ -253,3 +254,16 @@ def test_a_refusal_is_in_every_torchrun_log(tmp_path):
     found = [text.count("error: unknown config key 'train.bogus_key'") for _, text, _, _ in results]
     assert found == [1] * 20, [t[-1500:] for (_, t, _, _), n in zip(results, found) if n != 1][:1]
     assert all(f"exitcode  : {exit_codes.BAD_INPUT}" in text for _, text, _, _ in results)
+
+
+def test_a_rank_that_dies_loses_no_checkpoint(tiny_shards, tmp_path, monkeypatch):
+    """``exit@5``: the process is SIGKILLed before step 5; checkpoint 4 verifies and the run resumes from it."""
+    run, cfg = tmp_path / "run", tmp_path / "empty.yaml"
+    cfg.write_text("{}\n")
+    over = tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=6", "train.save_interval=2")
+    proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", str(cfg), *over], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "MEGAFIXED_INJECT": "exit@5"}, timeout=300)
+    assert proc.returncode == -9 and "rank 0 dies (SIGKILL) before step 5" in proc.stderr
+    assert assert_latest_verifies(run) == "step_00000004"
+    result = _train(tiny_shards, run, "train.max_steps=6", "train.save_interval=2", monkeypatch=monkeypatch)
+    assert result.resumed_from == "step_00000004" and result.step == 6
