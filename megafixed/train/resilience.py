@@ -30,20 +30,22 @@ BAD_STEPS_FILE = "bad_steps.jsonl"  # under <run_dir>/faults/
 
 
 class Resilience:
-    def __init__(self, cfg, topo, engine, checkpointer, say):
+    def __init__(self, train, topo, engine, checkpointer, say, *, skip_steps=(), slow_phase_s: float = 600):
+        """``train``: the config's train section; ``skip_steps``: ``data.skip_steps``; ``slow_phase_s``:
+        ``parallel.collective_timeout_s`` (what the watchdog allows a save or the first step)."""
         from ..launch import rendezvous
 
-        self.cfg, self.topo, self.engine, self.checkpointer, self.say = cfg, topo, engine, checkpointer, say
+        self.train, self.topo, self.engine, self.checkpointer, self.say = train, topo, engine, checkpointer, say
         self.faults_dir = checkpointer.run_dir.path / "faults"
         self.plan = FaultPlan.from_env(topo.rank)
-        self.guard = BadStepGuard.from_config(cfg.train)
-        self.skips = SkipSteps(cfg.data.skip_steps, self.faults_dir)
+        self.guard = BadStepGuard.from_config(train)
+        self.skips = SkipSteps(list(skip_steps), self.faults_dir)
         hosts = [p["host"] for p in sorted(rendezvous.peers(), key=lambda p: p["rank"])]
         hosts = hosts if len(hosts) == topo.world_size else None
-        self.watchdog = HangWatchdog.for_run(cfg, topo, self.faults_dir, say)  # started at the first step
+        self.watchdog = HangWatchdog.for_run(train.hang_timeout_s, slow_phase_s, topo, self.faults_dir, say)
         slow = self.plan.slow_down if self.plan is not None and self.plan.slow else None
         self.clock = ForwardClock(engine.module, engine.device, on_forward=slow)
-        self.stragglers = StragglerReport(factor=cfg.train.straggler_factor, world=topo.world_size,
+        self.stragglers = StragglerReport(factor=train.straggler_factor, world=topo.world_size,
                                           device=engine.device, hosts=hosts)
         engine.guard, engine.faults = self.guard, self.plan  # what the engine's step asks
         if self.plan is not None:  # every checkpoint's run record says a drill was running
@@ -131,7 +133,7 @@ class Resilience:
                                f"{verdict.key()}=skip or =rollback to go on past such steps")
         if verdict.action == "skip":
             return None
-        client = roll_back(self.checkpointer, self.engine, verdict, self.skips, self.cfg, self.topo, self.say)
+        client = roll_back(self.checkpointer, self.engine, verdict, self.skips, self.train, self.topo, self.say)
         self.guard.load_state_dict(client.get("bad_steps"))
         _rewind(metrics, int(client["step"]))
         metrics.metrics.write({"step": verdict.step, "bad_step": verdict.record()})  # kept past the truncation

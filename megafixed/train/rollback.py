@@ -28,32 +28,32 @@ def rollback_count(skips) -> int:
     return sum(1 for w in skips.windows() if w.get("reason", "").startswith("rollback"))
 
 
-def roll_back(checkpointer, engine, verdict, skips, cfg, topo, say) -> dict:
+def roll_back(checkpointer, engine, verdict, skips, train, topo, say) -> dict:
     """Reload the newest verified checkpoint before ``verdict.step``; mark the window skipped; return
-    the checkpoint's client state. Raises ``BadStepError`` when ``train.max_rollbacks`` are used up
-    or no checkpoint precedes the bad step."""
+    the checkpoint's client state (``train``: the config's train section). Raises ``BadStepError``
+    when ``train.max_rollbacks`` are used up or no checkpoint precedes the bad step."""
     from ..run import manifest
     from .checkpoint import ResumePoint
 
     done = rollback_count(skips)
-    if done >= cfg.train.max_rollbacks:
-        raise BadStepError(f"{verdict.line(cfg.train.spike_sigma, cfg.train.spike_window)}; but this run already "
-                           f"rolled back {done} time(s) (train.max_rollbacks={cfg.train.max_rollbacks}): it stops "
+    if done >= train.max_rollbacks:
+        raise BadStepError(f"{verdict.line(train.spike_sigma, train.spike_window)}; but this run already "
+                           f"rolled back {done} time(s) (train.max_rollbacks={train.max_rollbacks}): it stops "
                            f"here, the last checkpoint is intact. Look at the data around the skipped steps "
                            f"({skips.file}), lower optimizer.lr or raise train.max_rollbacks")
     checkpointer.wait(engine)  # a save in flight completes (and is committed) first
     tag = newest_before(checkpointer, verdict.step)
     if tag is None:
-        raise BadStepError(f"{verdict.line(cfg.train.spike_sigma, cfg.train.spike_window)}; but no checkpoint "
+        raise BadStepError(f"{verdict.line(train.spike_sigma, train.spike_window)}; but no checkpoint "
                            f"precedes step {verdict.step} to roll back to: the run stops. Set a smaller "
                            f"train.save_interval, or {verdict.key()}=skip")
     tag_dir = checkpointer.run_dir.tag_dir(tag)
     manifest.verify_for_reading(tag_dir, rank=topo.rank, world=topo.world_size)
     client = checkpointer.load(engine, ResumePoint(tag=tag, tag_dir=tag_dir))
-    first, last = tag_step(tag) + 1, verdict.step + cfg.train.rollback_skip
+    first, last = tag_step(tag) + 1, verdict.step + train.rollback_skip
     skips.add_window(first, last, reason=f"rollback {done + 1}: {verdict.kind} {verdict.what} at step "
                      f"{verdict.step}", write=topo.is_main)
-    say(f"rollback {done + 1}/{cfg.train.max_rollbacks}: reloaded {tag_dir} (verified); steps {first}-{last} are "
+    say(f"rollback {done + 1}/{train.max_rollbacks}: reloaded {tag_dir} (verified); steps {first}-{last} are "
         f"skipped (their batches consumed without training), recorded in {skips.file}")
     checkpointer.latest = tag
     return client

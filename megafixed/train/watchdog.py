@@ -57,11 +57,12 @@ class HangWatchdog:
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
-    def for_run(cls, cfg, topo, faults_dir: Path, say) -> "HangWatchdog":
+    def for_run(cls, timeout_s: float, slow_phase_s: float, topo, faults_dir: Path, say) -> "HangWatchdog":
+        """Started at the first step (``start``): ``train.hang_timeout_s``, ``parallel.collective_timeout_s``."""
         from ..launch import rendezvous
 
         hosts = [p["host"] for p in sorted(rendezvous.peers(), key=lambda p: p["rank"])] or None
-        return cls(timeout_s=cfg.train.hang_timeout_s, slow_phase_s=cfg.parallel.collective_timeout_s,
+        return cls(timeout_s=timeout_s, slow_phase_s=slow_phase_s,
                    faults_dir=faults_dir, rank=topo.rank, world=topo.world_size, say=say,
                    store=rendezvous.store(), hosts=hosts if hosts and len(hosts) == topo.world_size else None)
 

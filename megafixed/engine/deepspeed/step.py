@@ -16,8 +16,8 @@ from typing import Iterator, Optional
 import torch
 
 from ..base import StepResult
-from ..batches import dp_mean, dp_mean_and_flag, none_if_nan, split_tokens
-from ..guarded import loss_verdict, norm_verdict, scaled_loss
+from ..batches import none_if_nan, split_tokens
+from ..loops import accumulated_loss, eval_mean, loss_verdict, norm_verdict, scaled_loss
 
 
 def _fence_checkpoint_copies(engine) -> None:
@@ -47,7 +47,7 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
 
     ``grad_sync`` (plain engine, sequence parallelism, ZeRO 0/1) sums the sequence-parallel
     gradients over TP once, after the last micro batch's backward, and then lets DeepSpeed do
-    its data-parallel reduction (``megafixed.parallel.grads``).
+    its data-parallel reduction (``megafixed.engine.deepspeed.grads``).
     """
     engine.train()
     if is_pipeline_engine(engine):
@@ -65,18 +65,18 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
         verdict = verdict or norm_verdict(guard, step, grad_norm)
         return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite, verdict=verdict)
 
-    local_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
-    for k in range(accum):
-        inputs, labels = split_tokens(next(batches), engine.device, vocab_size)
+    def micro_step(k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = scaled_loss(engine(inputs, labels), faults, step)  # an injected fault (MEGAFIXED_INJECT), if any
         engine.backward(loss)
-        local_sum += loss.detach().double()
         if k < accum - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro step
         elif grad_sync is not None:
             grad_sync.finish()  # one TP all-reduce of the SP gradients, at the boundary
             engine.allreduce_gradients()  # then DeepSpeed's DP reduction, which it deferred for us
-    value, nonfinite = dp_mean_and_flag(local_sum / accum, dp_group, dp)
+        return loss
+
+    value, nonfinite = accumulated_loss(batches, accum, micro_step, device=engine.device, vocab_size=vocab_size,
+                                        dp=dp, dp_group=dp_group)
     # The guard judges values every rank already holds (the reduced loss, the global norm): every rank
     # reaches the same verdict with no collective of its own, and no device read is added.
     verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
@@ -89,6 +89,8 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
             judged["verdict"] = norm_verdict(guard, step, _zero_grad_norm(engine))
             return judged["verdict"] is not None
         optimizer.before_update = judge_zero_norm
+    # skip: DeepSpeed still takes the optimizer step at the boundary (and zeroes the gradients after
+    # it), so the update is turned into a no-op (run.optim.SkippableAdamW) rather than not called.
     optimizer.skip_next_step = verdict is not None
     _fence_checkpoint_copies(engine)
     engine.step()
@@ -118,10 +120,7 @@ def eval_loss(engine, batches: Iterator[torch.Tensor], iters: int, *, dp: int, d
         value = float(engine.eval_batch(data_iter=pairs, num_micro_batches=iters))
     else:
         engine.eval()
-        total = torch.zeros((), dtype=torch.float64, device=engine.device)
-        for _ in range(iters):
-            inputs, labels = split_tokens(next(batches), engine.device, vocab_size)
-            total += engine.module(inputs, labels).double()
-        value = dp_mean(total / iters, dp_group, dp)
+        value = eval_mean(batches, iters, engine.module, device=engine.device, vocab_size=vocab_size,
+                          dp=dp, dp_group=dp_group)
     engine.train(was_training)
     return value
