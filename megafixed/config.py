@@ -174,7 +174,7 @@ class DataConfig:
     skip_steps: list = field(default_factory=list)
 
     def validate(self) -> None:
-        from .run.skip_steps import parse
+        from .step_ranges import parse
 
         parse(self.skip_steps, error=ConfigError)
         split_shares(self.split)
