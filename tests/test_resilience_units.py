@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import numpy as np
+import torch
 import pytest
 
 from megafixed.run import faults, skip_steps
@@ -148,3 +149,46 @@ def test_the_real_quickstart_trace_gets_no_verdict_and_a_spike_in_it_does():
     spiked[250][1] *= 1.5  # the same trace with one loss 1.5x: the guard must see it
     (v,) = replay(spiked)
     assert (v.step, v.kind, v.what) == (251, "spike", "loss")
+
+
+class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts device-to-host reads (``.item()``, ``float(t)``, ``bool(t)``): each a sync on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("extra", [("zero.stage=1",), ("zero.stage=0",), ("train.engine=torch",)])
+def test_the_guard_adds_no_device_read_to_a_step(tiny_shards, tmp_path, extra):
+    """The same steps with and without the guard attached read the device the same number of times
+    (the guard judges the values the engine reads anyway), and the guard did judge them."""
+    from _train_data import tiny_overrides
+    from megafixed.config import load_config
+    from megafixed.data.gpt_dataset import build_datasets, micro_batches
+    from megafixed.engine import build_engine, prepare_runtime_env
+    from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
+
+    cfg = load_config(None, tiny_overrides(tiny_shards, tmp_path, *extra, "train.spike_window=2",
+                                          "train.spike_sigma=1000"))  # judged, never a verdict
+    prepare_runtime_env(cfg.train.engine)
+    topo = setup_distributed(RunPlan.for_launch(cfg))
+    engine = build_engine(cfg, topo)
+    batches = micro_batches(build_datasets(cfg.data, seed=1)["train"], 0, topo.plan.batch.micro_batch, 0, 1)
+    guard = BadStepGuard.from_config(cfg.train)
+    counts = {}
+    for step, attached in enumerate((None, guard, None, guard)):
+        engine.guard = attached
+        with _ScalarReads() as reads:
+            result = engine.train_step(batches, 1e-3, step)
+        counts.setdefault(attached is not None, []).append(reads.count)
+        guard.accept(result.loss, result.grad_norm)
+        assert result.verdict is None and result.grad_norm is not None
+    assert counts[True] == counts[False] and counts[True][0] > 0, counts
+    assert guard.windows["loss"].full and guard.windows["grad_norm"].full

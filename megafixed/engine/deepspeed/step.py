@@ -86,7 +86,8 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
         verdict = norm_verdict(guard, step, grad_norm)
     elif verdict is None and guard is not None:
         def judge_zero_norm() -> bool:  # inside ZeRO's step: its norm is computed, the update not yet run
-            judged["verdict"] = norm_verdict(guard, step, _zero_grad_norm(engine))
+            judged["norm"] = _zero_grad_norm(engine)  # the one read of it: also the logged norm below
+            judged["verdict"] = norm_verdict(guard, step, judged["norm"])
             return judged["verdict"] is not None
         optimizer.before_update = judge_zero_norm
     # skip: DeepSpeed still takes the optimizer step at the boundary (and zeroes the gradients after
@@ -97,7 +98,7 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
     optimizer.skip_next_step, optimizer.before_update = False, None  # ZeRO may skip without asking us
     verdict = verdict or judged.get("verdict")
     if grad_norm is None and verdict is None:
-        grad_norm = none_if_nan(engine.get_global_grad_norm())
+        grad_norm = none_if_nan(judged["norm"] if "norm" in judged else engine.get_global_grad_norm())
     return StepResult(loss=value, grad_norm=grad_norm, skipped=verdict is not None, verdict=verdict)
 
 
