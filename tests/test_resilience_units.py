@@ -10,8 +10,8 @@ import sys
 import textwrap
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from megafixed.run import faults, skip_steps
 from megafixed.run.bad_steps import BadStepGuard
