@@ -79,17 +79,36 @@ def test_guard_matches_numpy_and_waits_for_a_full_window():
     assert restored.judge(9, "loss", 100.0).mean == spike.mean
 
 
-def test_straggler_verdict_names_the_slow_rank():
-    from megafixed.train.stragglers import StragglerReport
+def test_the_forward_clock_counts_an_injected_slowdown_as_compute():
+    """``slow:factor=3`` makes a forward take 3x its CPU time, and the clock (CPU time on CPU) sees it;
+    outside a step (validation) nothing is timed."""
+    from megafixed.train.stragglers import ForwardClock, StragglerReport
 
-    rep = StragglerReport(factor=1.5, world=3, device="cpu", hosts=["a", "b", "c"])
-    rows = [[1.0, 0.2], [1.0, 0.7], [1.0, 0.25]]
-    median = 0.25
-    slow = [r for r, (_, c) in enumerate(rows) if c > 1.5 * median]
-    assert slow == [1]
-    figures = {"stragglers": [{"rank": 1, "host": "b", "compute_s": 0.7}], "median_compute_s": median}
-    line = rep.line(10, figures)
-    assert "rank 1 on b" in line and "train.straggler_factor" in line
+    layer = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    plain = ForwardClock(layer, "cpu")
+    plan = faults.FaultPlan(faults.parse("slow:factor=3"), rank=0)
+
+    def forwards(clock, n=20):
+        clock.active = True
+        for _ in range(n):
+            layer(x)
+        clock.active = False
+        return clock.take()
+
+    base = forwards(plain)
+    layer2 = torch.nn.Linear(256, 256)
+    slowed = ForwardClock(layer2, "cpu", on_forward=plan.slow_down)
+    layer = layer2
+    slow = forwards(slowed)
+    assert 2.0 < slow / base < 5.0, (base, slow)
+    layer(x)  # inactive: not counted
+    assert slowed.take() == 0.0
+    rep = StragglerReport(factor=1.5, world=1, device="cpu")
+    rep.add_step(0.5)
+    figures = rep.gather(compute_s=0.2)
+    assert figures["rank_step_s"] == [0.5] and figures["rank_compute_s"] == [0.2] and figures["stragglers"] == []
+    assert figures["rank_wait_s"] == [0.3]
 
 
 def test_watchdog_dumps_stacks_and_exits_hung(tmp_path):
