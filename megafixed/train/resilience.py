@@ -133,7 +133,8 @@ class Resilience:
                                f"{verdict.key()}=skip or =rollback to go on past such steps")
         if verdict.action == "skip":
             return None
-        client = roll_back(self.checkpointer, self.engine, verdict, self.skips, self.train, self.topo, self.say)
+        with self.watchdog.grace():  # a reload takes as long as a save may
+            client = roll_back(self.checkpointer, self.engine, verdict, self.skips, self.train, self.topo, self.say)
         self.guard.load_state_dict(client.get("bad_steps"))
         _rewind(metrics, int(client["step"]))
         metrics.metrics.write({"step": verdict.step, "bad_step": verdict.record()})  # kept past the truncation

@@ -136,7 +136,8 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
             with res.grace():
                 if checkpointer.save(engine, step, consumed, run_state, force=stopped):
                     steps.not_charged()  # do not charge the save to tokens/s
-        checkpointer.wait(engine)  # the run ends with `latest` on its last checkpoint (async saves complete)
+        with res.grace():
+            checkpointer.wait(engine)  # the run ends with `latest` on its last checkpoint (async saves complete)
         if stopped and step > first_step:  # (a stop during the step-0 validation saved nothing)
             say(f"stopped at step {step} ({stop.reason}); checkpoint {checkpointer.ckpt_dir / checkpointer.latest} "
                 f"is complete. Run the same command again to resume.")
