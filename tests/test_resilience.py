@@ -267,3 +267,29 @@ def test_a_rank_that_dies_loses_no_checkpoint(tiny_shards, tmp_path, monkeypatch
     assert assert_latest_verifies(run) == "step_00000004"
     result = _train(tiny_shards, run, "train.max_steps=6", "train.save_interval=2", monkeypatch=monkeypatch)
     assert result.resumed_from == "step_00000004" and result.step == 6
+
+
+@pytest.mark.multiprocess
+def test_the_hung_dp2_run_goes_on_with_one_rank_and_says_it_shrank(dp2_drill, one_process_nan, tiny_shards,
+                                                                   monkeypatch):
+    """The drill's run (hung at step 8, last checkpoint 6 from dp 2) resumes on one process: the data-
+    parallel degree is re-laid out, the global batch kept by accumulating more, and the log and the
+    run record say the job shrank; its losses are the uninterrupted one-process run's (within 1e-5)."""
+    run = dp2_drill[0]
+    lines: list[str] = []
+    from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
+    from megafixed.train.trainer import train
+
+    monkeypatch.delenv("MEGAFIXED_INJECT", raising=False)
+    cfg = load_config(None, tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=10",
+                                           "train.on_nonfinite=skip", "train.save_interval=2", "train.micro_batch=4"))
+    result = train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lines.append)
+    assert result.resumed_from == "step_00000006" and result.step == 10
+    shrank = [ln for ln in lines if ln.startswith("the job shrank")]
+    assert len(shrank) == 1 and "written by 2 ranks" in shrank[0] and "accumulating 2 micro batches" in shrank[0]
+    record = json.loads((run / "checkpoints" / "step_00000010" / "run.json").read_text())
+    assert record["shrunk_from"]["world"] == 2 and record["layout"]["dp"] == 1
+    a, b = losses(one_process_nan), losses(run)
+    for step in (7, 8, 9, 10):
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
