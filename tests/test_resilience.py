@@ -251,8 +251,10 @@ def test_a_refusal_is_in_every_torchrun_log(tmp_path):
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, range(20)))
-    found = [text.count("error: unknown config key 'train.bogus_key'") for _, text, _, _ in results]
-    assert found == [1] * 20, [t[-1500:] for (_, t, _, _), n in zip(results, found) if n != 1][:1]
+    # rank 0's line (or, had rank 0 been over the grace late, rank 1's own "error: rank 1: ..." line)
+    found = [len([ln for ln in text.splitlines() if ln.startswith("error:") and
+                  "unknown config key 'train.bogus_key'" in ln]) for _, text, _, _ in results]
+    assert all(n >= 1 for n in found), [t[-1500:] for (_, t, _, _), n in zip(results, found) if n < 1][:1]
     assert all(f"exitcode  : {exit_codes.BAD_INPUT}" in text for _, text, _, _ in results)
 
 

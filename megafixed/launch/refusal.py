@@ -8,10 +8,11 @@ and the user reads only ``ChildFailedError``. The rendezvous' "different code" v
 race under srun, fixed there by letting the other ranks wait for rank 0 (``rendezvous._check_same_code``).
 
 The same mechanism, made prompt: a rank other than 0 that fails waits -- at most
-``MEGAFIXED_REFUSAL_GRACE_S`` (default 60 s) -- for the launcher to end it, which happens as soon as
+``MEGAFIXED_REFUSAL_GRACE_S`` (default 10 s) -- for the launcher to end it, which happens as soon as
 rank 0 has printed and exited; the launcher's SIGTERM (or Ctrl-C) then ends the wait at once, with
-the rank's own exit code. If the grace passes, rank 0 did not fail the same way, so this rank prints
-its own line (naming itself) before exiting.
+the rank's own exit code. If the grace passes (rank 0 did not fail the same
+way, or a plain ``srun`` without ``--kill-on-bad-exit`` leaves the others running), this rank prints
+its own line, naming itself, before exiting: a refusal is printed at least once, never lost.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import threading
 import time
 
 GRACE_ENV = "MEGAFIXED_REFUSAL_GRACE_S"
-DEFAULT_GRACE_S = 60.0
+DEFAULT_GRACE_S = 10.0  # ranks of one launch reach a refusal within seconds of each other
 
 
 def _rank() -> int:

@@ -36,7 +36,7 @@ class Resilience:
         from ..launch import rendezvous
 
         self.train, self.topo, self.engine, self.checkpointer, self.say = train, topo, engine, checkpointer, say
-        self.faults_dir = checkpointer.run_dir.path / "faults"
+        self.faults_dir = checkpointer.run_dir.faults_dir
         self.plan = FaultPlan.from_env(topo.rank)
         self.guard = BadStepGuard.from_config(train)
         self.skips = SkipSteps(list(skip_steps), self.faults_dir)
