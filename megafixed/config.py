@@ -289,11 +289,6 @@ class TrainConfig:
     def validate(self) -> None:
         _require_at_least("train", self, 1, ("global_batch", "micro_batch", "log_interval", "save_interval"))
         _require_at_least("train", self, 0, ("max_steps", "eval_interval", "eval_iters"))  # eval_interval=0: no eval
-        _require_at_least("train", self, 2, ("spike_window",))
-        _require_at_least("train", self, 0, ("rollback_skip", "max_rollbacks", "hang_timeout_s"))
-        for key in ("spike_sigma", "straggler_factor"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"train.{key} must be > 0, got {getattr(self, key)}")
 
 
 @dataclass
