@@ -18,6 +18,15 @@ asking it for any other name (``megatron.core.Timers``, ``tensor_parallel.checkp
 package's real ``__init__`` in that same module object first -- so a later user of the rest of
 megatron-core sees the package exactly as ``import megatron.core`` would have made it, only later.
 
+``megatron.core.utils`` also imports DTensor (``torch.distributed.tensor``: 0.7-0.8 CPU-seconds, sympy
+included) for nothing but ``isinstance(x, DTensor)`` / ``isinstance(p, Shard)`` checks, none of which a
+DeepSpeed run's tensors pass. While it imports, ``torch.distributed._tensor`` is made unimportable
+(only when DTensor is not imported already), and afterwards its ``DTensor`` and ``Shard`` become
+``_WhenImported`` stand-ins and ``HAVE_DTENSOR`` what the import would have said: an ``isinstance``
+against a stand-in is False while the real class's module is not imported (no object can be an
+instance of a class that does not exist yet) and the real check once it is; any other use of the name
+(an attribute, a call) imports the real class and forwards to it.
+
 The one module-level compile on the path (``megatron.core.jit.jit_fuser``, ``torch.compile`` on this
 torch, decorating two GELUs in ``transformer/utils.py`` that our layers never call) is deferred
 while ``load()`` imports: the decorated function compiles on its first call instead of at import,
@@ -26,6 +35,7 @@ against the real megatron-core: the same classes, the completed packages' names,
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -74,6 +84,56 @@ def _deferred_package(name: str) -> None:
         setattr(sys.modules[parent], child, module)
 
 
+class _WhenImported(type):
+    """Metaclass of a stand-in for class ``real_name`` of module ``real_module`` (see the module docstring)."""
+
+    def _real(cls, import_it: bool):
+        if not import_it and cls.real_module not in sys.modules:
+            return None
+        return getattr(importlib.import_module(cls.real_module), cls.real_name)
+
+    def __instancecheck__(cls, obj):
+        real = cls._real(False)
+        return real is not None and isinstance(obj, real)
+
+    def __subclasscheck__(cls, sub):
+        real = cls._real(False)
+        return real is not None and issubclass(sub, real)
+
+    def __getattr__(cls, name):
+        return getattr(cls._real(True), name)
+
+    def __call__(cls, *args, **kwargs):
+        return cls._real(True)(*args, **kwargs)
+
+
+def _stand_in(module: str, name: str) -> type:
+    return _WhenImported(name, (), {"real_module": module, "real_name": name,
+                                    "__doc__": f"megafixed's stand-in for {module}.{name} (megatron_tp.py)"})
+
+
+DTENSOR_BLOCKED = "torch.distributed._tensor"  # what megatron.core.utils imports DTensor from
+
+
+@contextlib.contextmanager
+def _dtensor_deferred():
+    """Around the first import of ``megatron.core.utils`` (through ``parallel_state``: see ``MODULES``):
+    its DTensor import deferred (see the module docstring)."""
+    if "megatron.core.utils" in sys.modules or "torch.distributed.tensor" in sys.modules:
+        yield  # imported already, or DTensor is here anyway: nothing to defer
+        return
+    sys.modules[DTENSOR_BLOCKED] = None  # `from torch.distributed._tensor import ...` raises ImportError
+    try:
+        yield
+    finally:
+        del sys.modules[DTENSOR_BLOCKED]
+    utils = sys.modules["megatron.core.utils"]
+    if not utils.HAVE_DTENSOR:
+        utils.HAVE_DTENSOR = importlib.util.find_spec("torch.distributed.tensor") is not None
+        utils.DTensor = _stand_in("torch.distributed.tensor", "DTensor")
+        utils.Shard = _stand_in("torch.distributed.tensor.placement_types", "Shard")
+
+
 def _compile_on_first_call(decorator):
     """``decorator`` (``torch.compile``) applied when the decorated function is first called."""
     def defer(fn):
@@ -94,7 +154,8 @@ def load() -> types.SimpleNamespace:
     (imported once per process; later calls return the same namespace)."""
     for name in DEFERRED_PACKAGES:
         _deferred_package(name)
-    mods = {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in MODULES[:2]}
+    with _dtensor_deferred():
+        mods = {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in MODULES[:2]}
     jit = importlib.import_module("megatron.core.jit")
     real_fuser = jit.jit_fuser
     jit.jit_fuser = _compile_on_first_call(real_fuser)
