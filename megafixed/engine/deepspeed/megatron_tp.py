@@ -44,10 +44,7 @@ import types
 
 # The packages whose __init__ is deferred, outermost first.
 DEFERRED_PACKAGES = ("megatron.core", "megatron.core.tensor_parallel", "megatron.core.transformer")
-# What the DeepSpeed engine takes from megatron-core, in the order megatron's own __init__ reaches them
-# (parallel_state before utils: the two import each other, and only this order resolves).
-MODULES = ("megatron.core.parallel_state", "megatron.core.model_parallel_config",
-           "megatron.core.tensor_parallel.cross_entropy", "megatron.core.tensor_parallel.layers")
+
 
 
 def _complete_on_demand(module: types.ModuleType, spec) -> None:
@@ -151,16 +148,22 @@ def _compile_on_first_call(decorator):
 @functools.cache
 def load() -> types.SimpleNamespace:
     """``parallel_state``, ``ModelParallelConfig``, ``layers`` and ``cross_entropy`` of megatron-core
-    (imported once per process; later calls return the same namespace)."""
+    (imported once per process; later calls return the same namespace). The imports below run with the
+    packages deferred (``import megatron.core.X`` then finds them in ``sys.modules``), in the order
+    megatron's own ``__init__`` reaches them: ``parallel_state`` before ``utils`` (the two import each
+    other, and only that order resolves)."""
     for name in DEFERRED_PACKAGES:
         _deferred_package(name)
     with _dtensor_deferred():
-        mods = {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in MODULES[:2]}
-    jit = importlib.import_module("megatron.core.jit")
+        from megatron.core import model_parallel_config, parallel_state
+    from megatron.core import jit
+
     real_fuser = jit.jit_fuser
     jit.jit_fuser = _compile_on_first_call(real_fuser)
     try:
-        mods.update({name.rsplit(".", 1)[1]: importlib.import_module(name) for name in MODULES[2:]})
+        from megatron.core.tensor_parallel import cross_entropy, layers
     finally:
         jit.jit_fuser = real_fuser
-    return types.SimpleNamespace(ModelParallelConfig=mods["model_parallel_config"].ModelParallelConfig, **mods)
+    return types.SimpleNamespace(parallel_state=parallel_state, model_parallel_config=model_parallel_config,
+                                 ModelParallelConfig=model_parallel_config.ModelParallelConfig,
+                                 cross_entropy=cross_entropy, layers=layers)
