@@ -239,9 +239,10 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each block in place (both engines)
-    # The training engine: "deepspeed" (ZeRO, its pipeline engine; the default) or "torch" (FSDP2,
-    # DTensor tensor/sequence parallelism, torch.distributed.checkpoint; torch_engine.* keys).
-    engine: Literal["deepspeed", "torch"] = "deepspeed"
+    # The training engine: a name in the engine registry (megafixed.engines: DeepSpeed, the default,
+    # whose keys are zero.*; or the torch-native one, torch_engine.*). The default is spelt here
+    # because a dataclass default cannot ask the registry; Config.validate checks it against it.
+    engine: str = "deepspeed"
     on_nonfinite: Literal["stop", "skip"] = "stop"
     tensorboard: bool = True
     keep_checkpoints: int = 2  # <= 0 keeps every checkpoint
@@ -323,6 +324,9 @@ class Config:
             if hasattr(section, "validate"):
                 section.validate()
         check_ranges(self)  # every numeric key in its range, before any work starts
+        from .engines import engine_kind
+
+        engine_kind(self.train.engine, error=ConfigError)  # a registered engine (the error lists them)
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
                               f"{self.model.max_seq_len}; raise model.max_seq_len or lower data.seq_len")

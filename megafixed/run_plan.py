@@ -10,7 +10,7 @@
 the precision, the device kind and the backend name, before any process group exists and on a
 CPU-only login node too (``megafixed train --dry-run``, ``megafixed submit``, ``megafixed plan``
 plan GPU runs there: ``gpu=True``). Everything downstream reads the plan instead of the whole
-``Config`` plus loose ``precision``/``zero_stage`` arguments, so a layout key is read from the
+``Config`` plus loose ``precision``/engine arguments, so a layout key is read from the
 config in one place (here) and checked once.
 
 The plan holds no process state (ranks, groups, devices): that is the ``Topology`` of one process.
@@ -18,29 +18,33 @@ The plan holds no process state (ranks, groups, devices): that is the ``Topology
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from .config import Config, ConfigError
+from .engines import engine_kind, planned_keys
 from .parallel import layout as _layout
 from .parallel.dims import ParallelDims
 from .parallel.layout import BatchLayout
 
 # Every config key the build reads (its fields and the layout rules'): a plan is only valid for a
 # config that agrees on these (``check_made_from``). Data paths, seeds, intervals, the run dir: free.
-PLANNED_KEYS = (
+# Each registered engine adds the keys its part of the plan reads (``EngineKind.planned_keys``).
+COMMON_PLANNED_KEYS = (
     "parallel.tp", "parallel.pp", "parallel.sequence_parallel", "parallel.backend", "parallel.collective_timeout_s",
-    "train.global_batch", "train.micro_batch", "train.precision", "data.seq_len", "zero.stage",
+    "train.global_batch", "train.micro_batch", "train.precision", "data.seq_len",
     "optimizer.grad_clip", "model.n_heads", "model.n_kv_heads", "model.d_model", "model.mlp", "model.ffn_hidden",
     "model.vocab_size", "model.n_layers", "model.tie_embeddings", "model.dropout", "model.fused_first_layer",
-    "train.engine", "torch_engine.dp_replicate", "torch_engine.reshard_after_forward",
+    "train.engine",
 )
+PLANNED_KEYS = COMMON_PLANNED_KEYS + planned_keys()  # with the built-in engines' keys
 
 
-def _planned_values(cfg: Config) -> tuple:
+def _planned_values(cfg: Config, keys: tuple) -> tuple:
+    """(key, value) of each of ``keys`` (a key of a section the config lacks reads None)."""
     values = []
-    for key in PLANNED_KEYS:
+    for key in keys:
         section, name = key.split(".")
-        values.append(getattr(getattr(cfg, section), name, None))
+        values.append((key, getattr(getattr(cfg, section, None), name, None)))
     return tuple(values)
 
 
@@ -78,15 +82,24 @@ class RunPlan:
     dims: ParallelDims  # named axes in grid order (megatron-core's tp-cp-ep-dp-pp)
     batch: BatchPlan
     precision: str  # resolved: "fp32" | "bf16" | "fp16"
-    zero_stage: int
-    engine: str  # train.engine: "deepspeed" | "torch"
+    engine: str  # train.engine: a registered engine's name (megafixed.engines)
     device: str  # "cuda" | "cpu": where the ranks compute
     backend: str  # the torch.distributed backend: "nccl" | "gloo"
     sequence_parallel: bool
     collective_timeout_s: float
-    planned_from: tuple = ()  # the values of PLANNED_KEYS this plan was built from
-    # train.engine=torch: HSDP's replicate degree (torch_engine.dp_replicate; 1 = FSDP over all of dp)
-    dp_replicate: int = 1
+    planned_from: tuple = ()  # (key, value) of every planned key this plan was built from
+    # The engine's own part (its record's make_plan: DeepSpeed's zero_stage; the torch engine's
+    # dp_replicate, reshard_after_forward), read through the plan as ``plan.zero_stage`` etc.
+    engine_plan: Any = None
+
+    def __getattr__(self, name: str):
+        """The engine's own fields (``plan.zero_stage``) are its ``engine_plan``'s."""
+        if name.startswith("_") or name == "engine_plan":
+            raise AttributeError(name)
+        part = self.__dict__.get("engine_plan")
+        if part is None or not hasattr(part, name):
+            raise AttributeError(f"{type(self).__name__} (train.engine={self.__dict__.get('engine')}) has no {name!r}")
+        return getattr(part, name)
 
     @classmethod
     def build(cls, cfg: Config, world_size: int, *, gpu: Optional[bool] = None) -> "RunPlan":
@@ -111,25 +124,25 @@ class RunPlan:
                                       f"parallel.backend=gloo (or auto) on CPU")
         precision = resolve_precision(cfg, gpu=on_gpu)
         batch = _layout.validate_layout(cfg, world_size, precision)  # every cross-field rule, once
+        kind = engine_kind(cfg.train.engine, error=ConfigError)
         dims = ParallelDims.of(dp=batch.dp, **_layout.model_parallel_axes(cfg.parallel))
         plan = cls(dims=dims,
                    batch=BatchPlan(global_batch=batch.global_batch, micro_batch=batch.micro_batch,
                                    accum=batch.accum, dp=batch.dp, seq_len=cfg.data.seq_len),
-                   precision=precision, zero_stage=cfg.zero.stage, engine=cfg.train.engine,
+                   precision=precision, engine=kind.name,
                    device="cuda" if on_gpu else "cpu", backend=backend,
                    sequence_parallel=cfg.parallel.sequence_parallel,
-                   collective_timeout_s=cfg.parallel.collective_timeout_s, planned_from=_planned_values(cfg),
-                   dp_replicate=cfg.torch_engine.dp_replicate if cfg.train.engine == "torch" else 1)
-        from .engine import check_supported  # light: the engine's own refusals, by name
-
-        check_supported(cfg, plan)
+                   collective_timeout_s=cfg.parallel.collective_timeout_s,
+                   planned_from=_planned_values(cfg, COMMON_PLANNED_KEYS + planned_keys()),
+                   engine_plan=kind.call("make_plan", cfg))
+        kind.call("check_supported", cfg, plan)  # the engine's own refusals, by name
         return plan
 
     def check_made_from(self, cfg: Config) -> None:
         """Refuse a config this plan was not built from (a Topology reused for another run's config
         would otherwise train with the old batch or precision): a comparison, not a second validation."""
-        now = _planned_values(cfg)
-        changed = [f"{k} {a!r} -> {b!r}" for k, a, b in zip(PLANNED_KEYS, self.planned_from, now) if a != b]
+        now = _planned_values(cfg, tuple(k for k, _ in self.planned_from))
+        changed = [f"{k} {a!r} -> {b!r}" for (k, a), (_, b) in zip(self.planned_from, now) if a != b]
         if changed:
             raise ConfigError(f"the run plan was built for another config ({', '.join(changed[:3])}); build the "
                               f"plan (and the Topology) for this config: setup_distributed(RunPlan.for_launch(cfg))")

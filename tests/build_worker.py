@@ -37,10 +37,11 @@ class LargestAllocation(TorchDispatchMode):
 
 def build_case(overrides: list[str]) -> list:
     from megafixed.config import load_config
+    from megafixed.engine.deepspeed.model import build_model
     from megafixed.engine.deepspeed.ops import prepare_ops
     from megafixed.engine.deepspeed.pipeline import build_pipeline  # the engine's stages under PP
     from megafixed.model import gpt
-    from megafixed.parallel import build_model, setup_distributed
+    from megafixed.parallel import setup_distributed
     from megafixed.run_plan import RunPlan
 
     cfg = load_config(None, overrides)

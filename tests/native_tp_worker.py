@@ -178,7 +178,7 @@ def run_case(overrides: dict, sequence_parallel: bool, mesh) -> dict:
            "params": sorted(got[3]), "ref_params": sorted(ref[3]),
            "not_dtensor": [n for n, p in model.named_parameters() if not isinstance(p, DTensor)],
            # per step: the worst gradient difference relative to that parameter's largest gradient
-           "grad_diff": [max(rel_diff(g[n], r[n]) for n in r) for g, r in zip(got[2], ref[2])],
+           "grad_diff": [max(rel_diff(g[n], r[n]) for n in r) for g, r in zip(got[2], ref[2], strict=True)],
            "weight_abs_diff": max(float((got[3][n] - ref[3][n]).abs().max()) for n in ref[3]),
            "local_shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters()
                             if isinstance(p, DTensor)}, **seen}

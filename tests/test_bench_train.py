@@ -70,7 +70,7 @@ def test_bare_loop_bf16_is_the_engines_recipe_16_bit_weights_fp32_masters_and_ac
     for inputs, labels in micro:
         st.model.zero_grad(set_to_none=True)
         (st.model(inputs, labels) / 2).backward()
-        for a, p in zip(acc, st.params):
+        for a, p in zip(acc, st.params, strict=True):
             a += p.grad.float()
     st.model.zero_grad(set_to_none=True)
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(a) for a in acc]))
@@ -80,11 +80,11 @@ def test_bare_loop_bf16_is_the_engines_recipe_16_bit_weights_fp32_masters_and_ac
               for g in st.opt.param_groups]
     opt = torch.optim.AdamW(groups, lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
                             eps=cfg.optimizer.eps)
-    for r, a in zip(ref, acc):
+    for r, a in zip(ref, acc, strict=True):
         r.grad = a * coef
     opt.step()
     st.step(micro)
-    for m, r, p in zip(st.masters, ref, st.params):
+    for m, r, p in zip(st.masters, ref, st.params, strict=True):
         assert torch.allclose(m, r, rtol=1e-5, atol=1e-7)
         assert torch.equal(p.detach(), m.to(torch.bfloat16))  # the 16-bit weights are the rounded masters
         assert not m.grad.any()  # the fp32 accumulators start the next step at zero
@@ -101,8 +101,8 @@ def test_bare_loop_fp16_scales_the_loss_and_skips_an_overflowed_step():
     # certain overflow of the fp16 gradients: the update must be skipped and the scale lowered
     st.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 60, growth_interval=1000)
     st.step(micro)
-    assert all(torch.equal(a, b) for a, b in zip(before, st.masters)) and st.scaler.get_scale() < 2.0 ** 60
+    assert all(torch.equal(a, b) for a, b in zip(before, st.masters, strict=True)) and st.scaler.get_scale() < 2.0 ** 60
     st.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
     st.step(micro)
-    assert any(not torch.equal(a, b) for a, b in zip(before, st.masters))
+    assert any(not torch.equal(a, b) for a, b in zip(before, st.masters, strict=True))
     assert all(torch.isfinite(m).all() for m in st.masters)

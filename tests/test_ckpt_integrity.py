@@ -12,10 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from _env import launch_free_env
+from _metrics import read_metrics
 from _train_data import reference_overrides, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,8 +42,7 @@ def _train(shards, run_dir, *extra):
 
 
 def _losses(run_dir):
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in
-            map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(run_dir, "loss")]
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +64,25 @@ def runs(shards, tiny_reference, tmp_path_factory):
 
 
 def _same(a, b, where=""):
+    """``a`` and ``b`` are the same tree: the same keys, lengths and types, equal tensors (dtype too),
+    arrays and plain values."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
     elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, sorted(set(a) ^ set(b), key=str)[:5])
         for k in a:
             _same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), where
+    elif type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):  # DeepSpeed's LossScaler: equal fields
+        assert type(a) is type(b), (where, type(a), type(b))
+        _same(vars(a), vars(b), f"{where}.__dict__")
+    else:  # a step, a sample count, a learning rate, a name: the same type and value
+        assert type(a) is type(b) and a == b, (where, a, b)
 
 
 def test_async_save_writes_what_a_sync_save_writes(runs):
@@ -81,12 +91,16 @@ def test_async_save_writes_what_a_sync_save_writes(runs):
         sync_dir, async_dir = runs / "sync" / "checkpoints" / tag, runs / "async" / "checkpoints" / tag
         names = sorted(p.name for p in sync_dir.glob("*.pt"))
         assert names == sorted(p.name for p in async_dir.glob("*.pt")) and len(names) == 2
+        compared = set()  # every key below is in one of the two files: none is skipped unseen
         for name in names:  # weights, Adam moments and step, client state: the same tensors
             a = torch.load(sync_dir / name, map_location="cpu", weights_only=False)
             b = torch.load(async_dir / name, map_location="cpu", weights_only=False)
             for key in ("module", "optimizer_state_dict", "step", "consumed_samples"):
+                assert (key in a) == (key in b), f"{tag}/{name}: {key} in only one of the two"
                 if key in a:
                     _same(a[key], b[key], f"{tag}/{name}:{key}")
+                    compared.add(key)
+        assert compared == {"module", "optimizer_state_dict", "step", "consumed_samples"}, (tag, compared)
     assert (runs / "async" / "checkpoints" / "latest").read_text().strip() == TAG4
 
 

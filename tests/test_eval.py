@@ -112,7 +112,7 @@ def test_tp2_checkpoint_and_its_tp1_conversion_score_identically(trained, tmp_pa
     tp1 = E.write_run(cfg, model, tmp_path / "tp1", tp=1)
     a = load(tmp_path / "tp2", device="cpu")
     b = load(tp1 / "checkpoints" / "global_step40", device="cpu")  # a tag dir works too
-    for (k, v), (k2, v2) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+    for (k, v), (k2, v2) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(v, v2), k
     ra = evaluate(a.model, a.tokenizer, "hellaswag,winogrande", limit=6, progress=False, keep_items=True)
     rb = evaluate(b.model, b.tokenizer, "hellaswag,winogrande", limit=6, progress=False, keep_items=True)

@@ -103,7 +103,7 @@ def test_our_scores_equal_the_harness_through_the_adapter(run_dir, tmp_path, mon
         samples = sorted(ref["samples"][f"mf_{t}"], key=lambda s: s["doc_id"])
         mine = ours["items"][t]
         assert len(samples) == len(mine) == N, t
-        for s, it in zip(samples, mine):
+        for s, it in zip(samples, mine, strict=True):
             ref_lls = [float(r[0]) for r in s["filtered_resps"]]
             if t == "lambada":
                 assert it["ll"] == pytest.approx(ref_lls[0], rel=1e-5, abs=1e-4)

@@ -131,6 +131,21 @@ def test_only_the_engine_package_imports_deepspeed():
     assert not offenders, "DeepSpeed is imported outside megafixed/engine/:\n" + "\n".join(offenders)
 
 
+def _is_megatron(name: str) -> bool:
+    return name == "megatron" or name.startswith("megatron.")
+
+
+def test_only_the_engine_package_imports_megatron():
+    # megatron-core's TP layers, process groups and losses are the DeepSpeed engine's
+    # (engine/deepspeed/tp_layers.py, groups.py, mpu.py); parallel/ keeps the engine-neutral plan
+    offenders = [f"{MODULES[m][0].relative_to(ROOT)}:{line} imports {name}"
+                 for m in MODULES if not MODULES[m][0].is_relative_to(ENGINE)
+                 for name, line in _imports(m, function_level=True) if _is_megatron(name)]
+    assert not offenders, "megatron-core is imported outside megafixed/engine/:\n" + "\n".join(offenders)
+    seen = {m for m in MODULES for name, _ in _imports(m, function_level=True) if _is_megatron(name)}
+    assert "megafixed.engine.deepspeed.tp_layers" in seen  # the scan sees megatron where it is imported
+
+
 def test_the_engine_package_does_import_deepspeed():
     # the rule above must be able to fail: the scan sees DeepSpeed where it really is imported
     seen = {m for m in MODULES if MODULES[m][0].is_relative_to(ENGINE)
@@ -170,3 +185,101 @@ def test_the_torch_engine_imports_neither_deepspeed_nor_megatron():
     offenders = [f"{MODULES[m][0].relative_to(ROOT)}:{line} imports {name}" for m in native
                  for name, line in _imports(m, function_level=True) if _is_deepspeed_or_megatron(name)]
     assert not offenders, "the torch engine imports DeepSpeed/megatron:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------ (c) no engine's name outside it
+ENGINE_NAMES = ("deepspeed", "torch")  # the built-in engines' train.engine values
+REGISTRY = PACKAGE / "engines.py"
+ENGINE_PACKAGES = (ENGINE / "deepspeed", ENGINE / "native")
+
+
+def _engine_name_tests(tree: ast.AST) -> list[int]:
+    """Lines that compare an engine field (anything spelt ``...engine...``) with an engine's name."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        def is_name(o) -> bool:  # "torch", or a tuple/list/set of names
+            items = o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o]
+            return any(isinstance(c, ast.Constant) and c.value in ENGINE_NAMES for c in items)
+
+        names = [o for o in operands if is_name(o)]
+        fields = [o for o in operands if not is_name(o) and "engine" in ast.unparse(o).lower()]
+        if names and fields:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_engine_name_is_tested_outside_its_package_and_the_registry():
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for m, (path, _) in MODULES.items()
+                 if path != REGISTRY
+                 and not any(path.is_relative_to(p) for p in ENGINE_PACKAGES)
+                 for line in _engine_name_tests(_tree(m))]
+    assert not offenders, ("an engine's name is compared outside its package (ask megafixed.engines: "
+                           "kind_of(plan), its hooks):\n" + "\n".join(offenders))
+
+
+def test_the_engine_name_scan_finds_a_name_test():
+    # the rule above must be able to fail
+    assert _engine_name_tests(ast.parse('if plan.engine == "torch":\n    pass')) == [1]
+    assert _engine_name_tests(ast.parse('x = getattr(p, "engine", "deepspeed") != "torch"')) == [1]
+    assert _engine_name_tests(ast.parse('if dtype == "torch": pass')) == []
+    assert _engine_name_tests(ast.parse('s = lay.dp_shard if lay.engine == "torch" else max(lay.zero, 1)')) == [1]
+    assert _engine_name_tests(ast.parse('if cfg.train.engine in ("deepspeed", "x"): pass')) == [1]
+
+
+# ------------------------------------------------------------------ (d) kernels/ (megafixed.kernels)
+KERNELS = ROOT / "kernels"
+
+
+def test_kernels_import_neither_deepspeed_nor_megatron():
+    offenders = []
+    for path in sorted(KERNELS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[0] in ("deepspeed", "megatron")]
+    assert any(KERNELS.rglob("*.py")), "the scan sees kernels/"
+    assert not offenders, "kernels/ imports an engine library:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------ (a) packages depend one way
+def _unit(module: str) -> str:
+    """A module's layer: its subpackage of megafixed (``megafixed.engine.native.build`` -> engine), or
+    the top-level module itself (``megafixed.run_plan`` -> run_plan; ``megafixed.engines`` -> engines)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _two_way_pairs(graph: dict[str, set[str]]) -> list[str]:
+    edges: dict[tuple, tuple] = {}
+    for m, targets in graph.items():
+        for t in targets:
+            if _unit(m) != _unit(t):
+                edges.setdefault((_unit(m), _unit(t)), (m, t))
+    return [f"{a} <-> {b} ({' imports '.join(edges[a, b])}; {' imports '.join(edges[b, a])})"
+            for a, b in sorted(edges) if a < b and (b, a) in edges]
+
+
+def test_no_two_packages_import_each_other_counting_function_level_imports():
+    pairs = _two_way_pairs(_graph(function_level=True))
+    assert not pairs, "packages importing each other (make one sit beneath the other):\n" + "\n".join(pairs)
+
+
+def test_the_packages_form_layers_counting_function_level_imports():
+    # stronger than pairs: no longer loop either (train -> parallel -> launch -> train was one)
+    graph = _graph(function_level=True)
+    units: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        units.setdefault(_unit(m), set()).update(_unit(t) for t in targets if _unit(t) != _unit(m))
+    cycles = _cycles(units)
+    assert not cycles, "package-level import cycles: " + "; ".join(" -> ".join(sorted(c)) for c in cycles)
+
+
+def test_the_package_rule_finds_a_two_way_pair():
+    graph = {"megafixed.config": {"megafixed.model.gpt"}, "megafixed.model.gpt": {"megafixed.config"},
+             "megafixed.engine.build": {"megafixed.parallel.layout"}, "megafixed.parallel.layout": set()}
+    assert _two_way_pairs(graph) == [
+        "config <-> model (megafixed.config imports megafixed.model.gpt; megafixed.model.gpt imports megafixed.config)"]

@@ -32,7 +32,7 @@ class RandomSignInput(nn.Module):
         self.reset_buffers()
 
     @torch.no_grad()
-    def reset_buffers(self) -> None:  # after meta construction + to_empty (parallel.build_model)
+    def reset_buffers(self) -> None:  # after meta construction + to_empty (engine.deepspeed.model.build_model)
         if self.code_table.is_meta:
             return
         gen = torch.Generator().manual_seed(self.seed)
@@ -92,8 +92,9 @@ def test_the_registry_refuses_a_taken_name_and_a_conflicting_shard():
 
 
 def test_a_fourth_interface_is_one_entry(toy, tmp_path, monkeypatch):
+    from megafixed.engine.deepspeed.model import build_model
     from megafixed.interop.hf import InteropError, choose_arch
-    from megafixed.parallel import Topology, build_model
+    from megafixed.parallel import Topology
     from megafixed.run.manifest import describe
     from megafixed.study.plan import plan_runs
 

@@ -122,7 +122,7 @@ def test_causal_and_checkpointing_preserves_gradients():
         model.activation_checkpointing = ckpt
         model(ids[:, :-1], ids[:, 1:]).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    for g0, g1 in zip(*grads):
+    for g0, g1 in zip(*grads, strict=True):
         torch.testing.assert_close(g0, g1, rtol=0, atol=0)
 
 
@@ -196,8 +196,8 @@ def test_meta_construction_then_init_equals_the_eager_model():
     assert all(p.is_meta for p in lazy.parameters())
     lazy.to_empty(device="cpu")
     init_parameters(lazy, cfg, seed=3)
-    for (n, a), (_, b) in zip(eager.named_parameters(), lazy.named_parameters()):
-        assert torch.equal(a, b), n
+    for (n, a), (n2, b) in zip(eager.named_parameters(), lazy.named_parameters(), strict=True):
+        assert n == n2 and torch.equal(a, b), (n, n2)
 
 
 def test_rope_tables_stay_fp32_after_a_half_precision_cast():

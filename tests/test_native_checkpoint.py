@@ -16,7 +16,6 @@ and asynchronous saves, is the reference for everything here:
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -31,6 +30,7 @@ import pytest
 import torch
 
 from _env import launch_free_env
+from _metrics import assert_matches, assert_rows_match, logged_step, read_metrics
 from _train_data import reference_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,19 +92,6 @@ def _kill9(proc: subprocess.Popen) -> None:
 def _run(nproc: int, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(_train_cmd(nproc, overrides), cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _metrics(run_dir) -> list[dict]:
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
-
-
-def _logged_step(run_dir) -> int:
-    try:
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -172,7 +159,7 @@ def _assert_same_tree(a, b, where=""):
             _assert_same_tree(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same_tree(x, y, f"{where}[{i}]")
     elif isinstance(a, np.ndarray):
         assert np.array_equal(a, b), where
@@ -193,7 +180,7 @@ def test_kill9_between_saves_then_rerun_is_bit_identical_and_sync_saves_equal_as
     while time.monotonic() < deadline and victim.poll() is None:
         if latest.exists():
             saved = int(latest.read_text().strip().split("_")[1])
-            step = _logged_step(run_dir)
+            step = logged_step(run_dir)
             if step > saved:  # a few steps past a complete checkpoint, before the next one is
                 _kill9(victim)
                 killed_at = step
@@ -211,10 +198,10 @@ def test_kill9_between_saves_then_rerun_is_bit_identical_and_sync_saves_equal_as
         f"(step {saved}," in resumed[0], rerun.stdout[-3000:]
 
     ref_dir = native_reference.wait()
-    got, want = _metrics(run_dir), _metrics(ref_dir)
+    got, want = read_metrics(run_dir, "loss"), read_metrics(ref_dir, "loss")
     assert [r["step"] for r in want] == list(range(1, STEPS + 1))
     keys = ("step", "loss", "grad_norm", "consumed_samples", "lr")
-    assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in want]  # same bits
+    assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in want]  # same bits
 
     # Every checkpoint the synchronous runs wrote holds the tensors the asynchronous one wrote:
     # the same shard files, byte for byte, and the same model, optimizer and position.
@@ -245,12 +232,10 @@ def test_dp2_checkpoint_resumes_on_one_process_with_its_optimizer_state(shards, 
     resumed = next(line for line in proc.stdout.splitlines() if line.startswith("resumed from"))
     assert "(step 4, 32 samples consumed)" in resumed
     assert "layout: the data-parallel size (world size / (tp*pp)) 2 -> 1" in resumed, resumed
-    got, want = _metrics(run_dir), _metrics(ref_dir)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for a, b in zip(got[4:], want[4:]):
-        assert a["consumed_samples"] == b["consumed_samples"]
-        for key in ("loss", "grad_norm"):
-            assert math.isclose(a[key], b[key], rel_tol=RTOL), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+    got, want = read_metrics(run_dir, "loss"), read_metrics(ref_dir, "loss")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    assert_rows_match(got[4:], want[4:], "dp2 -> dp1", keys=("consumed_samples",), rtol=0)
+    assert_rows_match(got[4:], want[4:], "dp2 -> dp1", rtol=RTOL)
     # not trivially equal: Adam's moments matter here (a fresh optimizer would be far off)
     assert got[-1]["loss"] < got[0]["loss"]
     lay = json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "run.json").read_text())["layout"]
@@ -268,11 +253,7 @@ def test_a_tp2_sp_checkpoint_resumes_on_one_process_with_its_optimizer_state(sha
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     resumed = next(line for line in proc.stdout.splitlines() if line.startswith("resumed from"))
     assert "(step 4, 32 samples consumed)" in resumed and "layout: parallel.tp 2 -> 1" in resumed, resumed
-    got, want = _metrics(run_dir), _metrics(native_reference.wait())
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for a, b in zip(got, want):
-        for key in ("loss", "grad_norm"):
-            assert math.isclose(a[key], b[key], rel_tol=RTOL), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+    assert_matches(run_dir, native_reference.wait(), "tp2+sp -> tp1", steps=STEPS, rtol=RTOL)
 
 
 # ----------------------------------------------------------------------------------- the other engine

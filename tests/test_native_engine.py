@@ -4,7 +4,6 @@ through ``megafixed train`` -- the same losses and gradient norms as the single-
 reference (conftest ``tiny_reference``) for one process, FSDP2 over two ranks and HSDP."""
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _metrics import assert_matches, read_metrics
 from _train_data import reference_overrides
 from megafixed.config import Config, ConfigError, load_config
 from megafixed.parallel.layout import LayoutError
@@ -232,22 +232,6 @@ def test_nonfinite_contract_and_no_deepspeed_or_megatron():
 
 
 # ----------------------------------------------------------------------------------- through `megafixed train`
-def _metrics(run_dir) -> list[dict]:
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
-
-
-def _assert_matches(run_dir, ref_dir, what, steps=None):
-    got, ref = _metrics(run_dir), _metrics(ref_dir)
-    ref = ref[:steps] if steps else ref
-    assert [r["step"] for r in got] == [r["step"] for r in ref], what
-    for a, b in zip(got, ref):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=RTOL), \
-            f"{what}: step {a['step']} loss {a['loss']} vs {b['loss']}"
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=RTOL), \
-            f"{what}: step {a['step']} grad_norm {a['grad_norm']} vs {b['grad_norm']}"
-
-
 def _train(nproc, shards, run_dir, kind, *extra, torchrun=None):
     overrides = reference_overrides(shards, run_dir, kind, "train.engine=torch", *extra)
     args = ["-m", "megafixed.cli", "train", "/dev/null", *overrides]
@@ -274,8 +258,7 @@ def one_process(tiny_shards, tmp_path_factory):
 
 
 def _validation(run_dir) -> dict:
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r}
+    return {r["step"]: r["val_loss"] for r in read_metrics(run_dir, "val_loss")}
 
 
 def _assert_same_validation(run_dir, one_dir, what):
@@ -288,7 +271,7 @@ def _assert_same_validation(run_dir, one_dir, what):
 
 @pytest.mark.multiprocess
 def test_one_process_equals_the_deepspeed_reference(one_process, tiny_reference):
-    _assert_matches(one_process, tiny_reference("canonical")["canonical"], "torch engine, 1 process")
+    assert_matches(one_process, tiny_reference("canonical")["canonical"], "torch engine, 1 process")
 
 
 @pytest.mark.multiprocess
@@ -298,7 +281,7 @@ def test_fsdp2_over_two_ranks_equals_the_reference(tiny_shards, tiny_reference, 
     ref = tiny_reference("canonical")["canonical"]
     _train(2, tiny_shards, tmp_path / "run", "canonical", "train.activation_checkpointing=true", *WITH_VALIDATION,
            torchrun=torchrun)
-    _assert_matches(tmp_path / "run", ref, "torch engine, FSDP2 dp=2")
+    assert_matches(tmp_path / "run", ref, "torch engine, FSDP2 dp=2")
     _assert_same_validation(tmp_path / "run", one_process, "torch engine, FSDP2 dp=2")
 
 
@@ -309,7 +292,7 @@ def test_hsdp_replication_over_two_ranks_equals_the_reference(tiny_shards, tiny_
     ref = tiny_reference("learned")["learned"]
     _train(2, tiny_shards, tmp_path / "run", "learned", "torch_engine.dp_replicate=2",
            "torch_engine.reshard_after_forward=false", torchrun=torchrun)
-    _assert_matches(tmp_path / "run", ref, "torch engine, HSDP 2x1")
+    assert_matches(tmp_path / "run", ref, "torch engine, HSDP 2x1")
 
 
 @pytest.mark.slow
@@ -324,8 +307,4 @@ def test_compiled_blocks_under_fsdp2_and_checkpointing_train_like_eager(tiny_sha
     ref = tiny_reference("canonical")["canonical"]
     _train(2, tiny_shards, tmp_path / "run", "canonical", "train.compile=true", "train.activation_checkpointing=true",
            "train.max_steps=2", "schedule.decay_steps=4", torchrun=torchrun)
-    got, want = _metrics(tmp_path / "run"), _metrics(ref)[:2]
-    assert [r["step"] for r in got] == [1, 2]
-    for a, b in zip(got, want):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4) and math.isclose(a["grad_norm"], b["grad_norm"],
-                                                                                 rel_tol=1e-4), (a, b)
+    assert_matches(tmp_path / "run", ref, "torch engine, compiled blocks", steps=2, rtol=1e-4)

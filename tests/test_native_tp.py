@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from _metrics import assert_matches, assert_rows_match, read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
 
@@ -31,10 +33,10 @@ def test_native_tp_matches_single_process(tp_cases):
     for name, r in tp_cases.items():
         sp = CASES[name][1]
         assert len(r["loss"]) == len(r["ref_loss"]) == STEPS, name
-        for step, (a, b) in enumerate(zip(r["loss"], r["ref_loss"])):
+        for step, (a, b) in enumerate(zip(r["loss"], r["ref_loss"], strict=True)):
             assert math.isclose(a, b, rel_tol=RTOL), f"{name}: step {step + 1} loss {a} vs {b}"
         # clip_grad_norm_ over DTensors counts every parameter once (sharded ones summed over TP)
-        for step, (a, b) in enumerate(zip(r["grad_norm"], r["ref_grad_norm"])):
+        for step, (a, b) in enumerate(zip(r["grad_norm"], r["ref_grad_norm"], strict=True)):
             assert math.isclose(a, b, rel_tol=RTOL), f"{name}: step {step + 1} grad_norm {a} vs {b}"
         assert math.isclose(r["eval_loss"], r["ref_eval_loss"], rel_tol=RTOL), \
             f"{name}: evaluation loss {r['eval_loss']} vs {r['ref_eval_loss']}"
@@ -81,11 +83,6 @@ def reference(tiny_reference):
     return tiny_reference("canonical", "learned")
 
 
-def _metrics(run_dir) -> list[dict]:
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
-
-
 def _train_matches_reference(tiny_shards, reference, torchrun, tmp_path, kind, nproc, layout, header):
     from _train_data import REFERENCE_STEPS, reference_overrides
 
@@ -93,15 +90,9 @@ def _train_matches_reference(tiny_shards, reference, torchrun, tmp_path, kind, n
     proc = torchrun(nproc, ["-m", "megafixed.cli", "train", "/dev/null",
                             *reference_overrides(tiny_shards, run_dir, kind, "train.engine=torch", *layout)])
     # one launch, several checks: the layout really run, then the per-step loss and gradient norm
+    # (the logged norm is the whole model's, every TP shard counted once: DeepSpeed's reference norm)
     assert header in proc.stdout, proc.stdout[-2000:]
-    got, ref = _metrics(run_dir), _metrics(reference[kind])
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, REFERENCE_STEPS + 1))
-    for a, b in zip(got, ref):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=RTOL), \
-            f"{layout}: step {a['step']} loss {a['loss']} vs {b['loss']}"
-        # the logged norm is the whole model's, every TP shard counted once (DeepSpeed's reference norm)
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=RTOL), \
-            f"{layout}: step {a['step']} grad_norm {a['grad_norm']} vs {b['grad_norm']}"
+    assert_matches(run_dir, reference[kind], str(layout), steps=REFERENCE_STEPS)
 
 
 @pytest.mark.multiprocess
@@ -136,9 +127,6 @@ def test_train_torch_engine_fsdp2_times_tp_sp_matches_and_resumes_as_fsdp2_dp4(t
     torchrun(4, ["-m", "megafixed.cli", "train", "/dev/null",
                  *reference_overrides(tiny_shards, rerun, "learned", "train.engine=torch", "parallel.tp=1",
                                       "parallel.sequence_parallel=false", "train.micro_batch=2")])
-    straight, resumed = _metrics(run_dir), _metrics(rerun)
+    straight, resumed = read_metrics(run_dir, "loss"), read_metrics(rerun, "loss")
     assert [r["step"] for r in resumed] == list(range(1, REFERENCE_STEPS + 1))
-    for a, b in zip(straight[2:], resumed[2:]):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=RTOL), f"step {a['step']}: {a['loss']} vs {b['loss']}"
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=RTOL), \
-            f"step {a['step']}: grad_norm {a['grad_norm']} vs {b['grad_norm']}"
+    assert_rows_match(straight[2:], resumed[2:], "FSDP2 dp=4 resumed", rtol=RTOL)

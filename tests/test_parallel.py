@@ -3,7 +3,7 @@
 Every layout trains the same tiny GPT (fixed codes and a learned table, in the same launch) from
 the same seed on the same global batches; its per-step losses and DeepSpeed's logged gradient norm
 must match the single-process run within 1e-5 relative. Launches go through
-``tests/parallel_worker.py`` (the trainer's seam: setup_distributed, build_model, topo.mpu, and the
+``tests/parallel_worker.py`` (the trainer's seam: setup_distributed, build_model, topology_mpu(topo), and the
 same train_batch / forward-backward-step dispatch). Checkpoints written by the TP, PP and TP x PP
 runs are gathered to one plain state dict and compared to the single-process weights; the
 single-process checkpoint converted to those layouts is loaded by them and must give the
@@ -43,10 +43,10 @@ def _close(a: float, b: float, rtol: float = RTOL) -> bool:
 
 def _assert_same_run(got: dict, ref: dict, what: str, grad_norm: bool = True) -> None:
     assert len(got["loss"]) == len(ref["loss"]) == 3
-    for step, (a, b) in enumerate(zip(got["loss"], ref["loss"])):
+    for step, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
         assert _close(a, b), f"{what}: loss at step {step} is {a}, single process {b}"
     if grad_norm:
-        for step, (a, b) in enumerate(zip(got["grad_norm"], ref["grad_norm"])):
+        for step, (a, b) in enumerate(zip(got["grad_norm"], ref["grad_norm"], strict=True)):
             assert _close(a, b), f"{what}: grad_norm at step {step} is {a}, single process {b}"
 
 
@@ -192,7 +192,7 @@ def test_pipeline_times_data_parallel_matches_one_process(reference, four_procs)
 @pytest.mark.multiprocess
 @pytest.mark.four_procs
 def test_tensor_sequence_times_zero_data_parallel_matches_one_process(reference, four_procs):
-    """TP=2 with SP x DP=2: megatron's TP groups and DeepSpeed's ZeRO partitions over topo.mpu's DP group."""
+    """TP=2 with SP x DP=2: megatron's TP groups and DeepSpeed's ZeRO partitions over topology_mpu(topo)'s DP group."""
     got = four_procs["results"]["tp2+sp x dp2"]
     for name in INPUTS:
         for stage in (1, 2):

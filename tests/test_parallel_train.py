@@ -3,20 +3,18 @@ layouts logs the same losses and gradient norms (metrics.jsonl) as the single-pr
 bit-exactly within a layout, and its checkpoint gathers to the single-process weights."""
 from __future__ import annotations
 
-import json
-import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from _metrics import assert_matches, assert_rows_match, read_metrics
 from _train_data import REFERENCE_STEPS, reference_overrides
 from megafixed.engine.weights import gather_state_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = REFERENCE_STEPS
-RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +24,6 @@ def shards(tiny_shards):
 
 def _overrides(shards, run_dir, kind, *extra):
     return reference_overrides(shards, run_dir, kind, *extra)
-
-
-def _metrics(run_dir) -> list[dict]:
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +37,6 @@ def _train(torchrun, nproc, shards, run_dir, kind, *layout):
     torchrun(nproc, ["-m", "megafixed.cli", "train", "/dev/null", *_overrides(shards, run_dir, kind, *layout)])
 
 
-def _assert_matches(run_dir, ref_dir, what):
-    got, ref = _metrics(run_dir), _metrics(ref_dir)
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
-    for a, b in zip(got, ref):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=RTOL), \
-            f"{what}: step {a['step']} loss {a['loss']} vs {b['loss']}"
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=RTOL), \
-            f"{what}: step {a['step']} grad_norm {a['grad_norm']} vs {b['grad_norm']}"
-
-
 def _assert_resume_is_bit_exact(torchrun, nproc, shards, run_dir, kind, *layout):
     """Rewind a finished run to its step-2 checkpoint, rerun the same command: steps 3-4 log the
     very same numbers."""
@@ -62,10 +45,9 @@ def _assert_resume_is_bit_exact(torchrun, nproc, shards, run_dir, kind, *layout)
     shutil.rmtree(rerun / "checkpoints" / f"step_{STEPS:08d}")
     (rerun / "checkpoints" / "latest").write_text("step_00000002\n")
     _train(torchrun, nproc, shards, rerun, kind, *layout)
-    straight, resumed = _metrics(run_dir), _metrics(rerun)
+    straight, resumed = read_metrics(run_dir, "loss"), read_metrics(rerun, "loss")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    for a, b in zip(straight[2:], resumed[2:]):
-        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"resume changed step {a['step']}"
+    assert_rows_match(straight[2:], resumed[2:], "resume changed", rtol=0)
 
 
 def _assert_loads_as_the_reference(run_dir, ref_dir):
@@ -93,7 +75,7 @@ def _assert_weights_match(run_dir, ref_dir):
 def test_train_tp2_fixed_codes_matches_and_resumes(shards, reference, torchrun, tmp_path):
     layout = ("parallel.tp=2", "train.activation_checkpointing=true")
     _train(torchrun, 2, shards, tmp_path / "run", "canonical", *layout)
-    _assert_matches(tmp_path / "run", reference["canonical"], "train tp2 canonical")
+    assert_matches(tmp_path / "run", reference["canonical"], "train tp2 canonical")
     _assert_resume_is_bit_exact(torchrun, 2, shards, tmp_path / "run", "canonical", *layout)
     _assert_weights_match(tmp_path / "run", reference["canonical"])
     _assert_loads_as_the_reference(tmp_path / "run", reference["canonical"])
@@ -103,7 +85,7 @@ def test_train_tp2_fixed_codes_matches_and_resumes(shards, reference, torchrun, 
 def test_train_pp2_learned_matches_and_resumes(shards, reference, torchrun, tmp_path):
     layout = ("parallel.pp=2", "train.activation_checkpointing=true")
     _train(torchrun, 2, shards, tmp_path / "run", "learned", *layout)
-    _assert_matches(tmp_path / "run", reference["learned"], "train pp2 learned")
+    assert_matches(tmp_path / "run", reference["learned"], "train pp2 learned")
     _assert_resume_is_bit_exact(torchrun, 2, shards, tmp_path / "run", "learned", *layout)
     _assert_weights_match(tmp_path / "run", reference["learned"])
     _assert_loads_as_the_reference(tmp_path / "run", reference["learned"])
@@ -118,7 +100,7 @@ def test_train_pp2_learned_matches_and_resumes(shards, reference, torchrun, tmp_
 ])
 def test_train_other_layouts_match(shards, reference, torchrun, tmp_path, kind, layout):
     _train(torchrun, 2, shards, tmp_path / "run", kind, *layout)
-    _assert_matches(tmp_path / "run", reference[kind], f"train {layout} {kind}")
+    assert_matches(tmp_path / "run", reference[kind], f"train {layout} {kind}")
     _assert_loads_as_the_reference(tmp_path / "run", reference[kind])  # ZeRO-3 through zero_to_fp32
 
 
@@ -127,7 +109,7 @@ def test_train_other_layouts_match(shards, reference, torchrun, tmp_path, kind, 
 def test_train_tp2_pp2_matches_resumes_and_gathers(shards, reference, torchrun, tmp_path):
     layout = ("parallel.tp=2", "parallel.pp=2")
     _train(torchrun, 4, shards, tmp_path / "run", "canonical", *layout)
-    _assert_matches(tmp_path / "run", reference["canonical"], "train tp2xpp2 canonical")
+    assert_matches(tmp_path / "run", reference["canonical"], "train tp2xpp2 canonical")
     _assert_resume_is_bit_exact(torchrun, 4, shards, tmp_path / "run", "canonical", *layout)
     _assert_weights_match(tmp_path / "run", reference["canonical"])  # TP2*PP2 -> TP1*PP1
 
@@ -136,4 +118,4 @@ def test_train_tp2_pp2_matches_resumes_and_gathers(shards, reference, torchrun, 
 @pytest.mark.four_procs
 def test_train_pp2_dp2_learned_matches(shards, reference, torchrun, tmp_path):
     _train(torchrun, 4, shards, tmp_path / "run", "learned", "parallel.pp=2", "train.micro_batch=2")
-    _assert_matches(tmp_path / "run", reference["learned"], "train pp2xdp2 learned")
+    assert_matches(tmp_path / "run", reference["learned"], "train pp2xdp2 learned")

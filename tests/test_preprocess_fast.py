@@ -119,7 +119,7 @@ def test_gigatoken_ids_equal_the_reference_on_real_text(tokenizers, texts, kind)
     docs = np.split(flat.astype(np.int64), np.cumsum(lengths)[:-1])
     # the reference, called directly (HF tokenizers / sentencepiece), document by document
     ref = tok.encode_batch(texts)
-    mism = [i for i, (r, d) in enumerate(zip(ref, docs)) if r != d.tolist()]
+    mism = [i for i, (r, d) in enumerate(zip(ref, docs, strict=True)) if r != d.tolist()]
     assert not mism, f"{kind}: {len(mism)} documents differ, first {mism[0]}: {texts[mism[0]][:80]!r}"
     if tok.kind == "sentencepiece":  # control-piece text inside a document is plain text to sentencepiece
         doc = "a </s> b <unk> c"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from _metrics import read_metrics
 from _train_data import tiny_overrides, write_shards
 from megafixed.config import load_config
 
@@ -93,13 +94,13 @@ def test_a_resume_after_steps_logged_past_the_checkpoint_leaves_each_step_once(t
     assert resumed.resumed_from == "step_00000002" and resumed.step == 4
 
     scalars = raw_scalars(run_dir / "tensorboard")
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(run_dir)
     for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("valid/val_loss", "val_loss")):
         steps = [s for s, _ in scalars[tag]]
         assert steps == sorted(set(steps)), f"{tag}: duplicate or out-of-order steps {steps}"
         want = [(r["step"], r[key]) for r in recs if key in r]
         assert [s for s, _ in want] == steps
-        assert all(abs(v - w) <= 1e-6 * max(1.0, abs(w)) for (_, v), (_, w) in zip(scalars[tag], want))
+        assert all(abs(v - w) <= 1e-6 * max(1.0, abs(w)) for (_, v), (_, w) in zip(scalars[tag], want, strict=True))
     assert [s for s, _ in scalars["valid/val_loss"]] == [0, 2, 4]
 
     # W&B: one run id for both segments; its history holds metrics.jsonl's values, each step once.

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from _env import launch_free_env
+from _metrics import read_metrics
 from _train_data import tiny_overrides, write_shards
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +213,7 @@ def test_resume_loads_the_tag_it_was_given_not_a_moved_latest(ws, tmp_path):
     from types import SimpleNamespace
 
     from megafixed.config import load_config
-    from megafixed.train.checkpoint import Checkpointer, ResumePoint
+    from megafixed.train.checkpoint import Checkpointer, ResumePoint, RunIdentity
 
     run = _copy_run(ws, tmp_path)
     point = ResumePoint(tag=TAG2, tag_dir=run / "checkpoints" / TAG2)  # what the resume read and verified
@@ -227,7 +228,7 @@ def test_resume_loads_the_tag_it_was_given_not_a_moved_latest(ws, tmp_path):
     cfg = load_config(str(run / "config.yaml"), [f"train.run_dir={run}"])
     plan = SimpleNamespace(tp=1, pp=1, dp=1, zero_stage=cfg.zero.stage, precision="fp32")  # a RunPlan's layout
     topo = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, is_main=True, plan=plan)
-    Checkpointer(cfg, topo).load(Engine(), point)
+    Checkpointer(cfg.train, topo, RunIdentity.of(cfg, plan)).load(Engine(), point)
     assert seen == [TAG2]
 
 
@@ -318,10 +319,6 @@ def test_the_holder_heartbeat_keeps_its_lock_fresh(tmp_path):
         assert time.time() - lock.stat().st_mtime < 60
 
 
-def _records(run):
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.multiprocess
 def test_a_second_trainer_on_a_running_run_dir_is_refused_and_the_first_keeps_its_metrics(ws, tmp_path):
     run = tmp_path / "run"
@@ -350,7 +347,7 @@ def test_a_second_trainer_on_a_running_run_dir_is_refused_and_the_first_keeps_it
             first.kill()
             first.wait()
         log.close()
-    steps = [r["step"] for r in _records(run) if "loss" in r]
+    steps = [r["step"] for r in read_metrics(run, "loss")]
     last = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert steps == list(range(1, last + 1)) and last >= 2  # every step once, in order, up to the checkpoint
     assert not (run / ".megafixed.lock").exists()

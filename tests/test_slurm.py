@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from _metrics import read_metrics
 from _slurm import start_cluster
 from _train_data import tiny_overrides, write_shards
 
@@ -50,8 +51,7 @@ def submit(cluster, cfg, prefix, run_dir, *extra) -> str:
 
 
 def losses(run_dir) -> dict:
-    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir, "loss")}
 
 
 def job_log(run_dir, job_id) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _metrics import read_metrics
 from _train_data import tiny_overrides, write_shards
 from megafixed.cli import main
 
@@ -30,8 +31,7 @@ def study(tmp_path_factory):
 
 
 def _final_val(run_dir: Path) -> float:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["val_loss"] for r in recs if "val_loss" in r][-1]
+    return read_metrics(run_dir, "val_loss")[-1]["val_loss"]
 
 
 def test_the_report_tabulates_the_runs_own_metrics(study):

@@ -2,13 +2,12 @@
 non-finite guard, the pipeline branch, and the run-dir artefacts."""
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
+from _metrics import read_metrics
 from _train_data import tiny_overrides, write_shards
 from megafixed.config import load_config
 from megafixed.train.checkpoint import CheckpointError, read_latest
@@ -29,10 +28,6 @@ def run(prefix, run_dir, *extra, stop=None, poison_lr=False):
     if poison_lr:  # past the config's range check on purpose: the guard under test is the trainer's
         cfg.optimizer.lr = 1e30
     return train(cfg, setup_distributed(RunPlan.for_launch(cfg)), stop=stop, log=lambda *_: None)
-
-
-def metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 # ----------------------------------------------------------------------------------- pure parts
@@ -69,7 +64,7 @@ def test_weight_decay_groups():
 @pytest.mark.parametrize("kind", ["learned", "canonical", "gf2"])
 def test_each_interface_trains_and_validation_loss_falls(shards, tmp_path, kind):
     result = run(shards, tmp_path, f"model.input={kind}", "train.max_steps=40", "optimizer.lr=1e-2")
-    recs = metrics(tmp_path)
+    recs = read_metrics(tmp_path)
     vals = [r["val_loss"] for r in recs if "val_loss" in r]
     assert recs[0]["step"] == 0 and vals[0] == pytest.approx(math.log(256), abs=0.3)  # an untrained model
     assert vals[-1] < vals[0] - 1.0, vals  # clearly learned the stride rule

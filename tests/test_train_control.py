@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from _env import signal_after_logged_steps
+from _metrics import read_metrics
 from _train_data import tiny_overrides, write_shards
 from megafixed.config import load_config
 from megafixed.train.stop import StopRequest
@@ -48,8 +49,7 @@ def run(prefix, run_dir, *extra, stop=None):
 
 
 def losses(run_dir) -> dict:
-    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r.get("loss") for r in recs if "loss" in r}
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir, "loss")}
 
 
 def tree_hash(root: Path) -> dict:
@@ -77,7 +77,7 @@ def test_a_stop_during_validation_cuts_the_pass_short_and_saves(shards, tmp_path
     result = run(shards, tmp_path, "train.max_steps=10", "train.eval_interval=2", "train.eval_iters=2",
                  "train.save_interval=100", stop=StopAfterPolls(4))
     assert result.stopped and result.step == 2 and result.checkpoint == "step_00000002"
-    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(tmp_path)
     assert "val_loss" in recs[0] and not any("val_loss" in r for r in recs if r["step"] == 2)
 
 

@@ -2,18 +2,17 @@
 at the same global batch (fp32, within 1e-5 relative)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from _metrics import read_metrics
 from _train_data import tiny_overrides, write_shards
 from megafixed.config import load_config
 
 
 def losses(run_dir: Path) -> dict:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in recs}
+    return {r["step"]: r for r in read_metrics(run_dir)}
 
 
 @pytest.mark.multiprocess
@@ -40,6 +39,7 @@ def test_two_process_dp_matches_one_process(tmp_path, torchrun):
     a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) and len(a) == 13  # steps 0..12
     for step in a:
+        assert a[step].keys() == b[step].keys(), (step, sorted(a[step].keys() ^ b[step].keys()))
         for key in ("loss", "val_loss", "grad_norm"):
             if key in a[step]:
                 assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)

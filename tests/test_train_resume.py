@@ -2,7 +2,6 @@
 losses, bit for bit, as an uninterrupted run (CPU, fp32)."""
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from _env import launch_free_env
+from _metrics import logged_step, read_metrics
 from _train_data import tiny_overrides, write_shards
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,16 +32,7 @@ def env() -> dict:
 
 
 def losses(run_dir: Path) -> dict:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: (r.get("loss"), r.get("val_loss"), r["consumed_samples"]) for r in recs}
-
-
-def logged_steps(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
-    except FileNotFoundError:
-        return 0
+    return {r["step"]: (r.get("loss"), r.get("val_loss"), r["consumed_samples"]) for r in read_metrics(run_dir)}
 
 
 @pytest.mark.multiprocess
@@ -59,7 +50,7 @@ def test_kill9_between_saves_then_resume_is_bit_identical(tmp_path):
     killed_at = None
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and victim.poll() is None:
-        step = logged_steps(killed_dir)
+        step = logged_step(killed_dir)
         # a checkpoint exists and the run is a few steps past it, before the next save
         if latest.exists() and step % SAVE >= 3:
             victim.send_signal(signal.SIGKILL)

@@ -23,7 +23,7 @@ class BareLoopState:
     """Model, masters and optimizer of the bare loop; ``step(micro_batches)`` runs one update."""
 
     def __init__(self, cfg, topo, precision: str):
-        from ..parallel import build_model
+        from ..engine.deepspeed.model import build_model
         from ..run.optim import build_optimizer
 
         self.device = topo.device

@@ -43,7 +43,11 @@ from .. import exit_codes
 HELP = ("training throughput of a config per engine (deepspeed, torch): step time, tokens/s, MFU, memory, "
         "overhead vs a bare torch loop")
 
-ENGINES = ("deepspeed", "torch")  # megafixed.config's train.engine values, in the order they are measured
+def _engines() -> tuple:
+    """The registered engines (megafixed.engines), in the order they are measured (the default first)."""
+    from ..engines import names
+
+    return tuple(names())
 
 
 def add_arguments(p):
@@ -190,15 +194,8 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     from ..train.metrics import flops_per_token, matmul_param_count, peak_flops_per_gpu
 
     topos = topos or {topo.plan.engine: topo}
-    plan = topo.plan  # the command's run plan (megafixed.run_plan), validated when it was built
-    precision, layout = plan.precision, plan.batch
-    if datasets is None:
-        if cfg.data.mock:
-            from ..data.mock import build_mock_datasets
-            datasets = build_mock_datasets(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)
-        else:
-            from ..data.gpt_dataset import build_datasets
-            datasets = build_datasets(cfg.data, seed=cfg.train.seed)
+    layout = topo.plan.batch  # the command's run plan (megafixed.run_plan), validated when it was built
+    datasets = _datasets(cfg) if datasets is None else datasets
     device = topo.device
     bare = bare and topo.world_size == 1  # a bare loop of a multi-rank layout would be a second framework
     tokens_per_step = layout.tokens_per_step
@@ -219,17 +216,7 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
                 out[loop.name] = stats(loop)
         return out
 
-    header = {"bench": "train", "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
-              "precision": precision, "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-              "engines": list(topos), "zero_stage": plan.zero_stage, "input": cfg.model.input,
-              "fused_first_layer": cfg.model.fused_first_layer,
-              "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile,
-              "global_batch": layout.global_batch, "micro_batch": layout.micro_batch, "accum": layout.accum,
-              "seq_len": cfg.data.seq_len, "tokens_per_step": tokens_per_step, "mock_data": cfg.data.mock,
-              "warmup_steps": warmup, "rounds": rounds, "flops_per_token": flops_tok,
-              "peak_flops_per_gpu": peak, "cpu_threads": None if on_cuda else torch.get_num_threads(),
-              "torch": torch.__version__}
+    header = _header(cfg, topo, list(topos), warmup=warmup, rounds=rounds, flops_tok=flops_tok, peak=peak)
     # On a GPU every model is drawn there (model.gpt.init_draws_on): a serial CPU draw of a 1.7B
     # model costs about a minute per build, and the step times do not depend on the values.
     def draws():
@@ -268,6 +255,44 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
         result[loop.name] = stats(loop)
     if not on_cuda:
         result["peak_rss_bytes"] = {"after_bare": rss_bare if bare else None, "end": _peak_rss_bytes()}
+    _add_overheads(result, topos)
+    for loop in loops:
+        loop.close()
+    _free(device)
+    return result
+
+
+def _datasets(cfg):
+    if cfg.data.mock:
+        from ..data.mock import build_mock_datasets
+        return build_mock_datasets(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)
+    from ..data.gpt_dataset import build_datasets
+    return build_datasets(cfg.data, seed=cfg.train.seed)
+
+
+def _header(cfg, topo, engines: list, *, warmup: int, rounds: int, flops_tok, peak) -> dict:
+    """What the result says of the run before any figure (the layout, the numerics, the machine)."""
+    from ..engines import kind_of
+
+    plan, layout, device = topo.plan, topo.plan.batch, topo.device
+    on_cuda = device.type == "cuda"
+    # the plan's engine's own layout keys (DeepSpeed's zero_stage), as its run record has them
+    own = kind_of(plan).hook("describe").record_layout(plan)
+    return {"bench": "train", "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+            "precision": plan.precision, "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+            "engines": engines, **own, "input": cfg.model.input,
+            "fused_first_layer": cfg.model.fused_first_layer,
+            "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile,
+            "global_batch": layout.global_batch, "micro_batch": layout.micro_batch, "accum": layout.accum,
+            "seq_len": cfg.data.seq_len, "tokens_per_step": layout.tokens_per_step, "mock_data": cfg.data.mock,
+            "warmup_steps": warmup, "rounds": rounds, "flops_per_token": flops_tok,
+            "peak_flops_per_gpu": peak, "cpu_threads": None if on_cuda else torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def _add_overheads(result: dict, topos: dict) -> None:
+    """Each engine's step time against the bare loop's, measured in the same run."""
     for name in topos:
         row = result[name]
         row["overhead"] = (row["step_s_median"] / result["bare"]["step_s_median"] - 1.0
@@ -276,10 +301,6 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
             row["overhead_cpu_time"] = row["cpu_s_median"] / result["bare"]["cpu_s_median"] - 1.0
     first = next(iter(topos))  # the one-engine JSON's keys, for its readers (tools/gpu_check.sh's report)
     result["framework"], result["overhead"] = result[first], result[first]["overhead"]
-    for loop in loops:
-        loop.close()
-    _free(device)
-    return result
 
 
 def _engine_cfg(cfg, engine: str):
@@ -323,10 +344,11 @@ def _plans(cfg, engines: Optional[str]) -> tuple[dict, dict]:
     from ..run_plan import RunPlan
 
     explicit = engines is not None
-    names = [n.strip() for n in (engines or ",".join(ENGINES)).split(",") if n.strip()]
-    unknown = [n for n in names if n not in ENGINES]
+    known = _engines()
+    names = [n.strip() for n in (engines or ",".join(known)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
     if unknown or not names or len(set(names)) != len(names):
-        raise ConfigError(f"--engines {engines!r}: name each of {', '.join(ENGINES)} at most once, comma-separated "
+        raise ConfigError(f"--engines {engines!r}: name each of {', '.join(known)} at most once, comma-separated "
                           f"(e.g. --engines deepspeed,torch)")
     plans, skipped = {}, {}
     for name in names:

@@ -51,9 +51,9 @@ class TextStream:
 def run(args) -> int:
     import torch
 
-    from ..interop.run_source import resolve_run, run_tokenizer
     from ..model.generate import GenerationError, SamplingConfig, complete
     from ..threads import apply_thread_policy
+    from ..train.run_source import resolve_run, run_tokenizer
 
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed).validate()

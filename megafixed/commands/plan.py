@@ -45,13 +45,13 @@ def _rank_key(est, budget):
     # move the same bytes, so they tie and the smaller memory wins) or, under FSDP2, the smallest
     # shard degree (more replication: fewer all-gathers), the biggest micro batch (best kernel
     # efficiency), and least memory.
-    sharding = lay.dp_shard if lay.engine == "torch" else max(lay.zero, 1)
+    sharding = lay.planner.rank_sharding(lay)
     return (est.total > budget, lay.tp * lay.pp, sharding, -lay.micro_batch, lay.sequence_parallel, est.total)
 
 
 def _sharding(lay) -> str:
-    """The ZeRO column: the stage, or under FSDP2 the HSDP degrees (replicate x shard)."""
-    return f"{lay.dp_replicate}x{lay.dp_shard}" if lay.engine == "torch" else str(lay.zero)
+    """The ZeRO column: the stage, or under FSDP2 the HSDP degrees (replicate x shard): its engine's words."""
+    return lay.planner.sharding_text(lay)
 
 
 def run(args) -> int:
@@ -59,7 +59,7 @@ def run(args) -> int:
 
     prepare_runtime_env()  # DeepSpeed's partitioner is imported below: quiet, CPU-safe
     from ..model.interfaces import interface_of
-    from ..parallel.memory import GiB, estimate, feasible_layouts, fixed_code_saving, tp_param_counts
+    from ..parallel.memory import GiB, estimate, fixed_code_saving, tp_param_counts
 
     cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
     gpu_mem = parse_bytes(args.gpu_mem)
@@ -67,8 +67,10 @@ def run(args) -> int:
         raise ConfigError(f"--gpus {args.gpus}: the number of GPUs to plan for must be >= 1")
     budget = gpu_mem * HEADROOM
     seq = cfg.data.seq_len
-    torch_engine = cfg.train.engine == "torch"
-    zname, zw = ("FSDP", 5) if torch_engine else ("ZeRO", 4)
+    from ..engines import engine_kind
+
+    planner = engine_kind(cfg.train.engine).hook("planner")  # the engine's sharding arithmetic and column
+    zname, zw = planner.COLUMN
     layouts = feasible_layouts(cfg, args.gpus, precision=args.precision)
     estimates = sorted((estimate(cfg.model, seq, lay, args.precision) for lay in layouts),
                        key=lambda e: _rank_key(e, budget))
@@ -88,14 +90,11 @@ def run(args) -> int:
     print(f"{args.config}: {counts.total / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
           f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
-    if torch_engine:
-        print("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
-              "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads; "
-              "no pipeline parallelism yet, so pp = 1 only")
+    if planner.intro(args.precision):
+        print(planner.intro(args.precision))
     print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= {HEADROOM:.0%} of that "
           f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage"
-          + (" (grads = 16-bit gradients + the fp32 accumulators the trainer uses):" if args.precision != "fp32"
-             and not torch_engine else ":"))
+          + planner.grads_note(args.precision) + ":")
     print(f"  {'TP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | {'params':>8} "
           f"{'grads':>8} {'optim':>8} {'activ':>8} | {'total':>8}  fits")
     shown = estimates if args.all else fitting
@@ -119,3 +118,50 @@ def run(args) -> int:
               f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "
               f"{saving['optimizer_bytes'] / GiB:.3f} GiB optimizer state = {saving['total_bytes'] / GiB:.3f} GiB")
     return 0 if fitting else 1
+
+
+def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list:
+    """Every (tp, pp, dp, zero, micro, sp) whose run plan builds, for ``gpus`` GPUs in ``precision``
+    (None: the config's ``train.precision``, resolved for a GPU). Here, above the run plan, rather
+    than in ``parallel.memory`` (which the run plan's layer sits on)."""
+    from ..engines import engine_kind
+
+    planner = engine_kind(getattr(cfg.train, "engine", None)).hook("planner")
+    out = []
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
+    for tp in tps:
+        for pp in planner.pp_degrees(gpus, tp):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            for option in planner.sharding_options(dp):  # ZeRO stages; HSDP replicate degrees
+                for micro in (1, 2, 4, 8, 16, 32):
+                    if micro * dp > cfg.train.global_batch:
+                        continue
+                    for sp in ((False, True) if tp > 1 else (False,)):
+                        if _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision):
+                            # Both balancing rules under PP: with fixed codes, balancing parameters
+                            # moves blocks onto stage 0, which holds the most in-flight micro batches.
+                            for part in (("parameters", "type:Block") if pp > 1 else ("parameters",)):
+                                out.append(planner.make_layout(cfg, tp, pp, dp, option, micro, sp, part))
+    return out
+
+
+def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision) -> bool:
+    """Whether the run plan of this variant of ``cfg`` builds (its layout rules and engine's refusals)."""
+    import copy
+
+    from ..parallel.layout import LayoutError
+    from ..run_plan import RunPlan
+
+    c = copy.deepcopy(cfg)
+    c.parallel.tp, c.parallel.pp = tp, pp
+    planner.set_sharding(c, option)
+    c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
+    c.train.precision = precision or c.train.precision
+    c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend
+    try:
+        RunPlan.build(c, gpus, gpu=True)
+    except LayoutError:
+        return False
+    return True

@@ -100,8 +100,8 @@ def _check_plan(cfg, world: int, gpu: bool, data: bool) -> None:
     directory. A dry run only warns about missing data: scripts are often written where the shards
     are not (yet)."""
     from ..engine import engine_config
-    from ..launch.preflight import check_run_dir_takes
     from ..run_plan import RunPlan
+    from ..train.resume import check_run_dir_takes
     from .train import _check_data_paths
 
     plan = RunPlan.build(cfg, world, gpu=gpu)  # what each rank of the job will build at its start

@@ -36,7 +36,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..engine import prepare_runtime_env
     from ..errors import report
 
     if args.dry_run:
@@ -44,7 +43,6 @@ def run(args) -> int:
             return dry_run(args)
         except Exception as exc:  # noqa: BLE001 -- the error boundary decides what is a bug
             return report(exc)
-    prepare_runtime_env()  # before anything imports deepspeed
     code = exit_codes.OK
     try:
         code = _train(args)
@@ -54,11 +52,8 @@ def run(args) -> int:
 
 
 def _train(args) -> int:
-    from ..data.prepare import prepare_data
-    from ..parallel import setup_distributed
     from ..run_plan import RunPlan
     from ..train.stop import StopRequest
-    from ..train.trainer import train
 
     # SIGUSR1 (Slurm's pre-timeout signal, which the job script forwards) and SIGTERM (scancel, preemption,
     # the time limit itself): finish the step (or leave validation), save, exit STOPPED. Installed before
@@ -69,6 +64,13 @@ def _train(args) -> int:
     stop = StopRequest()
     stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM), interrupt=True)
     cfg = load_config(args.config, args.overrides)
+    from ..engine import prepare_runtime_env
+
+    prepare_runtime_env(cfg.train.engine)  # the run's engine's: before anything imports its library
+    from ..data.prepare import prepare_data
+    from ..parallel import setup_distributed
+    from ..train.trainer import train
+
     plan = RunPlan.for_launch(cfg)  # the layout, validated once, before any process group exists
     topo = setup_distributed(plan)  # the one Topology of this process; topo.plan is the plan
     cfg = prepare_data(cfg, is_main=topo.is_main)  # fills in data paths only: nothing the plan read
@@ -99,8 +101,8 @@ def dry_run(args) -> int:
 
     from ..config import resolve_code
     from ..engine import engine_config
+    from ..engines import kind_of
     from ..parallel.topology import launch_world
-    from ..run.run_dir import ENGINE_CONFIGS
     from ..run_plan import RunPlan
 
     cfg = load_config(args.config, args.overrides)
@@ -115,15 +117,11 @@ def dry_run(args) -> int:
     record = engine_config(cfg, plan)
     print("# resolved config")
     print(yaml.safe_dump(resolve_code(cfg).to_dict(), sort_keys=False).rstrip())
-    name = "deepspeed" if plan.engine == "deepspeed" else f"{plan.engine} engine"
-    print(f"# {name} config (written to <run_dir>/{ENGINE_CONFIGS[plan.engine]} by a real run)")
+    kind = kind_of(plan)
+    words = kind.hook("describe")
+    print(f"# {words.config_title()} config (written to <run_dir>/{kind.record_file} by a real run)")
     print(json.dumps(record, indent=2))
-    if plan.engine == "torch":
-        d = record["data_parallel"]
-        sharding = (f"engine torch, {d['mode']} (dp_replicate {d['replicate_degree']} x dp_shard "
-                    f"{d['shard_degree']})")
-    else:
-        sharding = f"zero {plan.zero_stage}"
+    sharding = words.dry_run_words(plan, record)
     print(f"# plan: {plan.describe()}; {plan.precision} on {args.target}, backend {plan.backend}; "
           f"{sharding}. Nothing was started.")
     return exit_codes.OK

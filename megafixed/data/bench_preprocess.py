@@ -177,8 +177,106 @@ def _gpt2_or_trained(args) -> str:
         return _default_tokenizer(args.input, args.json_key)
 
 
+def _rows(tok, tok_spec, args, corpus: str, tmp: str, workers: int, cpus: int) -> dict:
+    """``{name: (command, output file, cores)}`` for the three measured tools."""
+    from .indexed import bin_path
+
+    ref_file = _reference_file(tok, tmp)
+    tail = [str(tok.eod_id), args.json_key, str(tok.vocab_size)]
+    return {
+        "megafixed preprocess": ([sys.executable, "-m", "megafixed.cli", "preprocess", "--input", corpus,
+                                  "--tokenizer", tok_spec, "--json-keys", args.json_key, "--output-prefix",
+                                  os.path.join(tmp, "ours"), "--workers", str(workers), "--no-progress",
+                                  "--overwrite"], bin_path(os.path.join(tmp, "ours")), workers),
+        "bare gigatoken encode_files": ([sys.executable, "-c", BARE_GIGATOKEN, ref_file, corpus,
+                                         os.path.join(tmp, "gt.bin"), *tail], os.path.join(tmp, "gt.bin"), cpus),
+        "bare HF tokenizers encode_batch (1 thread)": ([sys.executable, "-c", BARE_HF, ref_file, corpus,
+                                                       os.path.join(tmp, "hf.bin"), *tail],
+                                                      os.path.join(tmp, "hf.bin"), 1),
+    }
+
+
+def _bytecode_env(env: dict, tmp: str) -> dict:
+    """Bytecode as an installed package has it: pip compiles .pyc at install, but an editable
+    checkout run under PYTHONDONTWRITEBYTECODE recompiles every megafixed module at each start
+    (~0.04 s here) while the bare rows import only compiled site-packages. So every row reads
+    and writes bytecode under one temporary prefix (filled by an untimed first run, _time_rows)."""
+    env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
+    return env
+
+
+def _time_rows(rows: dict, env: dict, args) -> dict:
+    """``{name: [timed run, ...]}``: an untimed first run of each fast row (it fills the bytecode
+    prefix and warms the page cache for both alike), then the rows interleaved and repeated."""
+    for name in list(rows)[:2]:
+        _timed(rows[name][0], env)
+    runs: dict = {name: [] for name in rows}
+    hf_runs = args.hf_repeat if args.hf_repeat is not None else args.repeat
+    for rep in range(max(1, args.repeat)):  # interleaved: machine load hits every row alike
+        for i, (name, (cmd, _, _)) in enumerate(rows.items()):
+            if i == 2 and rep >= max(1, hf_runs):
+                continue
+            runs[name].append(_timed(cmd, env))
+            last = runs[name][-1]
+            print(f"{name}: {last['seconds']:.2f}s ({last['cpu_s']:.2f} CPU s)", file=sys.stderr)
+    return runs
+
+
+def _results(rows: dict, runs: dict, tokens: int, size: int) -> list[dict]:
+    """One row per tool: median seconds and CPU seconds, rates, peak RSS, ratios to bare gigatoken."""
+    results = []
+    for name, (_, _, cores) in rows.items():
+        secs = statistics.median(r["seconds"] for r in runs[name])
+        # CPU seconds (user + system, the process and its children): what a loaded machine
+        # distorts least, so the figure to compare when the wall times are noisy
+        cpu = statistics.median(r["cpu_s"] for r in runs[name])
+        results.append({"tool": name, "seconds": round(secs, 3), "runs_s": [round(r["seconds"], 3)
+                                                                           for r in runs[name]],
+                        "cpu_s": round(cpu, 3),
+                        "cores": cores, "tokens": tokens, "tokens_per_s": round(tokens / secs),
+                        "tokens_per_s_per_core": round(tokens / secs / cores),
+                        "mb_per_s": round(size / 1e6 / secs, 2),
+                        "max_rss_mb": round(max(r["max_rss_mb"] for r in runs[name]), 1)})
+    bare, bare_cpu = results[1]["seconds"], results[1]["cpu_s"]
+    for r in results:
+        r["speed_vs_bare_gigatoken"] = round(bare / r["seconds"], 3)
+        r["cpu_vs_bare_gigatoken"] = round(bare_cpu / max(r["cpu_s"], 1e-9), 3)
+    return results
+
+
+def _memory(ours_cmd: list[str], corpus: str, scale: int, env: dict, tmp: str) -> dict:
+    """Peak memory against corpus size: the same command on 1x and ``scale`` x the corpus."""
+    big = os.path.join(tmp, "corpus_big.jsonl")
+    with open(big, "wb") as dst:
+        for _ in range(scale):
+            with open(corpus, "rb") as src:
+                dst.write(src.read())
+    rss = {}
+    for label, path in (("1x", corpus), (f"{scale}x", big)):
+        cmd = list(ours_cmd)
+        cmd[cmd.index("--input") + 1] = path
+        cmd[cmd.index("--output-prefix") + 1] = os.path.join(tmp, f"rss_{label}")
+        rss[label] = {"input_mb": round(os.path.getsize(path) / 1e6, 1), **_timed(cmd, env)}
+        for p in (f"{os.path.join(tmp, f'rss_{label}')}.bin",):
+            os.remove(p)
+    os.remove(big)
+    return {"runs": rss, "rss_ratio": round(rss[f"{scale}x"]["max_rss_mb"] / rss["1x"]["max_rss_mb"], 3)}
+
+
+def _report(result: dict, args) -> None:
+    print(json.dumps(result, indent=1))
+    if args.index_tokens:
+        result["index"] = bench_index(int(args.index_tokens), args.seq_len)
+        print(json.dumps(result["index"]))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {args.out}")
+
+
 def run(args) -> int:
-    from .indexed import IndexedShard, bin_path
+    from .indexed import IndexedShard
     from .tokenizers import load_tokenizer
 
     tok_spec = args.tokenizer or _gpt2_or_trained(args)
@@ -190,88 +288,20 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-preprocess-") as tmp:
         corpus = os.path.join(tmp, "corpus.jsonl")
         size = _corpus(args.input, args.json_key, args.corpus_mb, corpus)
-        ref_file = _reference_file(tok, tmp)
-        tail = [str(tok.eod_id), args.json_key, str(tok.vocab_size)]
-        rows = {
-            "megafixed preprocess": ([sys.executable, "-m", "megafixed.cli", "preprocess", "--input", corpus,
-                                      "--tokenizer", tok_spec, "--json-keys", args.json_key, "--output-prefix",
-                                      os.path.join(tmp, "ours"), "--workers", str(workers), "--no-progress",
-                                      "--overwrite"], bin_path(os.path.join(tmp, "ours")), workers),
-            "bare gigatoken encode_files": ([sys.executable, "-c", BARE_GIGATOKEN, ref_file, corpus,
-                                             os.path.join(tmp, "gt.bin"), *tail], os.path.join(tmp, "gt.bin"), cpus),
-            "bare HF tokenizers encode_batch (1 thread)": ([sys.executable, "-c", BARE_HF, ref_file, corpus,
-                                                           os.path.join(tmp, "hf.bin"), *tail],
-                                                          os.path.join(tmp, "hf.bin"), 1),
-        }
-        # Bytecode as an installed package has it: pip compiles .pyc at install, but an editable
-        # checkout run under PYTHONDONTWRITEBYTECODE recompiles every megafixed module at each start
-        # (~0.04 s here) while the bare rows import only compiled site-packages. So every row reads
-        # and writes bytecode under one temporary prefix, filled by an untimed first run of each
-        # fast row (which also warms the page cache for both alike).
-        env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
-        env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
-        for name in list(rows)[:2]:
-            _timed(rows[name][0], env)
-        runs: dict = {name: [] for name in rows}
-        hf_runs = args.hf_repeat if args.hf_repeat is not None else args.repeat
-        for rep in range(max(1, args.repeat)):  # interleaved: machine load hits every row alike
-            for i, (name, (cmd, _, _)) in enumerate(rows.items()):
-                if i == 2 and rep >= max(1, hf_runs):
-                    continue
-                runs[name].append(_timed(cmd, env))
-                last = runs[name][-1]
-                print(f"{name}: {last['seconds']:.2f}s ({last['cpu_s']:.2f} CPU s)", file=sys.stderr)
+        rows = _rows(tok, tok_spec, args, corpus, tmp, workers, cpus)
+        env = _bytecode_env(env, tmp)
+        runs = _time_rows(rows, env, args)
         tokens = IndexedShard(os.path.join(tmp, "ours")).num_tokens
         outputs = {name: open(out, "rb").read() for name, (_, out, _) in rows.items()}
         identical = len(set(outputs.values())) == 1
         del outputs
-        results = []
-        for name, (_, _, cores) in rows.items():
-            secs = statistics.median(r["seconds"] for r in runs[name])
-            # CPU seconds (user + system, the process and its children): what a loaded machine
-            # distorts least, so the figure to compare when the wall times are noisy
-            cpu = statistics.median(r["cpu_s"] for r in runs[name])
-            results.append({"tool": name, "seconds": round(secs, 3), "runs_s": [round(r["seconds"], 3)
-                                                                               for r in runs[name]],
-                            "cpu_s": round(cpu, 3),
-                            "cores": cores, "tokens": tokens, "tokens_per_s": round(tokens / secs),
-                            "tokens_per_s_per_core": round(tokens / secs / cores),
-                            "mb_per_s": round(size / 1e6 / secs, 2),
-                            "max_rss_mb": round(max(r["max_rss_mb"] for r in runs[name]), 1)})
-        bare, bare_cpu = results[1]["seconds"], results[1]["cpu_s"]
-        for r in results:
-            r["speed_vs_bare_gigatoken"] = round(bare / r["seconds"], 3)
-            r["cpu_vs_bare_gigatoken"] = round(bare_cpu / max(r["cpu_s"], 1e-9), 3)
-        # peak memory against corpus size: the same command on 1x and N x the corpus
-        big = os.path.join(tmp, "corpus_big.jsonl")
-        with open(big, "wb") as dst:
-            for _ in range(args.rss_scale):
-                with open(corpus, "rb") as src:
-                    dst.write(src.read())
-        ours_cmd = rows["megafixed preprocess"][0]
-        rss = {}
-        for label, path in (("1x", corpus), (f"{args.rss_scale}x", big)):
-            cmd = list(ours_cmd)
-            cmd[cmd.index("--input") + 1] = path
-            cmd[cmd.index("--output-prefix") + 1] = os.path.join(tmp, f"rss_{label}")
-            rss[label] = {"input_mb": round(os.path.getsize(path) / 1e6, 1), **_timed(cmd, env)}
-            for p in (f"{os.path.join(tmp, f'rss_{label}')}.bin",):
-                os.remove(p)
-        os.remove(big)
-        memory = {"runs": rss, "rss_ratio": round(rss[f"{args.rss_scale}x"]["max_rss_mb"] / rss["1x"]["max_rss_mb"],
-                                                  3)}
+        results = _results(rows, runs, tokens, size)
+        memory = _memory(rows["megafixed preprocess"][0], corpus, args.rss_scale, env, tmp)
     result = {"benchmark": "preprocess", "inputs": args.input, "tokenizer": tok_spec, "tokenizer_kind": tok.kind,
               "corpus_mb": round(size / 1e6, 2), "cpus": cpus, "workers": workers, "repeat": args.repeat,
               "outputs_identical": identical, "results": results, "memory": memory,
               # other work on the machine skews the figures: the 1-minute load at the start and the end
               "load_average_1m": [load_before, round(os.getloadavg()[0], 2)],
               "machine": platform.platform(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    print(json.dumps(result, indent=1))
-    if args.index_tokens:
-        result["index"] = bench_index(int(args.index_tokens), args.seq_len)
-        print(json.dumps(result["index"]))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"wrote {args.out}")
+    _report(result, args)
     return 0

@@ -373,9 +373,7 @@ def _run(opts: PreprocessOptions, paths: list, keys: list, tok, encoder, note: s
     bad: Counter = Counter()
     bar = _progress(opts.progress)
     t0 = time.perf_counter()
-    fast = encoder.name != "reference"
-    init_args = None if fast else (tok.describe(), keys, opts.strict, opts.append_eod, str(dtype))
-    batch_records = opts.batch_records or (16384 if fast else 256)
+    batch_records = opts.batch_records or (16384 if encoder.name != "reference" else 256)
     batches = iter_batches(paths, keys, batch_records, batch_bytes=int(opts.chunk_mb * (1 << 20)),
                            text_split=opts.text_split)
 
@@ -396,55 +394,13 @@ def _run(opts: PreprocessOptions, paths: list, keys: list, tok, encoder, note: s
             bar.set_postfix_str(f"{report.tokens / dt:,.0f} tok/s, {report.input_bytes / dt / 1e6:.1f} MB/s")
 
     try:
-        if fast:
-            # Decode the next batch here while gigatoken (GIL released) tokenizes the earlier ones,
-            # one batch per tokenizing thread; threads + 1 batches in flight bound the memory.
-            state = {"encoder": encoder, "eod_id": tok.eod_id, "keys": keys, "strict": opts.strict,
-                     "append_eod": opts.append_eod, "dtype": dtype}
-            with ThreadPoolExecutor(encoder.threads, thread_name_prefix="tokenize") as ex:
-                pending: deque = deque()
-                for batch in batches:
-                    pending.append(ex.submit(_tokenize, batch, decode_batch(batch, keys, opts.strict), state))
-                    if len(pending) > encoder.threads:
-                        consume(pending.popleft().result())
-                while pending:
-                    consume(pending.popleft().result())
-        elif workers == 1:
-            _init_worker(*init_args)
-            for batch in batches:
-                consume(_encode(batch))
-        else:
-            # fork: workers inherit the imported modules, so start-up costs milliseconds, not seconds
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-                pending: deque = deque()
-                for batch in batches:
-                    pending.append(pool.apply_async(_encode, (batch,)))
-                    if len(pending) >= 4 * workers:
-                        consume(pending.popleft().get())
-                while pending:
-                    consume(pending.popleft().get())
+        _tokenize_all(batches, consume, encoder, tok, keys, opts, dtype, workers)
         report.seconds = time.perf_counter() - t0
         report.bad = {k: int(bad.get(k, 0)) for k in BAD_KINDS}
-        if report.documents == 0 and not any(report.bad.values()):
-            # An empty shard would only fail later (no sample to train on), far from the cause.
-            raise DataError(f"no document written: the inputs {paths} hold no text (empty files, or only blank "
-                            f"lines); check --input")
-        if report.documents == 0 and any(report.bad.values()):
-            # Every record was skipped: almost always the wrong --json-keys or input format. An empty
-            # shard would only fail later, far from the cause; the except below removes the temp files.
-            skipped = {k: v for k, v in report.bad.items() if v}
-            example = f" (e.g. {report.bad_examples[0]})" if report.bad_examples else ""
-            raise DataError(f"no document written: every record was skipped as bad {skipped}{example}; "
-                            f"check --json-keys {' '.join(keys)} against the records' fields, or the input format")
+        _check_written(report, paths, keys)
         if verified is not None:
             tok = verified()
-        meta = {"tokenizer": tok.describe(), "tokenizer_sha256": tokenizer_sha256(tok),
-                "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
-                "append_eod": opts.append_eod, "dtype": str(dtype), "inputs": [os.path.abspath(p) for p in paths],
-                "documents": report.documents, "bad_records": report.bad, **opts.extra_meta}
-        for k, out in outputs.items():
-            report.outputs[k] = out.commit({**meta, "json_key": k})
+        _commit(outputs, report, tok, opts, dtype, paths)
     except BaseException:
         for out in outputs.values():
             out.abort()
@@ -453,3 +409,63 @@ def _run(opts: PreprocessOptions, paths: list, keys: list, tok, encoder, note: s
         if bar is not None:
             bar.close()
     return report
+
+
+def _tokenize_all(batches, consume, encoder, tok, keys: list, opts: PreprocessOptions, dtype, workers: int) -> None:
+    """Every batch tokenized, in input order, each result handed to ``consume``: gigatoken on
+    threads, else the reference tokenizer in this process (one worker) or a pool of ``workers``."""
+    fast = encoder.name != "reference"
+    init_args = None if fast else (tok.describe(), keys, opts.strict, opts.append_eod, str(dtype))
+    if fast:
+        # Decode the next batch here while gigatoken (GIL released) tokenizes the earlier ones,
+        # one batch per tokenizing thread; threads + 1 batches in flight bound the memory.
+        state = {"encoder": encoder, "eod_id": tok.eod_id, "keys": keys, "strict": opts.strict,
+                 "append_eod": opts.append_eod, "dtype": dtype}
+        with ThreadPoolExecutor(encoder.threads, thread_name_prefix="tokenize") as ex:
+            pending: deque = deque()
+            for batch in batches:
+                pending.append(ex.submit(_tokenize, batch, decode_batch(batch, keys, opts.strict), state))
+                if len(pending) > encoder.threads:
+                    consume(pending.popleft().result())
+            while pending:
+                consume(pending.popleft().result())
+    elif workers == 1:
+        _init_worker(*init_args)
+        for batch in batches:
+            consume(_encode(batch))
+    else:
+        # fork: workers inherit the imported modules, so start-up costs milliseconds, not seconds
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+            pending: deque = deque()
+            for batch in batches:
+                pending.append(pool.apply_async(_encode, (batch,)))
+                if len(pending) >= 4 * workers:
+                    consume(pending.popleft().get())
+            while pending:
+                consume(pending.popleft().get())
+
+
+def _check_written(report: PreprocessReport, paths: list, keys: list) -> None:
+    """One clear error when nothing was written (the caller removes the temporary files)."""
+    if report.documents == 0 and not any(report.bad.values()):
+        # An empty shard would only fail later (no sample to train on), far from the cause.
+        raise DataError(f"no document written: the inputs {paths} hold no text (empty files, or only blank "
+                        f"lines); check --input")
+    if report.documents == 0 and any(report.bad.values()):
+        # Every record was skipped: almost always the wrong --json-keys or input format. An empty
+        # shard would only fail later, far from the cause; _run's except removes the temp files.
+        skipped = {k: v for k, v in report.bad.items() if v}
+        example = f" (e.g. {report.bad_examples[0]})" if report.bad_examples else ""
+        raise DataError(f"no document written: every record was skipped as bad {skipped}{example}; "
+                        f"check --json-keys {' '.join(keys)} against the records' fields, or the input format")
+
+
+def _commit(outputs: dict, report: PreprocessReport, tok, opts: PreprocessOptions, dtype, paths: list) -> None:
+    """Commit every key's shards with the metadata (the tokenizer's confirmed facts)."""
+    meta = {"tokenizer": tok.describe(), "tokenizer_sha256": tokenizer_sha256(tok),
+            "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
+            "append_eod": opts.append_eod, "dtype": str(dtype), "inputs": [os.path.abspath(p) for p in paths],
+            "documents": report.documents, "bad_records": report.bad, **opts.extra_meta}
+    for k, out in outputs.items():
+        report.outputs[k] = out.commit({**meta, "json_key": k})

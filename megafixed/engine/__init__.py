@@ -1,144 +1,100 @@
-"""The engine seam: the one package that knows a training engine (DeepSpeed, or torch-native).
+"""The engine seam: what the rest of megafixed asks of a training engine, looked up in the engine
+registry (``megafixed.engines``), never by testing its name.
 
-Everything the rest of megafixed needs from an engine goes through here or through the
-``Engine`` protocol (``base.py``): build one for this rank, ask whether a checkpoint can be read
-on another layout, read a checkpoint's weights into a plain state dict, write one for a layout,
-prepare the process environment, the accelerator's name. Only ``megafixed/engine/`` imports
-``deepspeed`` (``tests/test_import_rules.py`` holds that); the implementations are
-``megafixed/engine/deepspeed/`` (the default) and ``megafixed/engine/native/`` (FSDP2, DTensor TP,
-DCP; ``train.engine=torch``), and each function here dispatches on the plan's engine or, for the
-readers, on the checkpoint's format.
+Everything the trainer, the commands and the readers need from an engine goes through here or
+through the ``Engine`` protocol (``base.py``): build one for this rank, ask whether a checkpoint can
+be read on another layout, read a checkpoint's weights into a plain state dict, prepare the process
+environment. Each function finds the engine by the plan's ``engine`` (a run-record layout without
+one was written by the default engine, DeepSpeed) or, for the readers, by asking each registered
+engine's checkpoint detector. The implementations are ``megafixed/engine/deepspeed/`` (the
+default; the only package that imports DeepSpeed and megatron-core, ``tests/test_import_rules.py``)
+and ``megafixed/engine/native/`` (FSDP2, DTensor TP, DCP; ``train.engine=torch``), each with its
+one registry record in its ``kind.py``.
 
 This module imports no engine library at import time (``megafixed plan`` and the CLI's cheap
-checks import it); each function imports its implementation when called.
+checks import it); each hook imports its implementation when called.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
+from ..engines import checkpoint_kind, engine_kind, kind_of, kinds
 from .base import ConvertError, Engine, NonFiniteLossError, StepResult  # noqa: F401  (the seam's types)
 from .batches import TokenRangeError, split_tokens  # noqa: F401
-
-ENGINES = ("deepspeed", "torch")  # train.engine's values
-TORCH = "torch"  # the torch-native engine (megafixed.engine.native)
-
-
-def _is_torch(plan_or_layout) -> bool:
-    """A run plan's engine, or a run-record layout's (a record without "engine" is DeepSpeed's)."""
-    if isinstance(plan_or_layout, dict):
-        return plan_or_layout.get("engine", "deepspeed") == TORCH
-    return getattr(plan_or_layout, "engine", "deepspeed") == TORCH
 
 
 def check_supported(cfg, plan) -> None:
     """Refuse, by name, what the plan's engine cannot run (called once, by ``RunPlan.build``)."""
-    if _is_torch(plan):
-        from .native.support import check_supported as check
-    else:
-        from .deepspeed.support import check_supported as check
-    check(cfg, plan)
+    kind_of(plan).call("check_supported", cfg, plan)
 
 
 def build_engine(cfg, topo) -> Engine:
     """This rank's engine for the run: the model config, optimizer and engine keys from ``cfg``;
     the batch, precision and layout from the run plan the topology was made from (``topo.plan``)."""
-    if _is_torch(topo.plan):
-        from .native.build import build as build_native
-
-        return build_native(cfg, topo)
-    from .deepspeed.build import build
-
-    return build(cfg, topo, topo.plan.batch, topo.plan.precision)
+    return kind_of(topo.plan).call("build", cfg, topo)
 
 
 def engine_config(cfg, plan) -> dict:
-    """The engine's own config for a run (DeepSpeed's JSON, ``<run_dir>/ds_config.json``; the torch
-    engine's mesh/FSDP/precision record), for the machine the plan is for (a dry run on a CPU login
-    node plans a GPU run)."""
-    if _is_torch(plan):
-        from .native.config import engine_config as native_config
-
-        return native_config(cfg, plan)
-    from .deepspeed.config import deepspeed_config
-
-    return deepspeed_config(cfg, plan.batch, plan.precision, gpu=plan.on_gpu)
+    """The engine's own config for a run (written to ``<run_dir>/<its record_file>``), for the
+    machine the plan is for (a dry run on a CPU login node plans a GPU run)."""
+    return kind_of(plan).call("engine_config", cfg, plan)
 
 
 def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     """Why a checkpoint of layout ``old`` cannot be loaded on layout ``new`` (run-record layouts:
-    tp, pp, dp, zero_stage, precision; "engine", absent = deepspeed), or None when the engine can
-    re-layout it on load."""
-    if _is_torch(old) or _is_torch(new):
-        # The torch engine's rule (DCP reshards), including the refusal of the other engine's files.
-        from .native.checkpoint import relayout_refusal as native_refusal
-
-        return native_refusal(old, new)
-    from .deepspeed.universal import unsupported
-
-    return unsupported(old, new)
+    tp, pp, dp, precision, the engine's own keys; "engine", absent = the default engine), or None
+    when the engine can re-layout it on load. Across engines, the non-default engine's rule speaks
+    (it names the other engine's files, which it does not read)."""
+    a, b = kind_of(old), kind_of(new)
+    judge = b if a is b or a.default else a
+    return judge.call("relayout_refusal", old, new)
 
 
-def prepare_runtime_env() -> None:
-    """Call before anything imports the engine library (it picks its accelerator at import)."""
-    from .deepspeed.env import prepare_runtime_env as prepare
-
-    prepare()
+def prepare_runtime_env(engine: Optional[str] = None) -> None:
+    """Call before anything imports the engine's library (DeepSpeed picks its accelerator at
+    import); it checks the library's versions. ``engine`` None: the default engine (the commands
+    that convert, evaluate or plan use its library)."""
+    kind = engine_kind(engine)
+    if kind.prepare_runtime_env is not None:
+        kind.call("prepare_runtime_env")
 
 
 def accelerator_name() -> str:
-    """The device kind the engine library picked ("cuda", "cpu", ...)."""
+    """The device kind the default engine's library picked ("cuda", "cpu", ...)."""
     from .deepspeed.env import accelerator_name as name
 
     return name()
 
 
-def _native_checkpoint():
-    """The torch engine's checkpoint module (imported only when a reader asks: it imports DCP)."""
-    from .native import checkpoint
-
-    return checkpoint
-
-
-def is_native_checkpoint(tag_dir: Path) -> bool:
-    """A checkpoint tag written by the torch engine (DCP), not by DeepSpeed."""
-    return _native_checkpoint().is_native_checkpoint(Path(tag_dir))
+def checkpoint_format(tag_dir: Path):
+    """The checkpoint-format module of the engine that wrote ``tag_dir``."""
+    return checkpoint_kind(Path(tag_dir)).hook("checkpoint")
 
 
 def read_state_dict(tag_dir: Path, *, verify: bool = True) -> dict:
-    """The full plain-GPT state dict of a checkpoint of any layout (TP, PP, ZeRO 0-3; either engine)."""
-    tag_dir = Path(tag_dir)
-    if is_native_checkpoint(tag_dir):
-        from .native.reader import read_state_dict as read_native
-
-        return read_native(tag_dir, verify=verify)
-    from .deepspeed.convert import gather_state_dict, is_zero3, read_zero3_state_dict
-
-    if is_zero3(tag_dir):
-        return read_zero3_state_dict(tag_dir)
-    return gather_state_dict(tag_dir, verify=verify)
+    """The full plain-GPT state dict of a checkpoint of any layout (TP, PP, ZeRO 0-3; any engine)."""
+    return checkpoint_format(tag_dir).read_state_dict(Path(tag_dir), verify=verify)
 
 
 def is_model_file(name: str) -> bool:
-    """A checkpoint file that holds weights (what a weights-only reader verifies), of either engine."""
-    from .deepspeed.convert import MODEL_FILE_RE
-
-    return bool(MODEL_FILE_RE.match(name)) or _native_checkpoint().is_model_file(name)
+    """A checkpoint file that holds weights (what a weights-only reader verifies), of any engine."""
+    return any(k.hook("checkpoint").is_model_file(name) for k in kinds())
 
 
 def weights_in_every_rank_file(tag_dir: Path) -> bool:
     """The checkpoint keeps its weights in every rank's partition files (ZeRO-3; a DCP checkpoint's
     weights are in every rank's shard files too), not in separate model files."""
-    if is_native_checkpoint(tag_dir):
-        return _native_checkpoint().weights_in_every_rank_file(Path(tag_dir))
-    from .deepspeed.convert import is_zero3
-
-    return is_zero3(Path(tag_dir))
+    return checkpoint_format(tag_dir).weights_in_every_rank_file(Path(tag_dir))
 
 
-def stage_bounds(weights: list, parts: int, method: str) -> list[int]:
+def stage_bounds(weights: list, parts: int, method: str, engine: Optional[str] = None) -> list[int]:
     """Layer boundaries of ``parts`` pipeline stages, by the engine's own partitioner (so a plan
-    matches the real split): ``method`` "uniform" or "balanced" (over ``weights``)."""
-    from .deepspeed.pipeline import partition
-
-    return partition(weights, parts, method)
+    matches the real split): ``method`` "uniform" or "balanced" (over ``weights``). An engine
+    without a pipeline (the torch engine) never has parts > 1; one part needs no partitioner."""
+    kind = engine_kind(engine)
+    if kind.stage_bounds is None:
+        if parts == 1:
+            return [0, len(weights)]
+        kind = engine_kind(None)
+    return kind.call("stage_bounds", weights, parts, method)

@@ -8,8 +8,8 @@ protocol around ``save``/``load`` (markers, sizes, run record, manifest, ``lates
 RNG) is the engine-agnostic ``megafixed.train.checkpoint.Checkpointer``.
 
 Nothing here may name one engine's mechanics (ZeRO stages, skip flags, file names): the
-DeepSpeed engine (``megafixed.engine.deepspeed``) is one implementation, an FSDP2/DTensor engine
-will be the second.
+DeepSpeed engine (``megafixed.engine.deepspeed``) and the FSDP2/DTensor one (``megafixed.engine.
+native``) implement it, each registered once in ``megafixed.engines`` (its ``kind.py``).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class Engine(Protocol):
 
     module: torch.nn.Module  # this rank's part of the model (a stage under PP, shards under TP)
     device: torch.device
-    name: str  # "deepspeed": recorded in run records, chooses the reader of a checkpoint's files
+    name: str  # its registry name (train.engine): recorded in run records; its record file's owner
 
     def train_step(self, batches: Iterator[torch.Tensor], lr: float, step: int) -> StepResult:
         """One optimizer step at learning rate ``lr`` over this rank's micro batches of one global

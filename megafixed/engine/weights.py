@@ -2,85 +2,64 @@
 convert``, ``megafixed import hf``, evaluation): gather any layout into a plain GPT state dict,
 shard one into a layout's file set, convert to the re-layout format.
 
-Reading takes either engine's checkpoints (the DeepSpeed engine's files, ``megafixed.engine.
-deepspeed.convert``; the torch engine's DCP checkpoints, ``megafixed.engine.native.reader``,
-told apart by the files in the tag). What is written is the DeepSpeed engine's module-only
-format, which both engines start from (``train.init_from``). Imports no engine library.
+Reading takes any registered engine's checkpoints: the engine whose checkpoint detector claims the
+tag reads it (``megafixed.engines.checkpoint_kind``; the DeepSpeed engine's files are the default
+format). What is written is the DeepSpeed engine's module-only format, which every engine starts
+from (``train.init_from``). Imports no engine library.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from .deepspeed.convert import (  # noqa: F401  (the format's public functions)
+from ..engines import checkpoint_kind, default_kind, kinds
+from .deepspeed.convert import (  # noqa: F401  (the written format's public functions)
     ConvertError,
     check_target_layout,
     shard_state_dict,
     write_checkpoint,
 )
-from .deepspeed.convert import detect_layout as _ds_detect_layout
-from .deepspeed.convert import gather_state_dict as _ds_gather_state_dict
-from .deepspeed.convert import recorded_model_config as _ds_recorded_model_config
-from .deepspeed.convert import resolve_tag_dir as _ds_resolve_tag_dir
 
 
-def _native(tag_dir) -> bool:
-    from .native.reader import is_native_checkpoint
-
-    return is_native_checkpoint(tag_dir)
+def _format(tag_dir):
+    return checkpoint_kind(Path(tag_dir)).hook("checkpoint")
 
 
 def resolve_tag_dir(ckpt, tag: str | None = None) -> Path:
-    """``ckpt`` may be a tag directory (either engine's), or a checkpoint root with a ``latest`` file or ``tag``."""
+    """``ckpt`` may be a tag directory (any engine's), or a checkpoint root with a ``latest`` file or ``tag``."""
     root = Path(ckpt)
-    if tag is None and root.is_dir() and _native(root):
-        return root
-    return _ds_resolve_tag_dir(ckpt, tag)
+    if tag is None and root.is_dir():
+        for kind in kinds()[1:]:  # a tag another engine's detector claims
+            fmt = kind.hook("checkpoint")
+            if fmt.is_checkpoint(root):
+                return fmt.resolve_tag_dir(root)
+    return default_kind().hook("checkpoint").resolve_tag_dir(ckpt, tag)
 
 
 def gather_state_dict(ckpt, tag: str | None = None, verify: bool = True) -> dict:
-    """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of either engine
-    and any layout; its files are checked against the manifest first (``verify=False``: the caller did)."""
+    """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of any engine and
+    any layout; its files are checked against the manifest first (``verify=False``: the caller did)."""
     tag_dir = resolve_tag_dir(ckpt, tag)
-    if _native(tag_dir):
-        from .native.reader import read_state_dict
+    kind = checkpoint_kind(tag_dir)
+    if kind.default:  # its module files (a ZeRO-3 tag's partitions: ``megafixed.engine.read_state_dict``)
+        from .deepspeed.convert import gather_state_dict as gather
 
-        return read_state_dict(tag_dir, verify=verify)
-    return _ds_gather_state_dict(tag_dir, verify=verify)
-
-
-def _recorded_layout(tag_dir: Path) -> dict:
-    from ..run.run_record import read_run_record
-
-    return (read_run_record(tag_dir) or {}).get("layout") or {}
+        return gather(tag_dir, verify=verify)
+    return kind.hook("checkpoint").read_state_dict(tag_dir, verify=verify)
 
 
 def detect_layout(tag_dir: Path) -> tuple[int, int]:
     """(tp, pp) of a checkpoint: the DeepSpeed engine's from its file names, the torch engine's from
     its run record (its DCP files are one per rank whatever the layout)."""
-    if _native(tag_dir):
-        lay = _recorded_layout(Path(tag_dir))
-        return int(lay.get("tp", 1)), int(lay.get("pp", 1))
-    return _ds_detect_layout(tag_dir)
+    return _format(tag_dir).detect_layout(tag_dir)
 
 
 def recorded_model_config(tag_dir: Path) -> dict | None:
     """The ``model`` section the checkpoint's run was trained with, if recorded."""
-    if _native(tag_dir):
-        from ..run.run_record import read_run_record
-
-        cfg = (read_run_record(Path(tag_dir)) or {}).get("config") or {}
-        return cfg.get("model")
-    return _ds_recorded_model_config(tag_dir)
+    return _format(tag_dir).recorded_model_config(tag_dir)
 
 
 def to_relayout_format(tag_dir, model_cfg, out=None, log=print):
     """A checkpoint (weights and optimizer state) that loads on any layout: DeepSpeed's universal
-    checkpoint (``megafixed.engine.deepspeed.universal.to_universal``). A torch-engine checkpoint
-    needs none: DCP reshards it on load."""
-    if _native(tag_dir):
-        raise ConvertError(f"{tag_dir} is a torch-engine (train.engine=torch) checkpoint, which already loads on "
-                           f"any DP/TP layout with its optimizer state (DCP reshards it on load): rerun "
-                           f"`megafixed train` on the new layout; --universal is for DeepSpeed checkpoints")
-    from .deepspeed.universal import to_universal
-
-    return to_universal(tag_dir, model_cfg, out=out, log=log)
+    checkpoint (``megafixed.engine.deepspeed.universal.to_universal``); an engine that reshards on
+    load (the torch engine: DCP) refuses, naming what to do instead."""
+    return _format(tag_dir).to_relayout_format(tag_dir, model_cfg, out=out, log=log)

@@ -259,7 +259,7 @@ def export_hf(source: str, out_dir: str, *, dtype: str = "fp32", tag: Optional[s
     from transformers import GenerationConfig
 
     from ..outputs import claim_output, writing
-    from .run_source import resolve_run, run_tokenizer
+    from ..train.run_source import resolve_run, run_tokenizer
 
     if dtype not in DTYPES:
         raise InteropError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")

@@ -45,20 +45,3 @@ def check_signal_lead(signal_before: int, time: Optional[str]) -> None:
         raise LaunchError(f"--signal-before {signal_before} is not below --time {time} ({limit} s): the job would "
                           f"be told to checkpoint and stop as soon as it starts, and requeue forever. Give "
                           f"--signal-before well below the limit (e.g. {max(limit // 10, 1)}), or a longer --time")
-
-
-def check_run_dir_takes(cfg, plan) -> Optional[str]:
-    """Run the trainer's resume check now: raise its ``ResumeError`` if the run directory's latest
-    checkpoint does not fit ``cfg`` on ``plan``'s layout (a ``RunPlan``: it has the sizes a
-    Topology's resume check reads). Returns the tag checked (None: a new run)."""
-    from ..run.run_dir import RunDirectory
-    from ..train.resume import check_resume, read_run_record
-
-    rd = RunDirectory(cfg.train.run_dir)
-    tag = rd.read_latest()
-    if tag is None:
-        return None
-    record = read_run_record(rd.tag_dir(tag))
-    if record is not None:
-        check_resume(record, cfg, plan, rd.tag_dir(tag))
-    return tag

@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+if TYPE_CHECKING:  # an annotation only: the config imports the model (its interfaces), not back
+    from ..config import ModelConfig
 from .interfaces import InputInterface, interface_of
 
 

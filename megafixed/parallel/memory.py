@@ -55,15 +55,22 @@ class Layout:
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     partition: str = "parameters"  # parallel.pp_partition (only matters with pp > 1)
-    engine: str = "deepspeed"  # train.engine; "torch": FSDP2 over dp / dp_replicate (``zero`` unused)
-    dp_replicate: int = 1  # torch_engine.dp_replicate (HSDP's replicate degree)
+    engine: str = ""  # train.engine ("": the default engine); its planner does its model-state arithmetic
+    dp_replicate: int = 1  # HSDP's replicate degree (torch_engine.dp_replicate; 1 for ZeRO)
     accum: int = 1  # micro batches per step (FSDP2 accumulates unsharded gradients between reductions)
     reshard_after_forward: bool = True  # torch_engine.reshard_after_forward
 
     @property
     def dp_shard(self) -> int:
         """The degree the model states are sharded over (FSDP2's shard dim; ZeRO's dp)."""
-        return self.dp // self.dp_replicate if self.engine == "torch" else self.dp
+        return self.dp // self.dp_replicate
+
+    @property
+    def planner(self):
+        """Its engine's planner (``EngineKind.planner``: its sharding arithmetic and table column)."""
+        from ..engines import engine_kind
+
+        return engine_kind(self.engine).hook("planner")
 
 
 @dataclass
@@ -124,7 +131,10 @@ def layer_params(m, tp: int = 1) -> list[int]:
 def stage_bounds(m, layout: Layout, partition: str = "parameters") -> list[int]:
     """Layer boundaries of the pipeline stages, computed by DeepSpeed's own partitioner with the
     same weights ``PipelineModule`` uses (so the plan matches the real split)."""
-    from ..engine import stage_bounds as engine_stage_bounds
+    from ..engines import engine_kind
+
+    def engine_stage_bounds(weights, parts, method):  # the layout's engine's partitioner (DeepSpeed's)
+        return engine_kind(layout.engine).call("stage_bounds", weights, parts, method)
 
     n_items = m.n_layers + 2
     if layout.pp == 1:
@@ -195,25 +205,9 @@ class Estimate:
 
 
 def model_state_bytes(n_params: int, layout: Layout, precision: str = "bf16") -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes for ``n_params`` on one GPU under ZeRO ``layout.zero``.
-
-    16-bit runs accumulate gradients in fp32 (``data_types.grad_accum_dtype``, which the trainer
-    sets, as Megatron's main_grad): a 16-bit gradient per micro batch plus the fp32 accumulator,
-    6 bytes per parameter.
-    """
-    if layout.engine == "torch":  # FSDP2: fp32 masters, fp32 gradients and Adam state, all sharded
-        shard = layout.dp_shard
-        accumulated = n_params * 4 if layout.accum > 1 and shard > 1 else 0  # unsharded fp32 grads
-        return n_params * 4 / shard, n_params * 4 / shard + accumulated, n_params * 8 / shard
-    if precision == "fp32":
-        pb, gb, ob = 4, 4, 8
-    else:
-        pb, gb, ob = 2, 2 + 4, 12
-    dp, z = layout.dp, layout.zero
-    params = n_params * pb / (dp if z >= 3 else 1)
-    grads = n_params * gb / (dp if z >= 2 else 1)
-    opt = n_params * ob / (dp if z >= 1 else 1)
-    return params, grads, opt
+    """(params, grads, optimizer) bytes for ``n_params`` on one GPU: the layout's engine's arithmetic
+    (DeepSpeed's ZeRO stages, ``engine/deepspeed/planner.py``; FSDP2's, ``engine/native/planner.py``)."""
+    return layout.planner.model_state_bytes(n_params, layout, precision)
 
 
 def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks: bool | None = None) -> Estimate:
@@ -237,69 +231,11 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         if i == 0:
             act += in_flight * stored_input  # input codes / embedding output
         p, g, o = model_state_bytes(n_params, layout, precision)
-        if layout.engine == "torch" and (layout.dp_shard > 1 or precision != "fp32"):
-            # FSDP2's unsharded working parameters in the compute dtype (all-gathered or cast): the
-            # block computing plus the one prefetched, and the root's and the head's groups, which
-            # stay gathered from forward to backward (native/build.py); or every group
-            per_layer = layer_params(m, t)
-            edges = per_layer[0] + per_layer[-1]  # the input (table) and the head: root and head groups
-            # (one DP rank has no FSDP2: autocast's 16-bit copies of every weight live until backward)
-            everything = not layout.reshard_after_forward or layout.dp == 1
-            working = n_params if everything else min(n_params, 2 * per_layer[1] + edges)
-            p += working * e
+        p += layout.planner.working_param_bytes(m, layout, n_params, precision, e)  # e.g. FSDP2's gathered copies
         est = Estimate(layout, p, g, o, act, n_params)
         if best is None or est.total > best.total:
             best = est
     return best
-
-
-def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list[Layout]:
-    """Every (tp, pp, dp, zero, micro, sp) whose run plan builds, for ``gpus`` GPUs in ``precision``
-    (None: the config's ``train.precision``, resolved for a GPU)."""
-    import copy
-
-    from ..run_plan import RunPlan
-    from .layout import LayoutError
-
-    out = []
-    torch_engine = getattr(cfg.train, "engine", "deepspeed") == "torch"
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
-    for tp in tps:
-        for pp in range(1, (1 if torch_engine else gpus // tp) + 1):  # the torch engine has no PP (yet)
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            # DeepSpeed: each ZeRO stage; torch: each HSDP replicate degree (1 = FSDP over all DP, dp = replicate)
-            for zero in ([r for r in range(1, dp + 1) if dp % r == 0] if torch_engine else (0, 1, 2, 3)):
-                for micro in (1, 2, 4, 8, 16, 32):
-                    if micro * dp > cfg.train.global_batch:
-                        continue
-                    for sp in ((False, True) if tp > 1 else (False,)):
-                        c = copy.deepcopy(cfg)
-                        c.parallel.tp, c.parallel.pp = tp, pp
-                        if torch_engine:
-                            c.torch_engine.dp_replicate = zero
-                        else:
-                            c.zero.stage = zero
-                        c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
-                        c.train.precision = precision or c.train.precision
-                        c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend
-                        try:
-                            RunPlan.build(c, gpus, gpu=True)
-                        except LayoutError:
-                            continue
-                        # Both balancing rules under PP: with fixed codes, balancing parameters
-                        # moves blocks onto stage 0, which holds the most in-flight micro batches.
-                        for part in (("parameters", "type:Block") if pp > 1 else ("parameters",)):
-                            if torch_engine:  # "zero" shows the ZeRO stage FSDP2's sharding equals
-                                accum = cfg.train.global_batch // (micro * dp)
-                                out.append(Layout(tp, pp, dp, 3 if dp // zero > 1 else 0, micro, sp,
-                                                  cfg.train.activation_checkpointing, part, "torch", zero, accum,
-                                                  cfg.torch_engine.reshard_after_forward))
-                            else:
-                                out.append(Layout(tp, pp, dp, zero, micro, sp, cfg.train.activation_checkpointing,
-                                                  part))
-    return out
 
 
 def fixed_code_saving(m, layout: Layout, precision: str = "bf16") -> dict:

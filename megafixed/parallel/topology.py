@@ -70,13 +70,6 @@ class Topology:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    @property
-    def mpu(self):
-        """The model-parallel unit for ``deepspeed.initialize(mpu=...)``: needed under TP so that
-        ZeRO partitions over the DP group and the gradient norm counts each parameter once. With a
-        pipeline, DeepSpeed insists on None and builds its grid from the same numbers."""
-        return TopologyMPU(self) if self.tp > 1 and self.pp == 1 else None
-
 
 def launch_world() -> tuple[int, int, int]:
     """(world size, rank, local rank) from torchrun, the deepspeed launcher or a plain srun task
@@ -105,9 +98,9 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
     ``world`` is this launch's ``megafixed.launch.world.LaunchWorld`` (default: detected). A
     single process without a launcher still gets a 1-rank process group, because DeepSpeed's
     engine needs one. Rank/world detection, its consistency checks and the rendezvous live in
-    ``megafixed.launch.world``. The groups: megatron-core's ``parallel_state`` under TP/PP for the
-    DeepSpeed engine; for ``plan.engine == "torch"`` one ``DeviceMesh`` (``topo.mesh``, no megatron
-    import) whose TP and DP groups the Topology carries.
+    ``megafixed.launch.world``. The groups are the plan's engine's (``EngineKind.setup_groups``):
+    megatron-core's ``parallel_state`` under TP/PP for the DeepSpeed engine; the torch engine's one
+    ``DeviceMesh`` (``topo.mesh``, no megatron import) whose TP and DP groups the Topology carries.
     """
     import torch.distributed as dist
 
@@ -137,19 +130,9 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
         rendezvous.init_process_group(lw, plan.backend, plan.collective_timeout_s)
         launch.check_agreement(lw)  # same job, same master, every node of the step in this one world
     at = plan.dims.coords(rank)
-    groups = {}
-    if getattr(plan, "engine", "deepspeed") == "torch":
-        groups = _mesh_groups(plan)
-    elif tp > 1 or pp > 1:
-        # megatron-core's layers find their TP group through parallel_state, so its groups are the
-        # ones we keep. Its default order (tp-cp-ep-dp-pp) is the plan's grid order.
-        from megatron.core import parallel_state as ps
+    from ..engines import kind_of
 
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                         create_gloo_process_groups=False)
-        groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
-                      model_parallel_group=ps.get_model_parallel_group())
+    groups = kind_of(plan).call("setup_groups", plan)  # the engine's own: megatron-core's, or a DeviceMesh
     topo = Topology(world_size=plan.world_size, rank=rank, local_rank=local_rank, tp=tp, pp=pp, dp=dp,
                     sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], pp_rank=at["pp"],
                     dp_rank=at["dp"], device=device, backend=plan.backend, plan=plan, **groups)
@@ -158,74 +141,3 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
         raise LayoutError(f"megatron-core's parallel_state was initialised with another layout than "
                           f"parallel.tp={tp}, parallel.pp={pp}; call setup_distributed once per process")
     return topo
-
-
-def _mesh_groups(plan: _RunPlan) -> dict:
-    """The torch engine's process groups: one DeviceMesh in the plan's rank order, and its groups
-    (no megatron-core on this path: the torch engine is a torch-only stack)."""
-    from ..engine.native.mesh import build_mesh, dp_submesh
-
-    mesh = build_mesh(plan, plan.dp_replicate)
-    tp_group = mesh["tp"].get_group()
-    return dict(mesh=mesh, tp_group=tp_group, dp_group=dp_submesh(mesh).get_group(), model_parallel_group=tp_group)
-
-
-class TopologyMPU:
-    """The model-parallel unit DeepSpeed 0.19 queries, answered from the Topology.
-
-    megatron-core 0.16 no longer has ``get_model_parallel_rank/world_size`` (DeepSpeed still calls
-    them for checkpoint file names and the gradient-norm reduction), so this adapter spells out
-    exactly the calls DeepSpeed makes. "Model parallel" means TP x PP (one model replica).
-    """
-
-    def __init__(self, topo: Topology):
-        self.topo = topo
-
-    # tensor parallel
-    def get_tensor_model_parallel_rank(self) -> int:
-        return self.topo.tp_rank
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return self.topo.tp
-
-    def get_tensor_model_parallel_group(self):
-        return self.topo.tp_group
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.topo.rank - self.topo.tp_rank
-
-    # pipeline parallel
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return self.topo.pp_rank
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return self.topo.pp
-
-    def get_pipeline_model_parallel_group(self):
-        from megatron.core import parallel_state as ps
-        return ps.get_pipeline_model_parallel_group()
-
-    # model parallel = one replica (TP x PP)
-    def get_model_parallel_group(self):
-        return self.topo.model_parallel_group
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.topo.tp * self.topo.pp
-
-    def get_model_parallel_rank(self) -> int:
-        return self.topo.pp_rank * self.topo.tp + self.topo.tp_rank
-
-    # data parallel
-    def get_data_parallel_group(self):
-        return self.topo.dp_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.topo.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.topo.dp
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        import torch.distributed as dist
-        return dist.get_process_group_ranks(self.topo.dp_group)
-

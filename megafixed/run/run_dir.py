@@ -28,9 +28,6 @@ from .checkpoint_error import CheckpointError  # noqa: F401  (re-exported: raise
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 CONFIG = "config.yaml"
-DS_CONFIG = "ds_config.json"
-TORCH_ENGINE_CONFIG = "torch_engine.json"
-ENGINE_CONFIGS = {"deepspeed": DS_CONFIG, "torch": TORCH_ENGINE_CONFIG}  # train.engine -> its record's file
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 LOCK = ".megafixed.lock"
@@ -72,13 +69,12 @@ class RunDirectory:
     def config_file(self) -> Path:
         return self.path / CONFIG
 
-    @property
-    def ds_config_file(self) -> Path:
-        return self.path / DS_CONFIG
-
     def engine_config_file(self, engine: str) -> Path:
-        """Where the config record of ``engine`` (``Engine.name``; ``Engine.config_record``) goes."""
-        return self.path / ENGINE_CONFIGS[engine]
+        """Where the config record of ``engine`` (``Engine.name``; ``Engine.config_record``) goes:
+        its registry record's ``record_file`` (``ds_config.json``, ``torch_engine.json``)."""
+        from ..engines import engine_kind
+
+        return self.path / engine_kind(engine).record_file
 
     @property
     def metrics_file(self) -> Path:

@@ -1,7 +1,8 @@
 """A checkpoint's run record (``<tag>/run.json``): the resolved config that trained its weights, with
 the GF(2) recoding's rows and shift spelled out, and the layout that wrote it. Written by rank 0
 before ``latest`` moves; read by the resume check (``resume.py``), the readers and ``megafixed
-ckpt``. A low-level module: it imports nothing of the trainer or of an engine."""
+ckpt``. A low-level module: it imports nothing of the trainer or of an engine (the layout's
+engine keys come from the engine registry, ``megafixed.engines``)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..atomic import atomic_write_text
+from ..engines import kind_of
 from .run_dir import LATEST, RUN_RECORD, CheckpointError
 
 
@@ -21,7 +23,6 @@ def _resolved(cfg):
     return resolve_code(cfg)
 
 
-DEFAULT_ENGINE = "deepspeed"  # what wrote a record without "engine" (written before the torch engine)
 
 
 def run_record(cfg, plan) -> dict:
@@ -31,24 +32,24 @@ def run_record(cfg, plan) -> dict:
 
 
 def record_layout(plan) -> dict:
-    """The layout keys of a run record. ``zero_stage`` only for DeepSpeed: the torch engine does
-    not read ``zero.*`` (FSDP2 shards by the DP degree), so a record of it must not claim a stage."""
-    engine = plan_engine(plan)
-    layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero_stage": plan.zero_stage, "precision": plan.precision,
-              "engine": engine}
-    if engine != DEFAULT_ENGINE:
-        del layout["zero_stage"]
+    """The layout keys of a run record: every engine's (tp, pp, dp, precision, engine) and the
+    plan's engine's own (``EngineKind.describe.record_layout``: DeepSpeed's ``zero_stage``; the torch
+    engine has none, as it does not read ``zero.*``, so a record of it must not claim a stage)."""
+    kind = kind_of(plan)
+    own = kind.hook("describe").record_layout(plan)
+    layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, **own, "precision": plan.precision, "engine": kind.name}
     return layout
 
 
 def plan_engine(plan) -> str:
-    return getattr(plan, "engine", None) or DEFAULT_ENGINE
+    return kind_of(plan).name
 
 
 def record_engine(record: Optional[dict]) -> str:
-    """The engine that wrote a checkpoint, from its run record (or a manifest's layout)."""
+    """The engine that wrote a checkpoint, from its run record (or a manifest's layout); a record
+    without "engine" was written by the default engine (before there was a second one)."""
     lay = (record or {}).get("layout") or {}
-    return lay.get("engine") or DEFAULT_ENGINE
+    return kind_of(lay).name
 
 
 def write_run_record(tag_dir: Path, record: dict) -> None:

@@ -9,6 +9,8 @@
 * ``evaluate.evaluate_loss / load_trained_model`` -- reusable evaluation.
 * ``schedule.LRSchedule``, ``metrics``; the optimizer is ``megafixed.run.optim``.
 
-The engine itself (DeepSpeed today) is ``megafixed.engine``; nothing here imports DeepSpeed.
+The engine itself is whichever registered engine the plan names (``megafixed.engines``: DeepSpeed,
+the default, or the torch-native one), reached through ``megafixed.engine``; nothing here imports
+DeepSpeed or tests an engine's name.
 Nothing is imported here so that ``import megafixed.train.schedule`` stays light.
 """

@@ -161,19 +161,38 @@ class ResumePoint:
     relayout: bool = False
 
 
+@dataclass(frozen=True)
+class RunIdentity:
+    """What every checkpoint records about the run that wrote it, and what a rerun is checked against.
+
+    The run record *is* the whole resolved config (a resume compares it key by key, and a manifest
+    names the model and its code), so this view -- not the checkpointer -- is where checkpoints meet
+    the whole ``Config``; the checkpointer itself runs on ``train.*`` keys and the topology."""
+    record: dict  # run_record(cfg, plan): the config and the layout
+    describe: Callable[[dict, int, int], dict]  # (layout, step, consumed samples) -> manifest fields
+    check: Callable[[dict, Path], list]  # (an old run record, its tag dir) -> the safe changes, or raises
+    seq_len: int  # data.seq_len: a manifest's consumed tokens
+
+    @classmethod
+    def of(cls, cfg, plan) -> "RunIdentity":
+        return cls(record=run_record(cfg, plan),
+                   describe=lambda layout, step, consumed: manifest.describe(cfg, layout, step, consumed),
+                   check=lambda old, tag_dir: check_resume(old, cfg, plan, tag_dir), seq_len=cfg.data.seq_len)
+
+
 class Checkpointer:
     """Saves and loads a run's checkpoints for any engine; decides when to save.
 
-    Built from the config's ``train`` section and the topology (its ``plan``: the layout the run
-    record keeps and the resume check compares)."""
+    Built from the config's ``train`` section (run dir, save interval, how many to keep, the last
+    step), the topology (ranks; its ``plan``: the layout the resume check compares) and the run's
+    identity (``RunIdentity``: what a checkpoint records about the config)."""
 
-    def __init__(self, cfg, topo):
-        self.cfg, self.topo = cfg, topo
-        self.run_dir = RunDirectory(cfg.train.run_dir)
+    def __init__(self, train, topo, identity: RunIdentity):
+        self.topo, self.identity = topo, identity
+        self.run_dir = RunDirectory(train.run_dir)
         self.ckpt_dir = self.run_dir.checkpoints
-        self.interval, self.keep, self.last_step = cfg.train.save_interval, cfg.train.keep_checkpoints, \
-            cfg.train.max_steps
-        self.record = run_record(cfg, topo.plan)
+        self.interval, self.keep, self.last_step = train.save_interval, train.keep_checkpoints, train.max_steps
+        self.record = identity.record
         self.latest: Optional[str] = None  # the newest complete (or, async: in-flight) tag of this run
         self._meta: Optional[dict] = None
 
@@ -189,7 +208,7 @@ class Checkpointer:
         point = ResumePoint(tag=tag, tag_dir=tag_dir)
         old = read_run_record(tag_dir)
         if old is not None:
-            point.changes = check_resume(old, self.cfg, self.topo.plan, tag_dir)
+            point.changes = self.identity.check(old, tag_dir)
             point.relayout = bool(layout_changes(old, self.topo.plan))
         self.latest = tag
         return point
@@ -213,9 +232,9 @@ class Checkpointer:
             return None
         state = {"step": step, "consumed_samples": consumed_samples, **run_state()}
         if self._meta is None:  # what every checkpoint's manifest describes besides its progress
-            self._meta = manifest.describe(self.cfg, self.record["layout"], step, state["consumed_samples"]) \
+            self._meta = self.identity.describe(self.record["layout"], step, state["consumed_samples"]) \
                 if self.topo.is_main else {}
-        meta = {**self._meta, **manifest.progress(step, state["consumed_samples"], self.cfg.data.seq_len)}
+        meta = {**self._meta, **manifest.progress(step, state["consumed_samples"], self.identity.seq_len)}
         self.latest = self.write(engine, step, state, meta)
         return self.latest
 

@@ -31,8 +31,8 @@ def check_compatible(source_model: dict, model_cfg) -> None:
 
 def load_initial_weights(engine, cfg, topo) -> str:
     """Load ``cfg.train.init_from`` into ``engine``; returns a line for the log."""
-    from ..interop.run_source import resolve_run
     from .evaluate import trained_state_dict
+    from .run_source import resolve_run
 
     src = resolve_run(cfg.train.init_from)
     check_compatible(src.config.model.__dict__, cfg.model)

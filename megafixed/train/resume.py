@@ -11,6 +11,7 @@ reported.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from ..run.run_dir import RunDirectory
 from ..run.run_record import (  # noqa: F401
@@ -106,9 +107,22 @@ def layout_changes(record: dict, plan) -> list[str]:
     now = current_layout(plan)
     names = {"tp": "parallel.tp", "pp": "parallel.pp", "zero_stage": "zero.stage", "precision": "train.precision",
              "dp": "the data-parallel size (world size / (tp*pp))"}
-    if now["engine"] == "torch":
-        keys = ["tp", "pp", "dp", "precision"]
-    else:
-        partitioned = max(plan.zero_stage, lay.get("zero_stage", 0)) >= 1
-        keys = ["tp", "pp", "zero_stage", "precision"] + (["dp"] if partitioned else [])
-    return [f"{names[k]} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
+    from ..engines import engine_kind
+
+    keys = engine_kind(now["engine"]).hook("describe").layout_change_keys(plan, lay)
+    return [f"{names.get(k, k)} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
+
+
+def check_run_dir_takes(cfg, plan) -> Optional[str]:
+    """Run the trainer's resume check now (``megafixed submit``, before a job is queued; here, not in
+    ``launch/``, so that launch/ never reaches up into train/): raise its ``ResumeError`` if the run
+    directory's latest checkpoint does not fit ``cfg`` on ``plan``'s layout (a ``RunPlan``: it has
+    the sizes a Topology's resume check reads). Returns the tag checked (None: a new run)."""
+    rd = RunDirectory(cfg.train.run_dir)
+    tag = rd.read_latest()
+    if tag is None:
+        return None
+    record = read_run_record(rd.tag_dir(tag))
+    if record is not None:
+        check_resume(record, cfg, plan, rd.tag_dir(tag))
+    return tag

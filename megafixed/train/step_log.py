@@ -12,15 +12,16 @@ from .metrics import MetricsLog, flops_per_token, matmul_param_count, peak_flops
 
 
 class StepLog:
-    def __init__(self, cfg, topo, engine, *, resume_step: int, sinks: list, say):
-        self.interval, self.last_step, self.say, self.world = cfg.train.log_interval, cfg.train.max_steps, say, \
+    def __init__(self, train, model, seq_len: int, topo, engine, *, resume_step: int, sinks: list, say):
+        """``train``: the config's ``train`` section (log interval, last step, run dir, tensorboard);
+        ``model`` and ``seq_len`` (``data.seq_len``): the FLOPs per token MFU is measured against."""
+        self.interval, self.last_step, self.say, self.world = train.log_interval, train.max_steps, say, \
             topo.world_size
-        self.metrics = MetricsLog(RunDirectory(cfg.train.run_dir).path, enabled=topo.is_main,
-                                  tensorboard=cfg.train.tensorboard, resume_step=resume_step, sinks=sinks)
+        self.metrics = MetricsLog(RunDirectory(train.run_dir).path, enabled=topo.is_main,
+                                  tensorboard=train.tensorboard, resume_step=resume_step, sinks=sinks)
         self.tokens_per_step = topo.plan.batch.tokens_per_step
         self.peak = peak_flops_per_gpu() if engine.device.type == "cuda" else None
-        self.flops_tok = flops_per_token(cfg.model, matmul_param_count(cfg.model), cfg.data.seq_len) \
-            if self.peak else None
+        self.flops_tok = flops_per_token(model, matmul_param_count(model), seq_len) if self.peak else None
         self.history: list = []  # every record written (rank 0's are the run's)
         self.window_t, self.window_steps, self.step_times = time.perf_counter(), 0, []
 

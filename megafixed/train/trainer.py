@@ -29,7 +29,7 @@ from ..engine import build_engine
 from ..run.run_dir import RunDirectory, tag_step
 from ..run.run_lock import hold_run_dir
 from ..threads import apply_thread_policy
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, RunIdentity
 from .schedule import LRSchedule
 from .step_log import StepLog
 from .stop import StopRequest
@@ -79,7 +79,7 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
     plan.check_made_from(cfg)  # the same config's plan, not a second validation
     layout = plan.batch
     sinks = [WandbLog(cfg, Path(cfg.train.run_dir))] if cfg.train.wandb and topo.is_main else []  # fails here
-    checkpointer = Checkpointer(cfg, topo)
+    checkpointer = Checkpointer(cfg.train, topo, RunIdentity.of(cfg, plan))
     resume = checkpointer.resume_point()  # verified and checked before anything in the run dir is touched
     datasets = _datasets(cfg) if datasets is None else datasets
     engine = build_engine(cfg, topo)
@@ -90,8 +90,9 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
     batches = micro_batches(datasets["train"], start_sample=consumed, micro_batch=layout.micro_batch,
                             dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
     schedule = LRSchedule.from_config(cfg.schedule, cfg.optimizer, cfg.train.max_steps)
-    validator = Validator(engine, datasets.get("valid"), cfg, topo, stop)
-    steps = StepLog(cfg, topo, engine, resume_step=step, sinks=sinks, say=say)
+    validator = Validator(engine, datasets.get("valid"), cfg.train, topo, stop)
+    steps = StepLog(cfg.train, cfg.model, cfg.data.seq_len, topo, engine, resume_step=step, sinks=sinks,
+                    say=say)
     say(_start_line(cfg, plan))
 
     def run_state() -> dict:  # what a checkpoint holds besides the engine's state and the position
@@ -170,12 +171,8 @@ def _start_line(cfg, plan) -> str:
 
 
 def _engine_words(plan) -> str:
-    """``zero 1`` (DeepSpeed) or ``torch engine, FSDP2 dp 2`` / ``HSDP 2x2``: what shards the state."""
-    if plan.engine == "deepspeed":
-        return f"zero {plan.zero_stage}"
-    replicate = getattr(plan, "dp_replicate", 1)
-    if plan.dp == 1:
-        return "torch engine"
-    if replicate == 1:
-        return f"torch engine, FSDP2 over dp {plan.dp}"
-    return f"torch engine, HSDP {replicate} x {plan.dp // replicate}"
+    """``zero 1`` (DeepSpeed) or ``torch engine, FSDP2 dp 2`` / ``HSDP 2x2``: what shards the state,
+    in the plan's engine's own words."""
+    from ..engines import kind_of
+
+    return kind_of(plan).hook("describe").start_words(plan)

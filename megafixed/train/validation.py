@@ -12,9 +12,11 @@ class Validator:
     Polls the stop request between batches, so a stop is honoured inside a long validation pass
     (``run`` returns None: the pass was cut short)."""
 
-    def __init__(self, engine, dataset, cfg, topo, stop=None):
+    def __init__(self, engine, dataset, train, topo, stop=None):
+        """``train``: the config's ``train`` section (eval_iters, eval_interval, max_steps); ``topo``:
+        the DP rank and size, and its plan's batch layout."""
         self.engine, self.dataset, self.topo, self.layout, self.stop = engine, dataset, topo, topo.plan.batch, stop
-        self.iters, self.interval, self.last_step = cfg.train.eval_iters, cfg.train.eval_interval, cfg.train.max_steps
+        self.iters, self.interval, self.last_step = train.eval_iters, train.eval_interval, train.max_steps
 
     @property
     def enabled(self) -> bool:

@@ -39,9 +39,15 @@ from typing import Callable, Optional
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from ..common import BackgroundSave
+
 
 class _HashingFile:
-    """A write-only binary file that hashes and counts what passes through it."""
+    """A write-only binary file that hashes and counts what passes through it.
+
+    Not the torch engine's ``native.checkpoint._HashingStream`` on purpose: that one offers
+    ``fileno``/``tell`` because DCP needs them, and given a ``fileno`` torch's legacy (non-zip,
+    ``zipfile_serialization=False``) writer writes storages straight to the descriptor, past the hash."""
 
     def __init__(self, fh):
         self.fh, self.h, self.n = fh, hashlib.sha256(), 0
@@ -129,7 +135,7 @@ def snapshot(obj, copier: Optional[HostCopier] = None):
     return obj  # ints, strings, configs, RNG states (already copies)
 
 
-class CheckpointWriter(TorchCheckpointEngine):
+class CheckpointWriter(BackgroundSave, TorchCheckpointEngine):
     """DeepSpeed checkpoint engine: checksummed writes, optionally in a background thread."""
 
     def __init__(self, async_save: bool = False, config_params=None):
@@ -202,11 +208,3 @@ class CheckpointWriter(TorchCheckpointEngine):
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is complete; raise what it raised."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err

@@ -10,10 +10,11 @@ def build(cfg, topo, layout, precision: str):
     import deepspeed
 
     from ...model import GPT
-    from ...parallel import build_model
-    from ...parallel.grads import TPGradSync
     from .config import deepspeed_config
     from .engine import DeepSpeedEngine, hp_grad
+    from .grads import TPGradSync
+    from .model import build_model
+    from .mpu import topology_mpu
     from .muon import skip_muon_import
     from .ops import prepare_ops
     from .pipeline import build_pipeline
@@ -32,7 +33,7 @@ def build(cfg, topo, layout, precision: str):
     is_pipeline = not isinstance(model, GPT)
     # A PipelineModule carries its own process grid, and DeepSpeed refuses an mpu beside it.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                           mpu=None if is_pipeline else topo.mpu)
+                                           mpu=None if is_pipeline else topology_mpu(topo))
     if precision != "fp32":
         restore_exact_buffers(engine.module)
 
@@ -40,7 +41,7 @@ def build(cfg, topo, layout, precision: str):
     grad_sync = TPGradSync.for_module(engine.module, topo, grad_of=hp_grad)
     if grad_sync is not None:
         if cfg.zero.stage >= 2:
-            grad_sync.install_hooks()  # ZeRO 2/3 reduce inside backward: see parallel/grads.py
+            grad_sync.install_hooks()  # ZeRO 2/3 reduce inside backward: see engine/deepspeed/grads.py
         elif is_pipeline:
             engine.module.grad_sync = grad_sync  # called at the pipeline's ReduceTiedGrads
         else:

@@ -15,6 +15,7 @@ import torch
 
 from ...run.run_dir import CheckpointError
 from ..base import StepResult
+from ..common import corrupt_checkpoint_error, misfit_checkpoint_error, one_line
 from . import step as ds_step
 
 NAME = "deepspeed"
@@ -25,13 +26,6 @@ def hp_grad(p: torch.Tensor):
     batch's gradient into an fp32 ``_hp_grad`` accumulator and frees ``p.grad``."""
     hp = getattr(p, "_hp_grad", None)
     return hp if hp is not None else p.grad
-
-
-def _summarize(msg: str, keep: int = 3) -> str:
-    """torch's load_state_dict error lists every tensor on its own line; keep one line and the first few."""
-    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
-    more = f" (+{len(lines) - keep} more)" if len(lines) > keep else ""
-    return " ".join(lines[:keep]) + more
 
 
 class DeepSpeedEngine:
@@ -140,18 +134,10 @@ def load_files(ds_engine, tag_dir: Path, load_dir: Path, load_tag: str) -> dict:
 
 
 def _load_error(exc: BaseException, tag_dir: Path) -> CheckpointError:
-    from ...run.run_dir import LATEST, RunDirectory
-
     msg = str(exc)
-    ckpt_dir = tag_dir.parent
     if isinstance(exc, OSError) or "PytorchStreamReader" in msg:  # a missing or truncated file, not a model change
-        return CheckpointError(f"cannot resume from {tag_dir}: it is incomplete or corrupt "
-                               f"({_summarize(msg, keep=1)}); point {ckpt_dir / LATEST} at an earlier "
-                               f"tag, or delete it to start from scratch")
+        return corrupt_checkpoint_error(tag_dir, one_line(msg, keep=1))
     if "fixed code mismatch" in msg:
         lines = [ln.strip() for ln in msg.splitlines() if "fixed code mismatch" in ln]
         return CheckpointError(f"cannot resume from {tag_dir}: " + "; ".join(lines))
-    return CheckpointError(f"cannot resume from {tag_dir}: the checkpoint does not fit this "
-                           f"model; set model.* back to the run's own {RunDirectory(ckpt_dir.parent).config_file} "
-                           f"or use a new train.run_dir. DeepSpeed said: {_summarize(msg)}")
-
+    return misfit_checkpoint_error(tag_dir, "DeepSpeed", one_line(msg))

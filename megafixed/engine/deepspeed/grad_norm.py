@@ -6,6 +6,13 @@ times. DeepSpeed's ZeRO optimizers and its ``clip_grad_norm_`` use the Megatron 
 (count a parameter if it is TP-sharded, ``tensor_model_parallel=True``, or if this is TP rank 0),
 which this function applies too, summing squares over the model-parallel group (TP x PP of one
 replica). Gradients must already be reduced across data-parallel ranks.
+
+Why not one norm for both engines: the torch engine's ``native.step.grad_norm`` means the same
+number (float64 sum of squares, each parameter once across the mesh, then the root) but reaches it
+by another mechanism -- its gradients are DTensors whose placements say what is sharded and torch
+reduces each mesh's norm itself -- whereas here the gradients are plain tensors that only
+megatron-core's ``tensor_model_parallel`` attribute marks, so the counting rule and the all-reduce
+are ours. Neither function accepts the other's gradients.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ def is_tp_sharded(p: torch.Tensor) -> bool:
 
 
 def global_grad_norm(parameters, mpu=None) -> float:
-    """L2 norm of the whole model's gradient; ``mpu`` is ``topo.mpu`` or DeepSpeed's pipeline grid."""
+    """L2 norm of the whole model's gradient; ``mpu`` is ``topology_mpu(topo)`` or DeepSpeed's pipeline grid."""
     from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
     tp_rank = bwc_tensor_model_parallel_rank(mpu)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import ConfigError
+from ..common import key_mismatch
 from ..dtypes import restore_exact_buffers
 from .convert import model_file, write_checkpoint
 
@@ -37,10 +38,9 @@ def load_module_only(engine, read_state_dict: Callable[[], dict], scratch: Path)
         if not strict and topo.pp == 1:
             payload = torch.load(scratch / TAG / model_file(topo.tp_rank), map_location="cpu",
                                  weights_only=False)["module"]
-            want = {k for k in engine.module.state_dict() if not k.endswith("_extra_state")}
-            if set(payload) != want:
-                missing, extra = sorted(want - set(payload))[:4], sorted(set(payload) - want)[:4]
-                raise ConfigError(f"its weights do not fit this model (missing {missing}, extra {extra})")
+            why = key_mismatch((k for k in engine.module.state_dict() if not k.endswith("_extra_state")), payload)
+            if why:
+                raise ConfigError(why)
         path, _ = engine.ds.load_checkpoint(str(scratch), tag=TAG, load_module_only=True,
                                             load_optimizer_states=False, load_lr_scheduler_states=False,
                                             load_module_strict=strict)

@@ -19,7 +19,7 @@ def _pipeline_module_class():
         DeepSpeed's pipeline engine calls ``get_tied_weights_and_groups`` exactly once per
         optimizer step, in its ``ReduceTiedGrads`` instruction, right before the data-parallel
         ``ReduceGrads``: the accumulation boundary where Megatron's ``finalize_model_grads`` runs.
-        We use that seam for one coalesced TP all-reduce (``megafixed.parallel.grads``).
+        We use that seam for one coalesced TP all-reduce (``megafixed.engine.deepspeed.grads``).
         """
 
         grad_sync = None  # a TPGradSync, set by the engine builder under sequence parallelism

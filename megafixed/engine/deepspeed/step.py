@@ -15,8 +15,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..base import NonFiniteLossError, StepResult, nonfinite_message
-from ..batches import dp_mean, dp_mean_and_flag, none_if_nan, split_tokens
+from ..base import StepResult
+from ..batches import none_if_nan, split_tokens
+from ..loops import accumulated_loss, eval_mean, stop_if_asked
 
 
 def _fence_checkpoint_copies(engine) -> None:
@@ -46,7 +47,7 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
 
     ``grad_sync`` (plain engine, sequence parallelism, ZeRO 0/1) sums the sequence-parallel
     gradients over TP once, after the last micro batch's backward, and then lets DeepSpeed do
-    its data-parallel reduction (``megafixed.parallel.grads``).
+    its data-parallel reduction (``megafixed.engine.deepspeed.grads``).
     """
     engine.train()
     if is_pipeline_engine(engine):
@@ -56,28 +57,27 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
         loss = engine.train_batch(data_iter=pairs)  # already averaged over micro batches and DP
         value = float(loss)
         nonfinite = not torch.isfinite(torch.tensor(value))
-        if nonfinite and on_nonfinite == "stop":
-            raise NonFiniteLossError(nonfinite_message(step, value))
+        stop_if_asked(nonfinite, on_nonfinite, step, value)
         # With ZeRO-1 (the pipeline engine's maximum) DeepSpeed itself skips an update whose
         # gradients are non-finite, which is what a non-finite loss produces.
         return StepResult(loss=value, grad_norm=none_if_nan(engine.get_global_grad_norm()), skipped=nonfinite)
 
-    local_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
-    for k in range(accum):
-        inputs, labels = split_tokens(next(batches), engine.device, vocab_size)
+    def micro_step(k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = engine(inputs, labels)
         engine.backward(loss)
-        local_sum += loss.detach().double()
         if k < accum - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro step
         elif grad_sync is not None:
             grad_sync.finish()  # one TP all-reduce of the SP gradients, at the boundary
             engine.allreduce_gradients()  # then DeepSpeed's DP reduction, which it deferred for us
-    value, nonfinite = dp_mean_and_flag(local_sum / accum, dp_group, dp)
-    if nonfinite:
-        if on_nonfinite == "stop":
-            raise NonFiniteLossError(nonfinite_message(step, value))
-        optimizer.skip_next_step = True
+        return loss
+
+    value, nonfinite = accumulated_loss(batches, accum, micro_step, device=engine.device, vocab_size=vocab_size,
+                                        dp=dp, dp_group=dp_group)
+    stop_if_asked(nonfinite, on_nonfinite, step, value)
+    # skip: DeepSpeed still takes the optimizer step at the boundary (and zeroes the gradients after
+    # it), so the update is turned into a no-op (run.optim.SkippableAdamW) rather than not called.
+    optimizer.skip_next_step = nonfinite
     grad_norm = None
     if not nonfinite and engine.zero_optimization_stage() == 0:
         grad_norm = _stage0_grad_norm(engine)
@@ -101,10 +101,7 @@ def eval_loss(engine, batches: Iterator[torch.Tensor], iters: int, *, dp: int, d
         value = float(engine.eval_batch(data_iter=pairs, num_micro_batches=iters))
     else:
         engine.eval()
-        total = torch.zeros((), dtype=torch.float64, device=engine.device)
-        for _ in range(iters):
-            inputs, labels = split_tokens(next(batches), engine.device, vocab_size)
-            total += engine.module(inputs, labels).double()
-        value = dp_mean(total / iters, dp_group, dp)
+        value = eval_mean(batches, iters, engine.module, device=engine.device, vocab_size=vocab_size,
+                          dp=dp, dp_group=dp_group)
     engine.train(was_training)
     return value

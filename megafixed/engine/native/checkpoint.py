@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ...run.checkpoint_error import CheckpointError
+from ..common import BackgroundSave, corrupt_checkpoint_error, key_mismatch, misfit_checkpoint_error, one_line
 
 CLIENT_STATE = "client_state.pt"
 METADATA = ".metadata"  # DCP's index file (torch.distributed.checkpoint.filesystem._metadata_fn)
@@ -176,22 +177,11 @@ def _filesystem_error(exc: BaseException) -> bool:
     return False
 
 
-def _one_line(msg: str, keep: int = 2) -> str:
-    lines = [ln.strip() for ln in str(msg).splitlines() if ln.strip()]
-    return " ".join(lines[:keep]) + (f" (+{len(lines) - keep} more lines)" if len(lines) > keep else "")
-
-
 def _load_error(exc: BaseException, tag_dir: Path) -> CheckpointError:
-    from ...run.run_dir import LATEST, RunDirectory
-
     cause = root_cause(exc)
-    ckpt_dir = tag_dir.parent
     if isinstance(cause, (OSError, EOFError)) or "unpickl" in str(cause).lower():
-        return CheckpointError(f"cannot resume from {tag_dir}: it is incomplete or corrupt ({_one_line(cause, 1)}); "
-                               f"point {ckpt_dir / LATEST} at an earlier tag, or delete it to start from scratch")
-    return CheckpointError(f"cannot resume from {tag_dir}: the checkpoint does not fit this model; set model.* back "
-                           f"to the run's own {RunDirectory(ckpt_dir.parent).config_file} or use a new "
-                           f"train.run_dir. torch.distributed.checkpoint said: {_one_line(cause)}")
+        return corrupt_checkpoint_error(tag_dir, one_line(cause, keep=1))
+    return misfit_checkpoint_error(tag_dir, "torch.distributed.checkpoint", one_line(cause, keep=2))
 
 
 # ----------------------------------------------------------------------------------- the format
@@ -228,7 +218,7 @@ def relayout_refusal(old: dict, new: dict) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------------- the checkpointer
-class DcpCheckpoint:
+class DcpCheckpoint(BackgroundSave):
     """One rank's DCP checkpoint files for a model (FSDP2/DTensor or plain) and its optimizer.
 
     The engine's ``save``/``load``/``load_weights``/``wait_for_saves``/``saved_bytes``/
@@ -306,15 +296,6 @@ class DcpCheckpoint:
             self._async_group = dist.new_group(backend="gloo")
         return self._async_group
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is written and committed; raise what it raised."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
     def load(self, tag_dir: Path, *, relayout: bool = False) -> dict:
         """Model and optimizer from ``tag_dir`` onto this layout (DCP reshards whatever layout wrote
         it, so ``relayout`` needs nothing extra); returns the client state."""
@@ -348,10 +329,8 @@ class DcpCheckpoint:
         full = read_state_dict() if rank == 0 else None
         own = get_model_state_dict(self.model)  # plain-GPT names (no compile/AC wrapper prefixes)
         if rank == 0:
-            missing, extra = sorted(set(own) - set(full))[:4], sorted(set(full) - set(own))[:4]
-            if missing or extra:
-                why = f"its weights do not fit this model (missing {missing}, extra {extra})"
-            else:
+            why = key_mismatch(own, full)
+            if why is None:
                 why = next((f"{k} is {tuple(full[k].shape)} there but {tuple(own[k].shape)} here" for k in own
                             if tuple(full[k].shape) != tuple(own[k].shape)), None)
             if why is None:  # this run's dtype (a bf16 source into fp32 master weights)

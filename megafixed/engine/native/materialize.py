@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...model.gpt import init_value
+from ...model.gpt import init_parameters
+from ..dtypes import restore_exact_buffers
 
 
 def _ties(module: nn.Module) -> list[tuple[str, str]]:
@@ -37,21 +38,21 @@ def _retie(module: nn.Module, ties: list[tuple[str, str]]) -> None:
             setattr(module.get_submodule(owner), attr, target)
 
 
-def local_value(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``full`` for ``param`` (a DTensor: its placements; else all of it)."""
+def placed_value(name: str, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out like ``param``: a DTensor with its mesh and placements (each rank keeping
+    only its own chunk), else ``full`` itself -- ``init_parameters``' ``local_slice`` for DTensors."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    full = full.to(param.device)
     if not isinstance(param, DTensor):
         return full
     # src_data_rank=None: every rank holds ``full`` already (the same generator draw), so each
     # keeps its own chunk without a scatter from a source rank.
-    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return param.to_local() if isinstance(param, DTensor) else param
+    value = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    if value.to_local().shape != param.to_local().shape:  # a placement this slicing does not follow: a bug
+        raise RuntimeError(f"{name}: local shard {tuple(value.to_local().shape)} does not fit "
+                           f"{tuple(param.to_local().shape)}")
+    return value  # same placements: init_parameters' copy_ is a local copy, nothing is sent
 
 
 @torch.no_grad()
@@ -59,21 +60,13 @@ def materialize(module: nn.Module, model_cfg, seed: int, device) -> None:
     """Give every parameter of meta-device ``module`` storage on ``device`` and its single-process
     initial value (``init_value`` of its full shape, sliced by its placements); re-tie
     ``model.tie_embeddings``; reset the buffers (the fixed code's). Parameter names must be the
-    plain-GPT keys (true of the GPT after TP, FSDP2, ``Module.compile`` and its own checkpointing)."""
+    plain-GPT keys (true of the GPT after TP, FSDP2, ``Module.compile`` and its own checkpointing).
+
+    The one initialiser of both engines (``model.gpt.init_parameters``) fills the values: a DTensor's
+    shape is the global one, so only the slicing is this engine's (the DeepSpeed engine slices plain
+    megatron-core shards by their TP dim, ``megafixed.engine.deepspeed.model.build_model``)."""
     ties = _ties(module)
     module.to_empty(device=device)
     _retie(module, ties)
-    seen: set[int] = set()
-    for name, p in module.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        full = init_value(model_cfg, name, p.shape, seed)  # a DTensor's shape is the global one
-        local = local_value(full.to(device), p)
-        target = _local(p)
-        if tuple(local.shape) != tuple(target.shape):  # a placement this slicing does not follow: a bug
-            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} does not fit {tuple(target.shape)}")
-        target.copy_(local.to(target.dtype))
-    for sub in module.modules():
-        if hasattr(sub, "reset_buffers"):
-            sub.reset_buffers()
+    init_parameters(module, model_cfg, seed, local_slice=placed_value)
+    restore_exact_buffers(module)

@@ -15,8 +15,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..base import NonFiniteLossError, StepResult, nonfinite_message
-from ..batches import dp_mean, dp_mean_and_flag, split_tokens
+from ..base import StepResult
+from ..loops import accumulated_loss, eval_mean, stop_if_asked
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,11 @@ def grad_norm(parameters) -> torch.Tensor:
     A DTensor gradient's norm is reduced over its own mesh (its Shard placements are summed, a
     Replicate one counted once); plain gradients are whole on every rank. Gradients on different
     meshes (TP-only DTensors beside plain tensors, when tp > 1 and dp == 1) are normed per mesh and
-    combined, which ``torch.nn.utils.get_total_norm`` alone cannot do."""
+    combined, which ``torch.nn.utils.get_total_norm`` alone cannot do.
+
+    The DeepSpeed engine's norm (``deepspeed.grad_norm.global_grad_norm``) is the same number over
+    plain megatron-core tensors, counted by their ``tensor_model_parallel`` mark and summed over the
+    model-parallel group: a different mechanism, said there, so the two are not one function."""
     from torch.distributed.tensor import DTensor
 
     groups: dict = {}
@@ -95,20 +99,22 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
     model.train()
     device = device if device is not None else next(model.parameters()).device
     compute = compute_context(model, precision, device)
-    local_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for k in range(accum):
-        inputs, labels = split_tokens(next(batches), device, vocab_size)
+
+    def micro_step(k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         _set_gradient_sync(model, k == accum - 1)  # reduce once per step, after the last micro batch
         with loss_context(model):
             with compute():
                 loss = model(inputs, labels)
             (loss / accum).backward()
-        local_sum += _plain(loss).detach().double()
-    value, nonfinite = dp_mean_and_flag(local_sum / accum, dp_group, dp)
+        return _plain(loss)
+
+    value, nonfinite = accumulated_loss(batches, accum, micro_step, device=device, vocab_size=vocab_size,
+                                        dp=dp, dp_group=dp_group)
     if nonfinite:
+        # skip: torch has no step to turn into a no-op; not calling it and dropping the gradients
+        # leaves weights and optimizer state untouched (DeepSpeed's engine needs SkippableAdamW).
         optimizer.zero_grad(set_to_none=True)
-        if on_nonfinite == "stop":
-            raise NonFiniteLossError(nonfinite_message(step, value))
+        stop_if_asked(nonfinite, on_nonfinite, step, value)
         return StepResult(loss=value, grad_norm=None, skipped=True)  # the batch is dropped, no update
     params = [p for group in optimizer.param_groups for p in group["params"]]
     total = float(grad_norm(params))
@@ -131,12 +137,12 @@ def eval_loss(model, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp
     model.eval()
     device = device if device is not None else next(model.parameters()).device
     compute = compute_context(model, precision, device)
-    total = torch.zeros((), dtype=torch.float64, device=device)
+
+    def forward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with loss_context(model), compute():
+            return _plain(model(inputs, labels))
+
     try:
-        for _ in range(iters):
-            inputs, labels = split_tokens(next(batches), device, vocab_size)
-            with loss_context(model), compute():
-                total += _plain(model(inputs, labels)).double()
+        return eval_mean(batches, iters, forward, device=device, vocab_size=vocab_size, dp=dp, dp_group=dp_group)
     finally:
         model.train(was_training)
-    return dp_mean(total / iters, dp_group, dp)

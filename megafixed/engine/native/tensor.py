@@ -74,7 +74,12 @@ def vocab_parallel_loss(logits, targets):
     Under ``loss_parallel()`` (``loss_context``) the softmax and the target pick run on each rank's
     vocabulary slice with two small all-reduces; outside it DTensor would gather the logits first
     (same value, full memory). Returns a plain tensor (the same on every TP rank), like the
-    single-process loss, so the engine averages, logs and back-propagates it as usual."""
+    single-process loss, so the engine averages, logs and back-propagates it as usual.
+
+    The DeepSpeed engine's twin (``megafixed.engine.deepspeed.tp_layers.vocab_parallel_loss``) computes the same
+    float32 loss with megatron-core's ``vocab_parallel_cross_entropy``, which takes plain local logits
+    and its own TP group; this one takes DTensor placements and torch's collectives. Each accepts only
+    its own stack's logits, so beyond ``.float()`` and the mean there is no common body to share."""
     loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
     return loss.to_local() if isinstance(loss, DTensor) else loss
 

@@ -1,4 +1,5 @@
-"""A trained model named by a path: the run directory, tag, config and tokenizer behind it.
+"""A trained model named by a path: the run directory, tag, config and tokenizer behind it (in
+train/, beneath interop/: ``train.init_from`` and the interop verbs both read runs through it).
 
 Verbs that read a trained model (``export``, ``generate``) accept a run directory, its
 ``checkpoints`` folder or one tag directory under it; the weights are always loaded through the
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..run.run_dir import CHECKPOINTS, RunDirectory
-from ..train.checkpoint import CheckpointError, tag_step
+from .checkpoint import CheckpointError, tag_step
 
 
 @dataclass
@@ -49,8 +50,8 @@ class RunSource:
 def resolve_run(path: str | os.PathLike, tag: Optional[str] = None) -> RunSource:
     """``path`` is a run directory (with ``checkpoints/``), its ``checkpoints`` folder, or a tag
     directory ``<run>/checkpoints/<tag>``; ``tag`` picks another tag (default: ``latest``)."""
-    from ..train.evaluate import _run_config
-    from ..train.resume import read_run_record
+    from .evaluate import _run_config
+    from .resume import read_run_record
 
     p = Path(path)
     if not p.exists():

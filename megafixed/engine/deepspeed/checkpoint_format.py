@@ -1,0 +1,35 @@
+"""The DeepSpeed engine's checkpoint format, as the engine registry asks for it (``EngineKind.
+checkpoint``): the files of ``convert.py`` (module files per TP/PP rank, ZeRO partitions) and
+DeepSpeed's universal checkpoint as the re-layout format. The default engine: it is asked last,
+and claims whatever no other engine's detector does."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .convert import MODEL_FILE_RE, detect_layout, is_zero3, recorded_model_config, resolve_tag_dir  # noqa: F401
+
+
+def is_checkpoint(tag_dir) -> bool:
+    return True  # the fallback format (asked last)
+
+
+def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
+    from .convert import gather_state_dict, read_zero3_state_dict
+
+    if is_zero3(Path(tag_dir)):
+        return read_zero3_state_dict(Path(tag_dir))
+    return gather_state_dict(Path(tag_dir), verify=verify)
+
+
+def is_model_file(name: str) -> bool:
+    return bool(MODEL_FILE_RE.match(name))
+
+
+def weights_in_every_rank_file(tag_dir) -> bool:
+    return is_zero3(Path(tag_dir))  # ZeRO-3 keeps the weights in every rank's partition files
+
+
+def to_relayout_format(tag_dir, model_cfg, out=None, log=print):
+    from .universal import to_universal
+
+    return to_universal(tag_dir, model_cfg, out=out, log=log)

@@ -1,0 +1,70 @@
+"""How ``megafixed plan`` sizes the torch engine's layouts (its registry record's ``planner``):
+FSDP2 shards parameters, gradients and optimizer state over the DP shard degree (``dp /
+dp_replicate``), as ZeRO-3, keeping fp32 masters and fp32 gradients (``megafixed.parallel.memory``'s
+docstring has the whole account). Light: arithmetic only."""
+from __future__ import annotations
+
+COLUMN = ("FSDP", 5)  # HSDP replicate x shard
+
+
+def pp_degrees(gpus: int, tp: int) -> range:
+    return range(1, 2)  # no pipeline parallelism (yet)
+
+
+def sharding_options(dp: int) -> list:
+    return [r for r in range(1, dp + 1) if dp % r == 0]  # each HSDP replicate degree (1 = FSDP over all DP)
+
+
+def set_sharding(cfg, replicate) -> None:
+    cfg.torch_engine.dp_replicate = replicate
+
+
+def make_layout(cfg, tp, pp, dp, replicate, micro, sp, part):
+    from ...parallel.memory import Layout
+
+    accum = cfg.train.global_batch // (micro * dp)
+    # "zero" shows the ZeRO stage FSDP2's sharding equals
+    return Layout(tp, pp, dp, 3 if dp // replicate > 1 else 0, micro, sp, cfg.train.activation_checkpointing, part,
+                  cfg.train.engine, replicate, accum, cfg.torch_engine.reshard_after_forward)
+
+
+def model_state_bytes(n_params: int, layout, precision: str) -> tuple[float, float, float]:
+    """fp32 masters, fp32 gradients and Adam state, all sharded; with accumulation, the unsharded
+    fp32 gradients FSDP2 accumulates between reductions."""
+    shard = layout.dp_shard
+    accumulated = n_params * 4 if layout.accum > 1 and shard > 1 else 0
+    return n_params * 4 / shard, n_params * 4 / shard + accumulated, n_params * 8 / shard
+
+
+def working_param_bytes(m, layout, n_params: int, precision: str, act_bytes: int) -> float:
+    """FSDP2's unsharded working parameters in the compute dtype: the block computing plus the one
+    prefetched, and the root's and the head's groups, which stay gathered from forward to backward
+    (native/build.py); or every group. One DP rank has no FSDP2: autocast's 16-bit copies of every
+    weight live until backward."""
+    if not (layout.dp_shard > 1 or precision != "fp32"):
+        return 0.0
+    from ...parallel.memory import layer_params
+
+    per_layer = layer_params(m, layout.tp)
+    edges = per_layer[0] + per_layer[-1]  # the input (table) and the head: root and head groups
+    everything = not layout.reshard_after_forward or layout.dp == 1
+    working = n_params if everything else min(n_params, 2 * per_layer[1] + edges)
+    return working * act_bytes
+
+
+def rank_sharding(layout) -> int:
+    return layout.dp_shard  # the smallest shard degree: more replication, fewer all-gathers
+
+
+def sharding_text(layout) -> str:
+    return f"{layout.dp_replicate}x{layout.dp_shard}"
+
+
+def intro(precision: str):
+    return ("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
+            "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads; "
+            "no pipeline parallelism yet, so pp = 1 only")
+
+
+def grads_note(precision: str) -> str:
+    return ""

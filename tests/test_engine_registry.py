@@ -1,0 +1,156 @@
+"""The engine registry (``megafixed.engines``): a toy third engine, registered inside this test and
+nowhere else, plans, dry-runs, sizes, records and refuses through the same code the two real
+engines use -- nothing in megafixed names it. In-process, no training (well under a minute)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megafixed import engines
+from megafixed.cli import main
+from megafixed.config import ConfigError, load_config
+from megafixed.parallel.layout import LayoutError
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "examples" / "configs" / "quickstart.yaml")
+PAPER = str(ROOT / "examples" / "configs" / "paper-1.7b-canonical.yaml")
+MARKER = "toy.marker"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyPlan:
+    zero_stage: int  # the toy shards like ZeRO (it borrows DeepSpeed's planner arithmetic)
+    flavour: str
+
+
+def _refuse(cfg, plan):
+    if plan.pp > 1:
+        raise LayoutError("train.engine=toy has no pipeline; use parallel.pp=1")
+
+
+def _toy_checkpoint():
+    def detect_layout(tag_dir):
+        return 1, 1
+
+    return SimpleNamespace(
+        is_checkpoint=lambda tag_dir: (Path(tag_dir) / MARKER).is_file(),
+        resolve_tag_dir=lambda ckpt, tag=None: Path(ckpt),
+        read_state_dict=lambda tag_dir, verify=True: {"toy": json.loads((Path(tag_dir) / MARKER).read_text())},
+        is_model_file=lambda name: name == MARKER,
+        weights_in_every_rank_file=lambda tag_dir: False,
+        detect_layout=detect_layout,
+        recorded_model_config=lambda tag_dir: None,
+        to_relayout_format=lambda *a, **k: (_ for _ in ()).throw(ValueError("toy checkpoints reshard on load")),
+    )
+
+
+TOY_WORDS = SimpleNamespace(
+    start_words=lambda plan: f"toy engine ({plan.flavour})",
+    dry_run_words=lambda plan, record: f"toy {record['flavour']}",
+    config_title=lambda: "toy engine",
+    record_layout=lambda plan: {"flavour": plan.flavour},
+    layout_change_keys=lambda plan, recorded: ["tp", "dp", "flavour"],
+)
+
+
+@pytest.fixture
+def toy():
+    base = engines.default_kind()  # borrow the default's planner and runtime env; all else is the toy's
+    kind = dataclasses.replace(
+        base, name="toy", summary="a toy engine, registered by a test", record_file="toy.json",
+        config_section=None, planned_keys=(), default=False, stage_bounds=None,
+        make_plan=lambda cfg: ToyPlan(zero_stage=0, flavour="vanilla"), check_supported=_refuse,
+        relayout_refusal=lambda old, new: None if old.get("engine") == new.get("engine") else "not a toy checkpoint",
+        setup_groups=lambda plan: {}, build=lambda cfg, topo: pytest.fail("a dry run must not build"),
+        engine_config=lambda cfg, plan: {"flavour": plan.flavour, "dp": plan.dp}, checkpoint=_toy_checkpoint(),
+        describe=TOY_WORDS, prepare_runtime_env=None)
+    engines.register(kind)
+    yield kind
+    engines.unregister("toy")
+
+
+def test_the_built_in_engines_register_one_record_each():
+    names = engines.names()
+    assert names[0] == engines.default_kind().name  # the default first
+    assert len(names) == len(set(names)) >= 2
+    assert engines.kind_of({}).default  # an old run record without "engine": the default engine's
+    with pytest.raises(ConfigError, match=r"train\.engine='nope' is not one of"):
+        load_config(QUICKSTART, ["train.engine=nope"])
+    # the registry module imports no engine library (nor does looking an engine up)
+    assert "deepspeed" not in engines.__dict__ and all("import deepspeed" not in k.summary for k in engines.kinds())
+
+
+def test_a_toy_engine_plans_and_dry_runs(toy, capsys):
+    from megafixed.run_plan import RunPlan
+
+    cfg = load_config(QUICKSTART, ["train.engine=toy", "data.mock=true"])
+    plan = RunPlan.build(cfg, 2, gpu=False)
+    assert (plan.engine, plan.engine_plan, plan.flavour) == ("toy", ToyPlan(0, "vanilla"), "vanilla")
+    plan.check_made_from(cfg)
+    with pytest.raises(ConfigError, match="train.engine 'toy' -> 'deepspeed'"):
+        plan.check_made_from(load_config(QUICKSTART, ["data.mock=true"]))
+    assert main(["train", QUICKSTART, "--dry-run", "--world-size", "2", "--target", "cpu",
+                 "train.engine=toy", "data.mock=true"]) == 0
+    out = capsys.readouterr().out
+    assert "# toy engine config (written to <run_dir>/toy.json by a real run)" in out
+    assert '"flavour": "vanilla"' in out and "toy vanilla. Nothing was started." in out
+    assert "deepspeed" not in out.split("# toy engine config")[1]
+
+
+def test_a_toy_engine_refuses_by_its_own_rule(toy, capsys):
+    code = main(["train", QUICKSTART, "--dry-run", "--world-size", "2", "--target", "cpu",
+                 "train.engine=toy", "data.mock=true", "parallel.pp=2", "model.n_layers=2"])
+    err = capsys.readouterr().err
+    assert code != 0 and "train.engine=toy has no pipeline; use parallel.pp=1" in err
+
+
+def test_a_toy_engine_describes_and_records_itself(toy, tmp_path):
+    from megafixed.run.run_dir import RunDirectory
+    from megafixed.run.run_record import record_engine, record_layout
+    from megafixed.run_plan import RunPlan
+    from megafixed.train.resume import layout_changes
+    from megafixed.train.trainer import _start_line
+
+    cfg = load_config(QUICKSTART, ["train.engine=toy", "data.mock=true"])
+    plan = RunPlan.build(cfg, 2, gpu=False)
+    assert "toy engine (vanilla)" in _start_line(cfg, plan)
+    lay = record_layout(plan)
+    assert lay == {"tp": 1, "pp": 1, "dp": 2, "flavour": "vanilla", "precision": "fp32", "engine": "toy"}
+    assert record_engine({"layout": lay}) == "toy" and record_engine({"layout": {}}) == engines.default_kind().name
+    assert layout_changes({"layout": dict(lay, dp=1, flavour="spicy")}, plan) == [
+        "the data-parallel size (world size / (tp*pp)) 1 -> 2", "flavour spicy -> vanilla"]
+    assert RunDirectory(tmp_path).engine_config_file("toy") == tmp_path / "toy.json"
+    from megafixed.engine import relayout_refusal
+
+    assert relayout_refusal(dict(lay), dict(lay, dp=4)) is None
+    assert relayout_refusal({"engine": engines.default_kind().name}, lay) == "not a toy checkpoint"
+
+
+def test_a_toy_checkpoint_is_read_by_the_toy_engines_detector(toy, tmp_path):
+    from megafixed.engine import is_model_file, read_state_dict, weights_in_every_rank_file
+    from megafixed.engine.weights import detect_layout, gather_state_dict, resolve_tag_dir
+
+    (tmp_path / MARKER).write_text(json.dumps([1, 2, 3]))
+    assert engines.checkpoint_kind(tmp_path) is toy
+    assert read_state_dict(tmp_path) == {"toy": [1, 2, 3]} == gather_state_dict(tmp_path)
+    assert resolve_tag_dir(tmp_path) == tmp_path and detect_layout(tmp_path) == (1, 1)
+    assert is_model_file(MARKER) and not weights_in_every_rank_file(tmp_path)
+    assert engines.checkpoint_kind(tmp_path / "elsewhere").default  # no toy marker: the default's format
+
+
+def test_plan_sizes_a_toy_engine(toy, capsys):
+    assert main(["plan", PAPER, "--gpus", "8", "train.engine=toy", "--json"]) in (0, 1)
+    out = json.loads(capsys.readouterr().out)
+    assert out["engine"] == "toy" and out["layouts"], out
+    assert all(lay["layout"]["pp"] == 1 for lay in out["layouts"])  # the toy's refusal of pp > 1 holds
+
+
+def test_the_toy_touched_no_engine_library():
+    # run last in this file: nothing above (planning, a dry run, a toy checkpoint) imported DeepSpeed's
+    # runtime through the toy (`megafixed plan` may import DeepSpeed's partitioner for the default's arithmetic)
+    assert "megafixed.engine.native.build" not in sys.modules
