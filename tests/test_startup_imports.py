@@ -209,3 +209,30 @@ def test_to_empty_matches_module_to_empty():
         x, y = a[name], b[name]
         assert (type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad) == \
             (type(y), y.shape, y.stride(), y.dtype, y.device, y.requires_grad), name
+
+
+def test_bench_startup_writes_ratios_against_import_torch_measured_in_the_same_run(tmp_path, capsys):
+    import argparse
+
+    from megafixed.bench import startup
+    from megafixed.config import ConfigError
+
+    p = argparse.ArgumentParser()
+    startup.add_arguments(p)
+    out = tmp_path / "s.json"
+    assert startup.run(p.parse_args(["--cases", "import_torch", "--rounds", "1", "--json", str(out)])) == 0
+    r = json.loads(out.read_text())
+    base = r["cases"]["import_torch"]
+    assert r["baseline"] == "import_torch" and r["rounds"] == 1 and len(base["wall_s"]) == len(base["cpu_s"]) == 1
+    assert base["ratio_wall"] == base["ratio_cpu"] == 1.0 and base["median_cpu_s"] > 0
+    assert len(r["loadavg_before"]) == len(r["loadavg_after"]) == 3
+    assert "import_torch" in capsys.readouterr().out
+    # every case runs the real CLI: one process, or torchrun with the ranks it names
+    for case, (ranks, extra) in startup.CASES.items():
+        cmd = startup.command(case, tmp_path / case)
+        assert cmd[0] == sys.executable and all(e in cmd for e in extra)
+        assert (f"--nproc-per-node={ranks}" in cmd) == (ranks > 1) and ("megafixed.cli" in cmd) == (ranks > 0)
+    with pytest.raises(ConfigError, match="unknown case 'nope'"):
+        startup.run(p.parse_args(["--cases", "nope"]))
+    with pytest.raises(ConfigError, match="--rounds 0"):
+        startup.run(p.parse_args(["--rounds", "0"]))
