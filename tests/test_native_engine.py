@@ -52,8 +52,9 @@ def test_plan_names_its_engine_and_is_bound_to_it():
 
 
 @pytest.mark.parametrize("overrides,world,gpu,needle", [
-    (["parallel.pp=2"], 2, False, "train.engine=torch does not do pipeline parallelism yet; use "
-                                  "train.engine=deepspeed for parallel.pp=2, or parallel.pp=1"),
+    # parallel.pp > 1 runs (torch.distributed.pipelining); its own refusals: tests/test_native_pipeline.py
+    (["parallel.pp=2", "parallel.vpp=2"], 2, False, "parallel.pp_schedule=1F1B runs one stage per rank, but "
+                                                    "parallel.vpp=2; set parallel.vpp=1"),
     (["train.precision=fp16"], 1, True, "train.precision=fp16 is not supported by train.engine=torch"),
     (["torch_engine.dp_replicate=3"], 2, False, "torch_engine.dp_replicate=3 does not divide the data-parallel "
                                                 "size 2"),

@@ -92,6 +92,11 @@ def run(args) -> int:
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
     if planner.intro(args.precision):
         print(planner.intro(args.precision))
+    if any(e.pipeline for e in estimates):  # an engine that sizes its own pipeline (the schedule column)
+        print(f"pipeline (pp > 1): parallel.pp_schedule={cfg.parallel.pp_schedule}, parallel.vpp={cfg.parallel.vpp}; "
+              f"bubble = idle / busy time per rank replayed from the schedule's own action table (F = I = W = 1, "
+              f"B = 2), the closed form (p-1)/(v*m) in brackets; activ holds the microbatches each stage keeps in "
+              f"flight in that table")
     print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= {HEADROOM:.0%} of that "
           f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage"
           + planner.grads_note(args.precision) + ":")
@@ -100,11 +105,13 @@ def run(args) -> int:
     shown = estimates if args.all else fitting
     for e in shown[:args.top]:
         lay = e.layout
-        partition = lay.partition if lay.pp > 1 else "-"
+        partition = (e.pipeline["schedule"] if e.pipeline else lay.partition) if lay.pp > 1 else "-"
+        bubble = (f"  bubble {e.pipeline['bubble_fraction']:.3f} ({e.pipeline['bubble_formula']:.3f}), in flight "
+                  f"{e.pipeline['in_flight_per_rank']}" if e.pipeline else "")
         print(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
               f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
               f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} | {e.total / GiB:8.2f}  "
-              f"{'yes' if e.total <= budget else 'no'}")
+              f"{'yes' if e.total <= budget else 'no'}{bubble}")
     if len(shown) > args.top:
         print(f"  ... {len(shown) - args.top} more (--top N)")
     if not fitting:
@@ -140,9 +147,7 @@ def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = No
                         continue
                     for sp in ((False, True) if tp > 1 else (False,)):
                         if _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision):
-                            # Both balancing rules under PP: with fixed codes, balancing parameters
-                            # moves blocks onto stage 0, which holds the most in-flight micro batches.
-                            for part in (("parameters", "type:Block") if pp > 1 else ("parameters",)):
+                            for part in planner.pp_partitions(pp):  # the engine's pipeline splits to compare
                                 out.append(planner.make_layout(cfg, tp, pp, dp, option, micro, sp, part))
     return out
 

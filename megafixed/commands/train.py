@@ -122,6 +122,8 @@ def dry_run(args) -> int:
     print(f"# {words.config_title()} config (written to <run_dir>/{kind.record_file} by a real run)")
     print(json.dumps(record, indent=2))
     sharding = words.dry_run_words(plan, record)
+    for line in getattr(words, "dry_run_lines", lambda _cfg, _plan: [])(cfg, plan):  # e.g. a pipeline's bubble
+        print(line)
     print(f"# plan: {plan.describe()}; {plan.precision} on {args.target}, backend {plan.backend}; "
           f"{sharding}. Nothing was started.")
     return exit_codes.OK

@@ -6,29 +6,24 @@ the continuation; ``whole = encode(context + continuation)``, ``ctx = encode(con
 continuation's tokens are ``whole[len(ctx):]``; an empty context becomes ``[eod]``. The model input
 is ``(ctx + cont)[-(max_len + 1):][:-1]`` (left truncation, as ``HFLM._loglikelihood_tokens``).
 
-Speed (why this is not one forward per request, the harness's way):
-
-* a document's requests usually share a long token prefix (HellaSwag's 4 endings share the
-  context; MMLU's 4 answer letters share the whole question; Winogrande's two fillings share the
-  sentence start). That prefix runs once, into the model's key/value cache
-  (``GPT.forward(cache=...)``); the cache is then repeated per request and only the differing
-  suffixes run, attending to it. Documents with the same prefix length share one prefill.
-* everything else is packed by length (sorted, right-padded: padding after the last real
-  position cannot change a causal model's earlier outputs) into batches of ``batch_size`` rows.
+Speed (why this is not one forward per request, the harness's way): a document's requests usually
+share a long token prefix (HellaSwag's 4 endings share the context; MMLU's 4 answer letters share
+the whole question; Winogrande's two fillings share the sentence start). Each document becomes a
+tree, the prefix once and each request's differing suffix after it, and trees are packed into rows
+(``megafixed.eval.packed``: per-token positions and a mask, no padding between documents); the
+LM head runs only where a continuation token is scored.
 
 The result equals a full forward per request up to float rounding (different matmul shapes);
 tests/test_eval_equality.py compares it with the harness through our adapter.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
-MIN_SHARED_PREFIX = 4  # below this a prefill costs more (one more forward) than it saves
+ATTENTION_BYTES = 1 << 30  # per forward, per layer: bounds memory on long (few-shot) documents
 
 
 @dataclass
@@ -85,92 +80,41 @@ class Scorer:
         self.batch_size = max(1, int(batch_size))
         self.max_len = model.cfg.max_seq_len
         self.progress = progress
-        # the key/value cache seam of GPT.forward; without it every request runs in full
-        self.share_prefix = share_prefix and "cache" in inspect.signature(model.forward).parameters
+        self.share_prefix = share_prefix  # False: every request runs in full (a check, not a speed-up)
         self.forwards = 0
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def score(self, groups: list[list[Request]]) -> list[list[tuple[float, bool]]]:
         from tqdm.auto import tqdm
 
+        from .packed import make_tree, pack, score_rows
+
         self.model.eval()
         out: list[list[Optional[tuple[float, bool]]]] = [[None] * len(g) for g in groups]
-        shared: dict[int, list[tuple[int, list[list[int]], list[int]]]] = {}  # prefix len -> docs
-        plain: list[tuple[int, int, list[int], int]] = []  # (group, request, input, n_cont)
+        trees = []
         for gi, group in enumerate(groups):
             inputs = [_model_input(r, self.max_len) for r in group]
             p = _common_prefix([x for x, _ in inputs]) if self.share_prefix and len(group) > 1 else 0
-            if p >= MIN_SHARED_PREFIX:
-                shared.setdefault(p, []).append((gi, [x for x, _ in inputs], [c for _, c in inputs]))
-            else:
-                plain.extend((gi, ri, x, c) for ri, (x, c) in enumerate(inputs))
+            trees.append(make_tree(gi, inputs, p))
+        # rows as wide as the largest document: first-fit decreasing leaves little padding
+        rows = pack(trees, max((t.size for t in trees), default=1))
+        rows.sort(key=lambda r: -len(r.ids))  # a forward's rows are of similar width
         total = sum(len(g) for g in groups)
         if self.progress == "lines":  # not a terminal: a line every 30 s (megafixed/progress_lines.py)
             from ..progress_lines import ProgressLines
             bar = ProgressLines(total, desc="scoring", unit="requests")
         else:
             bar = tqdm(total=total, desc="scoring", unit="req", disable=not self.progress, leave=False)
-        for p in sorted(shared):
-            docs = shared[p]
-            i = 0
-            while i < len(docs):
-                chunk, rows = [], 0
-                while i < len(docs) and (not chunk or rows + len(docs[i][1]) <= self.batch_size):
-                    chunk.append(docs[i])
-                    rows += len(docs[i][1])
-                    i += 1
-                self._score_shared(p, chunk, out)
-                bar.update(rows)
-        plain.sort(key=lambda t: -len(t[2]))
-        for s in range(0, len(plain), self.batch_size):
-            batch = plain[s:s + self.batch_size]
-            self._score_plain(batch, out)
-            bar.update(len(batch))
+        s = 0
+        while s < len(rows):
+            # the attention scores of a row are heads x width^2 floats (the mask is not causal-only, so
+            # SDPA may take its math path): fewer rows per forward for wide ones (few-shot prompts)
+            width = len(rows[s].ids)
+            n = max(1, min(self.batch_size, ATTENTION_BYTES // (4 * self.model.cfg.n_heads * width * width)))
+            for gi, ri, ll, greedy in score_rows(self.model, rows[s:s + n], self.device):
+                out[gi][ri] = (ll, greedy)
+            self.forwards += 1
+            bar.update(sum(len(r.targets) for r in rows[s:s + n]))
+            s += n
         bar.close()
         return out  # type: ignore[return-value]
-
-    def _score_plain(self, batch, out) -> None:
-        width = len(batch[0][2])
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        for b, (_, _, x, _) in enumerate(batch):
-            ids[b, :len(x)] = torch.tensor(x, dtype=torch.long)
-        logits = self.model(ids.to(self.device))
-        self.forwards += 1
-        for b, (gi, ri, x, c) in enumerate(batch):
-            n = len(x)
-            out[gi][ri] = self._result(logits[b, n - len(c):n], c)
-
-    def _score_shared(self, p: int, chunk, out) -> None:
-        from ..model.generate import KVCache
-
-        suffix_len = max(len(x) - p for _, xs, _ in chunk for x in xs)
-        prefix = torch.tensor([xs[0][:p] for _, xs, _ in chunk], dtype=torch.long, device=self.device)
-        cache = KVCache(len(self.model.blocks), p + suffix_len)
-        pre_logits = self.model(prefix, cache=cache)  # [D, p, V]
-        owner = [d for d, (_, xs, _) in enumerate(chunk) for _ in xs]
-        index = torch.tensor(owner, dtype=torch.long, device=self.device)
-        for layer in cache.layers:  # one copy of the prefix's keys/values per request
-            layer.k, layer.v = layer.k.index_select(0, index), layer.v.index_select(0, index)
-        flat = [(d, ri, x, c) for d, (_, xs, cs) in enumerate(chunk) for ri, (x, c) in enumerate(zip(xs, cs))]
-        suffix = torch.zeros(len(flat), suffix_len, dtype=torch.long)
-        for r, (_, _, x, _) in enumerate(flat):
-            suffix[r, :len(x) - p] = torch.tensor(x[p:], dtype=torch.long)
-        suf_logits = self.model(suffix.to(self.device), cache=cache)  # [R, suffix_len, V]
-        self.forwards += 2
-        for r, (d, ri, x, c) in enumerate(flat):
-            n = len(x)
-            start = n - len(c)  # first input position whose output predicts a continuation token
-            parts = []
-            if start < p:
-                parts.append(pre_logits[d, start:p])
-            parts.append(suf_logits[r, max(start - p, 0):n - p])
-            out[chunk[d][0]][ri] = self._result(torch.cat(parts), c)
-
-    @staticmethod
-    def _result(logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
-        """Sum of the continuation's log-probabilities (fp32 log-softmax) and whether greedy
-        decoding reproduces it (the harness's ``is_greedy``)."""
-        lp = F.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor(cont, dtype=torch.long, device=lp.device)
-        ll = float(lp.gather(1, target[:, None]).sum())
-        return ll, bool((lp.argmax(-1) == target).all())

@@ -17,8 +17,14 @@ parameters are the fp32 masters (4), gradients are reduce-scattered in fp32 (4),
 16 per parameter in bf16 and fp32 alike, against DeepSpeed bf16's 20. On top, the unsharded working
 copies in the compute dtype: two blocks' (the one computing and the one prefetched) plus the
 input's and the head's (gathered from forward to backward) with ``torch_engine.reshard_after_forward=
-true``, the whole stage's with false; and, with gradient accumulation, the unsharded fp32
-gradients FSDP2 accumulates between reductions (it reduce-scatters on the last micro batch only).
+true``, the whole stage's with false or under pipeline parallelism. Gradient accumulation adds
+nothing: FSDP2 reduce-scatters every micro batch's gradients into the sharded fp32 ones (as
+torchtitan does), instead of holding the unsharded fp32 gradients between reductions.
+
+An engine's planner may size its own pipeline (``pipeline_estimate``): the torch engine's
+(``engine/native/pipeline_plan.py``) splits the layers as its stages do and reads the microbatches
+each stage holds in flight from the schedule's own action table (``parallel.bubble``), with the
+bubble fraction beside it.
 
 TP divides every sharded matrix by ``tp`` (norms stay replicated); PP keeps one stage's layers,
 split by DeepSpeed's own partitioner (``parallel.pp_partition``).
@@ -41,6 +47,7 @@ The estimates are checked against measured tensor bytes on CPU in ``tests/test_p
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 GiB = 1024 ** 3
 
@@ -57,8 +64,11 @@ class Layout:
     partition: str = "parameters"  # parallel.pp_partition (only matters with pp > 1)
     engine: str = ""  # train.engine ("": the default engine); its planner does its model-state arithmetic
     dp_replicate: int = 1  # HSDP's replicate degree (torch_engine.dp_replicate; 1 for ZeRO)
-    accum: int = 1  # micro batches per step (FSDP2 accumulates unsharded gradients between reductions)
+    accum: int = 1  # micro batches per step (a pipeline's microbatches)
     reshard_after_forward: bool = True  # torch_engine.reshard_after_forward
+    schedule: str = "1F1B"  # parallel.pp_schedule (the torch engine's; DeepSpeed runs 1F1B)
+    vpp: int = 1  # parallel.vpp: pipeline stages per rank
+    edge: int = 1  # parallel.pp_input_head_layers
 
     @property
     def dp_shard(self) -> int:
@@ -193,6 +203,7 @@ class Estimate:
     optimizer: float
     activations: float
     params_count: int  # parameters on the worst stage's GPU (before ZeRO-3 sharding)
+    pipeline: Optional[dict] = None  # an engine's own pipeline summary (schedule, bubble, in flight)
 
     @property
     def total(self) -> float:
@@ -214,6 +225,9 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
     """Memory per GPU on the most loaded pipeline stage."""
     e = 4 if precision == "fp32" else 2
     masks = (m.dropout > 0) if dropout_masks is None else dropout_masks
+    own = getattr(layout.planner, "pipeline_estimate", None)
+    if layout.pp > 1 and own is not None:  # the engine sizes its own pipeline (its split, its schedule)
+        return own(m, seq, layout, precision, masks)
     per_stage = stage_params(m, layout, layout.partition)
     blocks = blocks_per_stage(m, layout, layout.partition)
     t, b, sp = layout.tp, layout.micro_batch, layout.sequence_parallel

@@ -38,8 +38,12 @@ def load_initial_weights(engine, cfg, topo) -> str:
     check_compatible(src.config.model.__dict__, cfg.model)
     # Rank 0 reads (and so verifies) the source before any engine work; the engine asks for it there.
     state = trained_state_dict(RunDirectory(src.run_dir).checkpoints, src.tag) if topo.is_main else None
+
+    def read():  # other ranks read only if the engine asks them to (the torch engine's pipeline stages)
+        return state if topo.is_main else trained_state_dict(RunDirectory(src.run_dir).checkpoints, src.tag)
+
     try:
-        engine.load_weights(lambda: state, RunDirectory(cfg.train.run_dir).init_scratch())
+        engine.load_weights(read, RunDirectory(cfg.train.run_dir).init_scratch())
     except ConfigError as exc:
         raise ConfigError(f"train.init_from {src.tag_dir}: {exc}") from None
     return f"initialised from {src.tag_dir} (weights only; step 0, fresh optimizer state)"

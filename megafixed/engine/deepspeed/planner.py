@@ -10,6 +10,12 @@ def pp_degrees(gpus: int, tp: int) -> range:
     return range(1, gpus // tp + 1)
 
 
+def pp_partitions(pp: int) -> tuple:
+    # Both balancing rules under PP: with fixed codes, balancing parameters moves blocks onto
+    # stage 0, which holds the most in-flight micro batches.
+    return ("parameters", "type:Block") if pp > 1 else ("parameters",)
+
+
 def sharding_options(dp: int) -> tuple:
     return (0, 1, 2, 3)  # each ZeRO stage
 

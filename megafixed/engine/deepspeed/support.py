@@ -19,6 +19,13 @@ def check_supported(cfg, plan) -> None:
         # would make `train.compile=true` a lie.
         raise ConfigError(f"train.compile=true is not supported with pipeline parallelism (parallel.pp="
                           f"{pp}); set train.compile=false, or parallel.pp=1")
+    schedule, vpp = str(cfg.parallel.pp_schedule), cfg.parallel.vpp
+    if pp > 1 and (schedule.lower() != "1f1b" or vpp != 1):
+        # Its pipeline engine has one schedule (1F1B, one stage per rank); running it under another
+        # name would not be what was asked. train.engine=torch runs torch.distributed.pipelining's.
+        raise ConfigError(f"train.engine=deepspeed runs the 1F1B pipeline schedule only (one stage per rank), "
+                          f"not parallel.pp_schedule={schedule} with parallel.vpp={vpp}; set "
+                          f"parallel.pp_schedule=1F1B parallel.vpp=1, or train.engine=torch")
     check_zero(cfg, pp, plan.precision)
 
 

@@ -14,22 +14,10 @@ with no all-gather on a one-rank mesh to pay for.
 """
 from __future__ import annotations
 
-import torch
-
 from ...run.optim import build_optimizer
 from ..dtypes import COMPUTE_DTYPES
 from .materialize import materialize
-
-
-def mixed_precision_policy(precision: str):
-    """FSDP2's policy for the plan's precision: bf16 compute on fp32 master weights with fp32
-    gradient reduction (``reduce_dtype``: a reduce-scatter in bf16 would round every rank's
-    gradient before the sum); fp32 trains in fp32 throughout (the default policy)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if precision == "fp32":
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
+from .precision import mixed_precision_policy  # noqa: F401  (its home was here)
 
 
 def apply_fsdp(model, mesh, *, precision: str, reshard_after_forward: bool) -> None:
@@ -85,6 +73,10 @@ def build(cfg, topo):
 
     if topo.mesh is None and topo.world_size > 1:  # a caller bug: the topology of another engine
         raise RuntimeError("train.engine=torch needs the Topology setup_distributed builds for it (with its mesh)")
+    if topo.plan.pp > 1:  # the pipeline's stages and schedule (pipeline.py, pipeline_step.py)
+        from .pipeline_step import build_pipeline_engine
+
+        return build_pipeline_engine(cfg, topo)
     model = build_model(cfg, topo)
     optimizer = build_optimizer(model, cfg.optimizer)
     return NativeEngine(model, optimizer, cfg=cfg, topo=topo)

@@ -205,16 +205,26 @@ def weights_in_every_rank_file(tag_dir) -> bool:
 # ----------------------------------------------------------------------------------- re-layout
 def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     """Why a torch-engine checkpoint of layout ``old`` cannot load on ``new`` (run-record layouts),
-    or None: another DP, FSDP (torch_engine.dp_replicate) or TP degree, or precision (the master
-    weights and Adam moments are fp32 either way), is DCP's resharding on load."""
+    or None: another DP, FSDP (torch_engine.dp_replicate), TP or PP degree, pipeline schedule or vpp,
+    or precision (the master weights and Adam moments are fp32 either way), is DCP's resharding on load."""
     engines = (old.get("engine") or "deepspeed", new.get("engine") or "deepspeed")
     if engines[0] != engines[1]:
         return (f"the checkpoint was written by train.engine={engines[0]}, whose files train.engine={engines[1]} "
                 f"does not read; only its weights cross over (train.init_from)")
-    if max(int(old.get("pp") or 1), int(new.get("pp") or 1)) > 1:
-        return ("train.engine=torch does not do pipeline parallelism, so a checkpoint cannot move to or from "
-                "parallel.pp > 1 on it; use parallel.pp=1")
+    # Another pipeline split, schedule or vpp too: parameter names are global (blocks.N) whatever the
+    # stages, so each rank's DCP templates simply name fewer or more of them.
     return None
+
+
+def _nested_param_groups(tag_dir: Path) -> bool:
+    """Written with one ``param_groups`` list (before the flat optimizer state dict)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(tag_dir)).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: dcp.load names the damage
+        return False
+    return f"{OPTIM}.param_groups" in keys
 
 
 # ----------------------------------------------------------------------------------- the checkpointer
@@ -232,6 +242,7 @@ class DcpCheckpoint(BackgroundSave):
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._async_group = None  # the gloo group background saves run their collectives on
+        self.every_rank_reads = False  # load_weights: True for pipeline stages (pipeline_step.py)
 
     # ---- what the engine seam asks
     @property
@@ -242,11 +253,18 @@ class DcpCheckpoint(BackgroundSave):
     def saved_bytes(self) -> int:
         return self.handed_bytes
 
-    def state_dict(self) -> dict:
-        """``{"model": ..., "optim": ...}`` of this rank, plain-GPT names, DTensor values."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def state_dict(self, flat: bool = True) -> dict:
+        """``{"model": ..., "optim": ...}`` of this rank, plain-GPT names, DTensor values.
 
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        ``flat``: the optimizer's param-group settings stored per parameter name
+        (``flatten_optimizer_state_dict``, torchtitan's choice), not as one ``param_groups`` list:
+        DCP keeps one copy of a non-tensor entry that every rank names alike, which is right for
+        DP/TP ranks (the same groups) and wrong for pipeline stages (each rank's groups list other
+        parameters). ``flat=False`` reads checkpoints written before."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer,
+                                  options=StateDictOptions(flatten_optimizer_state_dict=flat))
         return {MODEL: msd, OPTIM: osd}
 
     def save(self, tag_dir: Path, client_state: dict, *, on_written: Callable[[dict], None],
@@ -300,13 +318,15 @@ class DcpCheckpoint(BackgroundSave):
         """Model and optimizer from ``tag_dir`` onto this layout (DCP reshards whatever layout wrote
         it, so ``relayout`` needs nothing extra); returns the client state."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         tag_dir = Path(tag_dir)
-        state = self.state_dict()  # this layout's templates (a fresh optimizer's moments initialised)
+        flat = not _nested_param_groups(tag_dir)
+        state = self.state_dict(flat)  # this layout's templates (a fresh optimizer's moments initialised)
         try:
             dcp.load(state, checkpoint_id=str(tag_dir))
-            set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
+            set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM],
+                           options=StateDictOptions(flatten_optimizer_state_dict=flat))
             client = torch.load(tag_dir / CLIENT_STATE, map_location="cpu", weights_only=False)
         except dcp_errors() as exc:
             raise _load_error(exc, tag_dir) from None
@@ -326,9 +346,13 @@ class DcpCheckpoint(BackgroundSave):
         from ..dtypes import restore_exact_buffers
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        full = read_state_dict() if rank == 0 else None
+        # pipeline stages hold different parameters: each rank reads the file and keeps its own part
+        every = self.every_rank_reads
+        full = read_state_dict() if rank == 0 or every else None
         own = get_model_state_dict(self.model)  # plain-GPT names (no compile/AC wrapper prefixes)
-        if rank == 0:
+        if full is not None:
+            if every:
+                full = {k: v for k, v in full.items() if k in own or not k.startswith(("blocks.", "input.", "head."))}
             why = key_mismatch(own, full)
             if why is None:
                 why = next((f"{k} is {tuple(full[k].shape)} there but {tuple(own[k].shape)} here" for k in own
@@ -338,12 +362,12 @@ class DcpCheckpoint(BackgroundSave):
         else:
             why = None
         if dist.is_initialized():
-            box = [why]
-            dist.broadcast_object_list(box, src=0)
-            why = box[0]
+            said = [None] * dist.get_world_size()
+            dist.all_gather_object(said, why)
+            why = next((w for w in said if w), None)
         if why:
             raise ConfigError(why)
-        distributed = dist.is_initialized() and dist.get_world_size() > 1
-        set_model_state_dict(self.model, full if rank == 0 else {},
+        distributed = dist.is_initialized() and dist.get_world_size() > 1 and not every
+        set_model_state_dict(self.model, full if full is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed))
         restore_exact_buffers(self.model)

@@ -49,9 +49,11 @@ def engine_config(cfg, plan) -> dict:
             "mode": mode, "degree": dp, "replicate_degree": replicate, "shard_degree": shard,
             # what fully_shard wraps (build.py): each block, the head (a tied one stays with the input
             # table in the root's group), then the root; one data-parallel rank: no FSDP at all
-            "fully_shard_units": ((["each block"] + ([] if cfg.model.tie_embeddings else ["head"]) + ["root"])
-                                  if dp > 1 else []),
-            "reshard_after_forward": te.reshard_after_forward,  # each block's; build.py keeps the head's
+            # under PP each stage module is a root (pipeline.py), its blocks and head wrapped inside it
+            "fully_shard_units": ((["each block"] + ([] if cfg.model.tie_embeddings else ["head"])
+                                   + (["each stage (its root)"] if plan.pp > 1 else ["root"])) if dp > 1 else []),
+            # each block's; build.py keeps the head's; off under PP (the schedule interleaves microbatches)
+            "reshard_after_forward": te.reshard_after_forward and plan.pp == 1,
             "head_reshard_after_forward": False,  # and the root's gathered: backward needs them first
             # params, grads and AdamW state are sharded over dp_shard, as ZeRO-3 (``megafixed plan``)
             "sharded_states": ["params", "grads", "optimizer"] if shard > 1 else [],
@@ -65,7 +67,7 @@ def engine_config(cfg, plan) -> dict:
         "tensor_parallel": {"degree": tp, "sequence_parallel": plan.sequence_parallel,
                             "plan": "megafixed.parallel.tensor.TP_PLAN (DTensor parallelize_module)",
                             "vocab_parallel_loss": tp > 1},
-        "pipeline_parallel": {"degree": plan.pp},
+        "pipeline_parallel": pipeline_record(cfg, plan),
         "compile": {"enabled": cfg.train.compile, "unit": "each block"},
         "activation_checkpointing": {"enabled": cfg.train.activation_checkpointing, "unit": "each block"},
         "optimizer": {"type": "AdamW", "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
@@ -73,6 +75,25 @@ def engine_config(cfg, plan) -> dict:
                       "grad_clip_over": "the whole mesh (DTensor total norm)"},
         "batch": {"global_batch": b.global_batch, "micro_batch": b.micro_batch, "accum": b.accum, "dp": b.dp,
                   "seq_len": b.seq_len,
-                  # FSDP2's set_requires_gradient_sync(False) on all but the last micro batch
-                  "gradient_sync": "last micro batch of each step" if b.accum > 1 else "every step"},
+                  # FSDP2 reduce-scatters every micro batch's gradients (the schedule's microbatches under PP,
+                  # reduced once per step by the schedule: pipelining's PipelineStage drives the sync)
+                  "gradient_sync": ("once per step, after the last microbatch (the pipeline schedule)" if plan.pp > 1
+                                    else "every micro batch" if b.accum > 1 else "every step")},
     }
+
+
+def pipeline_record(cfg, plan) -> dict:
+    """The pipeline's schedule, split, bubble and microbatches in flight (``plan.pp > 1``); the
+    activation bytes those hold are ``megafixed.parallel.pipeline_memory``'s (--dry-run prints them)."""
+    if plan.pp == 1:
+        return {"degree": 1}
+    from ...parallel.bubble import bubble
+    from .schedules import canonical_name, stage_spans
+
+    par = cfg.parallel
+    name = canonical_name(par.pp_schedule)
+    spans = stage_spans(cfg.model.n_layers, plan.pp * par.vpp, par.pp_input_head_layers)
+    return {"degree": plan.pp, "stages_per_rank": par.vpp, "input_head_layers": par.pp_input_head_layers,
+            "by": "torch.distributed.pipelining (PipelineStage + the schedule class)",
+            "stage_blocks": [[s.first, s.end] for s in spans],
+            **bubble(name, plan.pp, plan.batch.accum, par.vpp).as_dict()}

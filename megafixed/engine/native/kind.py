@@ -15,11 +15,16 @@ class TorchPlan:
     """The torch engine's part of a ``RunPlan`` (``plan.engine_plan``; read as ``plan.dp_replicate``)."""
     dp_replicate: int  # torch_engine.dp_replicate: HSDP's replicate degree (1 = FSDP over all of dp)
     reshard_after_forward: bool  # torch_engine.reshard_after_forward
+    # its pipeline (parallel.pp > 1): torch.distributed.pipelining's schedule, stages per rank, the split
+    pp_schedule: str = "1F1B"  # parallel.pp_schedule
+    vpp: int = 1  # parallel.vpp
+    pp_input_head_layers: int = 1  # parallel.pp_input_head_layers
 
 
 def make_plan(cfg) -> TorchPlan:
-    t = cfg.torch_engine
-    return TorchPlan(dp_replicate=t.dp_replicate, reshard_after_forward=t.reshard_after_forward)
+    t, p = cfg.torch_engine, cfg.parallel
+    return TorchPlan(dp_replicate=t.dp_replicate, reshard_after_forward=t.reshard_after_forward,
+                     pp_schedule=p.pp_schedule, vpp=p.vpp, pp_input_head_layers=p.pp_input_head_layers)
 
 
 # ---- how it describes itself (the `describe` hook is this module)
@@ -36,6 +41,29 @@ def start_words(plan) -> str:
 def dry_run_words(plan, record: dict) -> str:
     d = record["data_parallel"]
     return f"engine torch, {d['mode']} (dp_replicate {d['replicate_degree']} x dp_shard {d['shard_degree']})"
+
+
+def dry_run_lines(cfg, plan) -> list:
+    """Under PP: the schedule, its bubble and each stage's in-flight activations (``pipeline_plan.py``)."""
+    if plan.pp == 1:
+        return []
+    return [_pipeline_line(cfg, plan)]
+
+
+def _pipeline_line(cfg, plan) -> str:
+    """``--dry-run``'s line: the schedule, its bubble and each stage's in-flight activation memory."""
+    from ...parallel.memory import GiB, estimate
+    from .planner import make_layout
+
+    b = plan.batch
+    layout = make_layout(cfg, plan.tp, plan.pp, plan.dp, plan.dp_replicate, b.micro_batch, plan.sequence_parallel,
+                         "parameters")
+    pipe = estimate(cfg.model, b.seq_len, layout, plan.precision).pipeline
+    acts = ", ".join(f"stage {k}: {pipe['in_flight_per_stage'][k]} in flight, {v / GiB:.3f} GiB"
+                     for k, v in pipe["activation_bytes_per_stage"].items())
+    return (f"# pipeline: {pipe['schedule']}, {plan.pp} ranks x {pipe['vpp']} stages, {b.accum} microbatches; bubble "
+            f"{pipe['bubble_fraction']:.3f} from its action table ((p-1)/(v*m) = {pipe['bubble_formula']:.3f}); "
+            f"activations {acts}")
 
 
 def config_title() -> str:
@@ -71,7 +99,8 @@ def _prepare_runtime_env() -> None:
 KIND = register(EngineKind(
     name=NAME, summary="torch-native: FSDP2/HSDP, DTensor TP/SP, torch.distributed.checkpoint",
     record_file="torch_engine.json", config_section="torch_engine",
-    planned_keys=("torch_engine.dp_replicate", "torch_engine.reshard_after_forward"),
+    planned_keys=("torch_engine.dp_replicate", "torch_engine.reshard_after_forward", "parallel.pp_schedule",
+                  "parallel.vpp", "parallel.pp_input_head_layers"),
     make_plan=make_plan,
     check_supported=f"{_PKG}.support:check_supported",
     relayout_refusal=f"{_PKG}.checkpoint:relayout_refusal",

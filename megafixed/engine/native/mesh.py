@@ -8,16 +8,21 @@ A 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` over the ranks in the plan's o
 with ``"dp"`` flattened from the first two, so ``mesh["dp"]`` is exactly the data-parallel group
 the data loader and the loss mean use (its ranks read the same shards as under DeepSpeed), and
 ``mesh["dp_replicate", "dp_shard"]`` is the 2-D mesh HSDP shards over (torchtitan's names).
-Pipeline parallelism has no axis here: the engine refuses parallel.pp > 1 (``support.py``).
+With pipeline parallelism (parallel.pp > 1) a leading ``"pp"`` axis is added, torchtitan's
+``("pp", "dp_replicate", "dp_shard", "tp")``: pipeline stages are the slowest-varying coordinate,
+as in the plan's order (``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``), and every other
+dimension is sliced within one stage. Without it the mesh keeps its three dimensions.
 
 Imports only torch: ``megafixed.parallel.topology`` calls it while setting up the process groups.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 DP = "dp"  # the flattened (dp_replicate, dp_shard) dimension
+PP = "pp"  # the pipeline dimension, first, only when parallel.pp > 1
 
 
 def mesh_shape(dp: int, tp: int, dp_replicate: int) -> tuple[int, int, int]:
@@ -35,14 +40,14 @@ def build_mesh(topo, dp_replicate: int) -> Any:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    if getattr(topo, "pp", 1) != 1:  # the run plan refuses it first (engine/native/support.py)
-        raise ValueError("the torch engine's mesh has no pipeline axis (parallel.pp must be 1)")
-    shape = mesh_shape(topo.dp, topo.tp, dp_replicate)
+    pp = getattr(topo, "pp", 1)
+    shape = (pp, *mesh_shape(topo.dp, topo.tp, dp_replicate)) if pp > 1 else mesh_shape(topo.dp, topo.tp, dp_replicate)
+    names = (PP, *MESH_DIMS) if pp > 1 else MESH_DIMS
     device_type = torch.device(topo.device).type
-    # Rank r sits at row-major position r: tp varies fastest, then dp_shard, then dp_replicate,
-    # which is the plan's grid order (megatron-core's tp-cp-ep-dp-pp with pp = 1).
-    ranks = torch.arange(shape[0] * shape[1] * shape[2]).reshape(shape)
-    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+    # Rank r sits at row-major position r: tp varies fastest, then dp_shard, then dp_replicate (then pp),
+    # which is the plan's grid order (megatron-core's tp-cp-ep-dp-pp).
+    ranks = torch.arange(math.prod(shape)).reshape(shape)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
     # torch's own way to name a merged dimension; kept here because slicing a flattened dimension
     # from the root mesh (mesh["dp"]) is deprecated from torch 2.11 on: callers use dp_submesh(mesh).
     _FLAT_DP[id(mesh)] = (mesh, mesh["dp_replicate", "dp_shard"]._flatten(DP))

@@ -8,7 +8,11 @@ COLUMN = ("FSDP", 5)  # HSDP replicate x shard
 
 
 def pp_degrees(gpus: int, tp: int) -> range:
-    return range(1, 2)  # no pipeline parallelism (yet)
+    return range(1, gpus // tp + 1)  # torch.distributed.pipelining (the run plan refuses what a schedule cannot run)
+
+
+def pp_partitions(pp: int) -> tuple:
+    return ("parameters",)  # one split (schedules.stage_spans), not DeepSpeed's two balancing rules
 
 
 def sharding_options(dp: int) -> list:
@@ -23,17 +27,18 @@ def make_layout(cfg, tp, pp, dp, replicate, micro, sp, part):
     from ...parallel.memory import Layout
 
     accum = cfg.train.global_batch // (micro * dp)
+    par = cfg.parallel
     # "zero" shows the ZeRO stage FSDP2's sharding equals
     return Layout(tp, pp, dp, 3 if dp // replicate > 1 else 0, micro, sp, cfg.train.activation_checkpointing, part,
-                  cfg.train.engine, replicate, accum, cfg.torch_engine.reshard_after_forward)
+                  cfg.train.engine, replicate, accum, cfg.torch_engine.reshard_after_forward, par.pp_schedule,
+                  par.vpp, par.pp_input_head_layers)
 
 
 def model_state_bytes(n_params: int, layout, precision: str) -> tuple[float, float, float]:
-    """fp32 masters, fp32 gradients and Adam state, all sharded; with accumulation, the unsharded
-    fp32 gradients FSDP2 accumulates between reductions."""
+    """fp32 masters, fp32 gradients and Adam state, all sharded; gradients reduce-scattered every
+    micro batch (step.py), so accumulation holds no unsharded copy."""
     shard = layout.dp_shard
-    accumulated = n_params * 4 if layout.accum > 1 and shard > 1 else 0
-    return n_params * 4 / shard, n_params * 4 / shard + accumulated, n_params * 8 / shard
+    return n_params * 4 / shard, n_params * 4 / shard, n_params * 8 / shard
 
 
 def working_param_bytes(m, layout, n_params: int, precision: str, act_bytes: int) -> float:
@@ -47,7 +52,8 @@ def working_param_bytes(m, layout, n_params: int, precision: str, act_bytes: int
 
     per_layer = layer_params(m, layout.tp)
     edges = per_layer[0] + per_layer[-1]  # the input (table) and the head: root and head groups
-    everything = not layout.reshard_after_forward or layout.dp == 1
+    # no reshard after forward under PP either: the schedule interleaves microbatches
+    everything = not layout.reshard_after_forward or layout.dp == 1 or layout.pp > 1
     working = n_params if everything else min(n_params, 2 * per_layer[1] + edges)
     return working * act_bytes
 
@@ -62,9 +68,16 @@ def sharding_text(layout) -> str:
 
 def intro(precision: str):
     return ("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
-            "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads; "
-            "no pipeline parallelism yet, so pp = 1 only")
+            "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads, "
+            "reduce-scattered every micro batch; pp > 1 through torch.distributed.pipelining")
 
 
 def grads_note(precision: str) -> str:
     return ""
+
+
+def pipeline_estimate(m, seq: int, layout, precision: str, masks: bool):
+    """Its own pipeline's ``Estimate`` (``pipeline_plan.py``: its split, its schedule's microbatches in flight)."""
+    from .pipeline_plan import torch_pipeline_estimate
+
+    return torch_pipeline_estimate(m, seq, layout, precision, masks)

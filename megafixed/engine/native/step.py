@@ -1,9 +1,10 @@
 """One optimizer step and one validation pass of the torch engine.
 
 The DeepSpeed engine's numerics, in torch: each micro batch's loss is scaled by ``1 / accum``
-before its backward (DeepSpeed's gradient-accumulation scaling), FSDP2 reduces the gradients over
-the data-parallel ranks by their mean only after the last micro batch
-(``set_requires_gradient_sync``), the global gradient norm is taken over the whole mesh before
+before its backward (DeepSpeed's gradient-accumulation scaling), FSDP2 reduce-scatters each micro
+batch's gradients over the data-parallel ranks (their mean) into the sharded fp32 gradients, as
+torchtitan does -- holding the unsharded fp32 gradients until the last micro batch would cost a
+full fp32 copy of the model per rank between reductions -- the global gradient norm is taken over the whole mesh before
 clipping (the norm DeepSpeed reports), and the reported loss is the mean over micro batches and
 DP ranks with one non-finite flag every rank agrees on (``engine.batches.dp_mean_and_flag``).
 """
@@ -39,13 +40,6 @@ def compute_context(model, precision: str, device) -> Callable:
         return contextlib.nullcontext
     kind, dtype = torch.device(device).type, COMPUTE_DTYPES[precision]
     return lambda: torch.autocast(kind, dtype=dtype)
-
-
-def _set_gradient_sync(model, enabled: bool) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)  # recursive: every fully_shard'ed block and the head
 
 
 def grad_norm(parameters) -> torch.Tensor:
@@ -100,8 +94,8 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
     device = device if device is not None else next(model.parameters()).device
     compute = compute_context(model, precision, device)
 
-    def micro_step(k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        _set_gradient_sync(model, k == accum - 1)  # reduce once per step, after the last micro batch
+    def micro_step(_k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # FSDP2's default: this micro batch's gradients reduce-scattered by its own backward
         with loss_context(model):
             with compute():
                 loss = model(inputs, labels)
@@ -110,6 +104,13 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
 
     value, nonfinite = accumulated_loss(batches, accum, micro_step, device=device, vocab_size=vocab_size,
                                         dp=dp, dp_group=dp_group)
+    return apply_update(optimizer, value, nonfinite, lr=lr, grad_clip=grad_clip, on_nonfinite=on_nonfinite, step=step)
+
+
+def apply_update(optimizer, value: float, nonfinite: bool, *, lr: float, grad_clip: float, on_nonfinite: str,
+                 step: int, norm: Callable = grad_norm) -> StepResult:
+    """The step's end, after the backward of every micro batch: the non-finite contract, the global
+    gradient norm (``norm``: the pipeline's sums it over the pp group too), clipping, AdamW."""
     if nonfinite:
         # skip: torch has no step to turn into a no-op; not calling it and dropping the gradients
         # leaves weights and optimizer state untouched (DeepSpeed's engine needs SkippableAdamW).
@@ -117,7 +118,7 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
         stop_if_asked(nonfinite, on_nonfinite, step, value)
         return StepResult(loss=value, grad_norm=None, skipped=True)  # the batch is dropped, no update
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    total = float(grad_norm(params))
+    total = float(norm(params))
     clip_(params, grad_clip, total)
     for group in optimizer.param_groups:
         group["lr"] = lr

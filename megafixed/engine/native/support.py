@@ -7,11 +7,10 @@ from ...parallel.layout import LayoutError
 
 
 def check_supported(cfg, plan) -> None:
-    if plan.pp > 1:
-        # torch.distributed.pipelining (1F1B, interleaved) is not wired in yet: refuse rather than
-        # run something else than asked.
-        raise LayoutError(f"train.engine=torch does not do pipeline parallelism yet; use train.engine=deepspeed "
-                          f"for parallel.pp={plan.pp}, or parallel.pp=1")
+    if plan.pp > 1:  # torch.distributed.pipelining: the schedule's constraints, by name (schedules.py)
+        from .schedules import check_pipeline
+
+        check_pipeline(cfg, plan)
     if plan.precision == "fp16":
         # FSDP2 has no dynamic loss scaler (DeepSpeed's fp16 path has one); bf16 needs none.
         raise ConfigError("train.precision=fp16 is not supported by train.engine=torch (it has no loss scaler); "

@@ -1,0 +1,203 @@
+"""Pipeline parallelism in the torch engine: ``torch.distributed.pipelining`` stages and schedules.
+
+torchtitan's composition, on the meta device until the end::
+
+    meta_gpt(cfg.model)  -> apply_tp (whole meta GPT; no memory)   DTensor TP/SP, as without PP
+    -> split              this rank's stages (schedules.stage_spans / stage_ids), global names
+    -> AC, compile        per block, in place
+    -> fully_shard        per block and head, then each stage module as its own root (dp > 1),
+                          reshard_after_forward off (the schedule interleaves microbatches)
+    -> materialize        only this rank's parameters, single-process values
+    -> PipelineStage x vpp and the library's schedule class (``parallel.pp_schedule``)
+
+TP is applied to the whole meta GPT before the split rather than per stage after it: on the meta
+device that costs nothing and is the same module-by-module transformation (torchtitan applies it
+per stage only because its plan names stage-local modules), while our one TP plan keeps
+addressing ``blocks.N`` by index.
+
+``PipelineParts`` is what the rest of the engine sees as the model: one ``nn.Module`` holding this
+rank's input / blocks / head under the plain-GPT names (``blocks.N`` in a ``ModuleDict`` keyed by
+the global index), so DCP's state dict, the optimizer's parameter groups and ``materialize`` are
+the non-pipeline ones and checkpoints do not depend on the split. The stage modules
+(``StageModule``) are views onto the same submodules; the FSDP2 roots are the stage modules (the
+schedule drives their gradient sync: one reduce-scatter per step, after the last microbatch).
+
+The numerics are one process's: each microbatch's loss is the sum of its token losses divided by
+this rank's token count per step (``loss_fn`` below; the schedule's own ``scale_grads`` is off),
+FSDP2 averages over the data-parallel ranks, so the gradient is the mean over the global batch;
+the gradient norm is summed over the pp group (each rank holds other parameters) before clipping.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .schedules import StageSpan
+
+# ----------------------------------------------------------------------------------- the modules
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of the GPT: [input] -> blocks -> [head]; the blocks keep their global index."""
+
+    def __init__(self, gpt, span: StageSpan, seq_shards: int):
+        super().__init__()
+        self.span = span
+        if span.has_input:
+            self.input = gpt.input
+        self.rotary = gpt.rotary
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in span.blocks})
+        if span.has_head:
+            self.head = gpt.head
+        self.seq_shards = seq_shards  # tp under sequence parallelism: x holds T/tp positions
+        self.activation_checkpointing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.span.has_input:
+            x = self.input(x)
+        cos, sin = self.rotary(x.shape[1] * self.seq_shards, x.device)
+        for block in self.blocks.values():
+            if self.activation_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        if self.span.has_head:
+            from torch.distributed.tensor import DTensor
+
+            x = self.head(x)
+            # vocabulary-split DTensor logits under TP: a stage passes plain tensors; the loss rebuilds it
+            x = x.to_local() if isinstance(x, DTensor) else x
+        return x
+
+
+class PipelineParts(nn.Module):
+    """This rank's stages as one module under the plain-GPT names (for DCP, the optimizer, init)."""
+
+    def __init__(self, gpt, spans: list[StageSpan]):
+        super().__init__()
+        self.cfg = gpt.cfg
+        if any(s.has_input for s in spans):
+            self.input = gpt.input
+        self.rotary = gpt.rotary
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for s in spans for i in s.blocks})
+        if any(s.has_head for s in spans):
+            self.head = gpt.head
+        self.loss_fn = gpt.loss_fn  # the vocabulary-parallel one under TP (tensor.loss_context reads it)
+
+
+# ----------------------------------------------------------------------------------- building
+def _apply_fsdp_stage(stage: StageModule, mesh, precision: str) -> None:
+    """FSDP2 per block and head, then the stage as its root; nothing resharded after forward: the
+    schedule runs several microbatches' forwards before their backwards (torchtitan's PP rule)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .mesh import dp_mesh
+    from .precision import mixed_precision_policy
+
+    kwargs = dict(mesh=dp_mesh(mesh), mp_policy=mixed_precision_policy(precision), reshard_after_forward=False)
+    for block in stage.blocks.values():
+        fully_shard(block, **kwargs)
+    if stage.span.has_head:
+        fully_shard(stage.head, **kwargs)
+    fully_shard(stage, **kwargs)
+
+
+def build_stages(cfg, topo):
+    """(parts, stage modules, stage ids) of this rank: meta -> TP -> split -> AC/compile -> FSDP2 -> init."""
+    from ...model.gpt import meta_gpt
+    from ..dtypes import COMPUTE_DTYPES
+    from .materialize import materialize
+    from .schedules import is_v_shaped, stage_ids, stage_spans
+
+    plan, par = topo.plan, cfg.parallel
+    gpt = meta_gpt(cfg.model)
+    if plan.tp > 1:
+        from .tensor import apply_tp
+
+        apply_tp(gpt, topo.mesh["tp"], sequence_parallel=plan.sequence_parallel)
+    if gpt.has_fixed_input and plan.precision != "fp32":
+        gpt.input.out_dtype = COMPUTE_DTYPES[plan.precision]
+    spans = stage_spans(cfg.model.n_layers, plan.pp * par.vpp, par.pp_input_head_layers)
+    ids = stage_ids(topo.pp_rank, plan.pp, par.vpp, is_v_shaped(par.pp_schedule))
+    seq_shards = plan.tp if plan.sequence_parallel else 1
+    stages = [StageModule(gpt, spans[i], seq_shards) for i in ids]
+    for stage in stages:
+        stage.activation_checkpointing = bool(cfg.train.activation_checkpointing)
+        if cfg.train.compile:
+            for block in stage.blocks.values():
+                block.compile()
+        if plan.dp > 1:
+            _apply_fsdp_stage(stage, topo.mesh, plan.precision)
+    parts = PipelineParts(gpt, [spans[i] for i in ids])
+    materialize(parts, cfg.model, cfg.train.seed, topo.device)
+    return parts, stages, ids
+
+
+def _activation_meta(cfg, plan, span: StageSpan, *, output: bool) -> torch.Tensor:
+    """The (meta) tensor a stage receives or sends per microbatch: token ids into the first stage,
+    ``[mb, T/sp, d]`` activations between stages, the (vocabulary-split) logits out of the last."""
+    from ..dtypes import COMPUTE_DTYPES
+
+    mb, seq = plan.batch.micro_batch, plan.batch.seq_len
+    dtype = COMPUTE_DTYPES[plan.precision] if plan.precision != "fp32" else torch.float32
+    if not output and span.has_input:
+        return torch.empty(mb, seq, dtype=torch.long, device="meta")
+    # requires_grad: the stage derives from it that a gradient comes back for this tensor
+    if output and span.has_head:
+        return torch.empty(mb, seq, cfg.model.vocab_size // plan.tp, dtype=dtype, device="meta", requires_grad=True)
+    local_seq = seq // plan.tp if plan.sequence_parallel else seq
+    return torch.empty(mb, local_seq, cfg.model.d_model, dtype=dtype, device="meta", requires_grad=True)
+
+
+def step_loss(parts, plan, tp_mesh) -> Callable:
+    """The schedule's ``loss_fn(output, target)``: this microbatch's summed token losses over this
+    rank's token count per step (so the accumulated gradient is the step's per-token mean)."""
+    step_tokens = plan.batch.micro_batch * plan.batch.accum * plan.batch.seq_len
+
+    def loss_fn(output, target):
+        if tp_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            output = DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False)
+        return parts.loss_fn(output, target) * (target.numel() / step_tokens)
+
+    return loss_fn
+
+
+def build_schedule(cfg, topo, parts, stages, ids):
+    """The ``PipelineStage`` per local stage and the library's schedule over them (``accum`` microbatches)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from .schedules import is_multi_stage, schedule_class
+
+    plan = topo.plan
+    n_stages = plan.pp * cfg.parallel.vpp
+    group = topo.mesh["pp"].get_group()
+    pipe_stages = [PipelineStage(m, i, n_stages, topo.device, group=group,
+                                 input_args=_activation_meta(cfg, plan, m.span, output=False),
+                                 output_args=_activation_meta(cfg, plan, m.span, output=True))
+                   for m, i in zip(stages, ids)]
+    tp_mesh = topo.mesh["tp"] if plan.tp > 1 else None
+    cls = schedule_class(cfg.parallel.pp_schedule)
+    held = pipe_stages if is_multi_stage(cfg.parallel.pp_schedule) else pipe_stages[0]
+    return cls(held, n_microbatches=plan.batch.accum, loss_fn=step_loss(parts, plan, tp_mesh), scale_grads=False)
+
+
+# ----------------------------------------------------------------------------------- numerics
+def pp_grad_norm(parameters, pp_group) -> torch.Tensor:
+    """The whole model's gradient L2 norm: this rank's (over its DP/TP meshes) squared, summed over
+    the pipeline ranks (each holds other parameters), square-rooted."""
+    from .step import grad_norm
+
+    squares = grad_norm(parameters).double() ** 2
+    squares = squares.to(next(iter(parameters)).device) if parameters else squares
+    dist.all_reduce(squares, group=pp_group)
+    return squares.sqrt()
+
+
+def finite_or_none(x: float):
+    return x if math.isfinite(x) else None

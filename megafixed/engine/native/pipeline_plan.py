@@ -1,0 +1,68 @@
+"""The torch engine's pipeline in the memory plan (``parallel.pp > 1``): its planner's
+``pipeline_estimate`` (``megafixed plan``, ``--dry-run``).
+
+The split is the engine's (``schedules.stage_spans``: input and head counted as
+``parallel.pp_input_head_layers`` layers each, ``pp * vpp`` stages, looped or V-shaped over the
+ranks); the microbatches each stage holds in flight are the schedule's own (``parallel.bubble``,
+from its action table). A rank holds the sum over its stages -- each stage at its own peak, an
+upper bound where a rank's stages peak at different times. FSDP2 keeps every working parameter
+unsharded under PP (no reshard after forward: the schedule interleaves microbatches), so the
+stage's parameters count once more in the compute dtype when they are sharded or cast.
+"""
+from __future__ import annotations
+
+
+def stage_param_count(per_layer: list[int], span) -> int:
+    """Parameters of one stage from the per-layer counts ``[input, block, ..., head]``."""
+    blocks = span.end - span.first
+    return (per_layer[0] if span.has_input else 0) + blocks * per_layer[1] + (per_layer[-1] if span.has_head else 0)
+
+
+def pipeline_summary(m, layout, per_set: float, stored_input: float, logits: float) -> dict:
+    """The schedule, its bubble (action table and formula), the split and, per stage, the bytes of
+    the microbatches it holds in flight: ``per_set`` per block and microbatch (a layer's saved
+    activations, or its stored input under activation checkpointing), ``stored_input`` for the
+    input's output, ``logits`` on the last stage (one microbatch at a time)."""
+    from ...parallel.bubble import bubble
+    from .schedules import canonical_name, stage_spans
+
+    b = bubble(canonical_name(layout.schedule), layout.pp, layout.accum, layout.vpp)
+    spans = stage_spans(m.n_layers, layout.pp * layout.vpp, layout.edge)
+    acts = {}
+    for s in spans:
+        held = b.in_flight_per_stage.get(s.index, 0)
+        act = held * (s.end - s.first) * per_set
+        if s.has_input:
+            act += held * stored_input  # input codes / embedding output
+        if s.has_head:  # final norm input + fp32 logits for the loss
+            act += stored_input + logits
+        acts[s.index] = act
+    return {**b.as_dict(), "stage_blocks": [[s.first, s.end] for s in spans],
+            "activation_bytes_per_stage": {str(k): v for k, v in acts.items()}}
+
+
+def torch_pipeline_estimate(m, seq: int, layout, precision: str, masks: bool):
+    """The most loaded pipeline rank's ``Estimate``, with the ``pipeline`` summary attached."""
+    from ...parallel.memory import Estimate, layer_activation_bytes, layer_params, model_state_bytes
+    from .schedules import is_v_shaped, stage_ids, stage_spans
+
+    e = 4 if precision == "fp32" else 2
+    t, b, sp = layout.tp, layout.micro_batch, layout.sequence_parallel
+    layer = layer_activation_bytes(m, seq, b, t, sp, e, masks)
+    stored_input = seq * b * m.d_model * e / (t if sp else 1)
+    ac = layout.activation_checkpointing
+    summary = pipeline_summary(m, layout, stored_input if ac else layer, stored_input, seq * b * m.vocab_size * 4 / t)
+    spans = stage_spans(m.n_layers, layout.pp * layout.vpp, layout.edge)
+    per_layer = layer_params(m, t)
+    best = None
+    for r in range(layout.pp):
+        mine = [spans[i] for i in stage_ids(r, layout.pp, layout.vpp, is_v_shaped(layout.schedule))]
+        n_params = sum(stage_param_count(per_layer, s) for s in mine)
+        act = sum(summary["activation_bytes_per_stage"][str(s.index)] for s in mine) + (layer if ac else 0)
+        p, g, o = model_state_bytes(n_params, layout, precision)
+        if layout.dp_shard > 1 or precision != "fp32":
+            p += n_params * e  # every working parameter unsharded (gathered or cast) under PP
+        est = Estimate(layout, p, g, o, act, n_params, pipeline=summary)
+        if best is None or est.total > best.total:
+            best = est
+    return best

