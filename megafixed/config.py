@@ -169,8 +169,14 @@ class DataConfig:
     # Synthetic tokens (megafixed.data.mock; Megatron's --mock-data): no tokenizer, shards or
     # source needed, for throughput runs (`megafixed bench train`). Uniform over model.vocab_size.
     mock: bool = False
+    # Steps whose batches are consumed without training, as numbered in the logs: "5-6,900-1200"
+    # (Megatron's --iterations-to-skip). A rollback adds its window in <run_dir>/faults/skipped_steps.json.
+    skip_steps: list = field(default_factory=list)
 
     def validate(self) -> None:
+        from .step_ranges import parse
+
+        parse(self.skip_steps, error=ConfigError)
         split_shares(self.split)
         check_blend_weights(self.weights, len(self.prefixes))
         if self.seq_len < 1:
@@ -243,7 +249,23 @@ class TrainConfig:
     # whose keys are zero.*; or the torch-native one, torch_engine.*). The default is spelt here
     # because a dataclass default cannot ask the registry; Config.validate checks it against it.
     engine: str = "deepspeed"
-    on_nonfinite: Literal["stop", "skip"] = "stop"
+    # A bad step (megafixed/run/bad_steps.py): a non-finite loss or gradient norm, or a spike -- a value
+    # beyond spike_sigma standard deviations above the mean of the last spike_window good steps (no
+    # verdict before the window is full). stop; skip (drop the update, count the batch as consumed);
+    # rollback (reload the newest verified checkpoint before the bad step, skip the data from it to the
+    # bad step + rollback_skip, go on; after max_rollbacks rollbacks, stop).
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    on_spike: Literal["stop", "skip", "rollback"] = "skip"
+    spike_sigma: float = 6.0
+    spike_window: int = 128
+    rollback_skip: int = 10
+    max_rollbacks: int = 3
+    # No step completed for this long: every rank writes its Python stacks to <run_dir>/faults/, rank 0
+    # names the ranks that did not reach the step, exit 76 (exit_codes.HUNG). 0: max(300 s, 20 x the
+    # median step time); the first step, saves and validation get at least parallel.collective_timeout_s.
+    hang_timeout_s: float = 0
+    # Every log interval: a rank whose forward compute per step is over this times the median is named.
+    straggler_factor: float = 1.5
     tensorboard: bool = True
     keep_checkpoints: int = 2  # <= 0 keeps every checkpoint
     # Start a new run from these weights (module only, at step 0; Adam moments start fresh): a run

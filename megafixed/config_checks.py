@@ -104,6 +104,12 @@ RANGES: dict[str, Range] = {
     "train.seed": Range(0, 2 ** 32 - 1, why="numpy and torch seeds are 32-bit unsigned"),
     "train.threads": Range(0, 4096, why="0: OMP_NUM_THREADS, else this process's share of the cores"),
     "train.keep_checkpoints": Range(None, None, why="<= 0 keeps every checkpoint"),
+    "train.spike_sigma": _pos("standard deviations above the window's mean that make a spike"),
+    "train.spike_window": _at_least(2, "good steps whose mean and std judge the next one"),
+    "train.rollback_skip": _at_least(0, "steps skipped past the bad one after a rollback"),
+    "train.max_rollbacks": _at_least(0, "rollbacks before the run stops; 0: the first bad step stops it"),
+    "train.hang_timeout_s": _at_least(0, "seconds without a completed step; 0: from the measured step time"),
+    "train.straggler_factor": _pos("times the median forward compute that names a rank"),
     # parallel
     "parallel.tp": _at_least(1, "tensor-parallel size"),
     "parallel.pp": _at_least(1, "pipeline-parallel size"),

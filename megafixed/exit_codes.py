@@ -8,6 +8,9 @@ Schedulers and wrappers branch on these, so they never change meaning:
   Nothing the user had was changed.
 * ``STOPPED`` (75, ``EX_TEMPFAIL``): a stop was requested (a signal, a time limit); the run saved a
   checkpoint at a safe point and the same command resumes it. Slurm requeue logic keys on it.
+* ``HUNG`` (76): no training step completed within ``train.hang_timeout_s``; every live rank wrote its
+  Python stacks under ``<run_dir>/faults/`` and rank 0 named the ranks that did not reach the step.
+  The last checkpoint is intact; the Slurm job script requeues the job (up to ``MEGAFIXED_MAX_REQUEUES``).
 * ``INTERRUPTED`` (130, 128 + SIGINT as shells report it): Ctrl-C. ``train`` treats the first one like
   ``STOPPED`` (finishes the step, saves, the same command resumes) but exits 130 so that a script or a
   scheduler does not requeue what a person stopped; a second Ctrl-C aborts at once with 130 too.
@@ -16,4 +19,5 @@ OK = 0
 FAILED = 1
 BAD_INPUT = 2
 STOPPED = 75
+HUNG = 76
 INTERRUPTED = 130

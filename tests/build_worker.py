@@ -74,7 +74,9 @@ def main(argv) -> int:
     if rest[:1] == ["--cases"]:
         import json
 
-        from megatron.core import parallel_state as ps
+        from megafixed.engine.deepspeed.megatron_tp import load
+
+        ps = load().parallel_state  # the engine's own way in: not megatron.core's __init__ (seconds per rank)
 
         with open(rest[1]) as fh:
             cases = json.load(fh)

@@ -106,8 +106,9 @@ def run_case(args_overrides: list[str], inputs: str, steps: int, zero: str | Non
 
 def reset_model_parallel() -> None:
     """Forget the previous case's megatron-core groups, so the next setup_distributed makes its own."""
-    from megatron.core import parallel_state as ps
+    from megafixed.engine.deepspeed.megatron_tp import load
 
+    ps = load().parallel_state  # the engine's own way in: not megatron.core's __init__ (seconds per rank)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
 

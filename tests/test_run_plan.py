@@ -23,9 +23,9 @@ TINY = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n
 
 
 def _megatron_ranks(tp: int, dp: int, pp: int, cp: int = 1):
-    from megatron.core.parallel_state import RankGenerator
+    from megafixed.engine.deepspeed.megatron_tp import load  # megatron-core's own module, without its __init__
 
-    return RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    return load().parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
 
 
 def test_quickstart_plan_on_cpu_and_for_gpus():

@@ -4,13 +4,14 @@ from __future__ import annotations
 import importlib
 
 HELP = ("benchmarks: 'preprocess' (tokenization), 'kernels' (fixed code vs tables), 'train' (step time, MFU, "
-        "overhead), 'eval' (megafixed eval vs lm_eval --model hf)")
+        "overhead), 'eval' (megafixed eval vs lm_eval --model hf), 'startup' (a 1-step run vs `import torch`)")
 
 # sub-benchmark -> module exposing add_arguments(parser) and run(args)
 BENCHES = {"preprocess": "megafixed.data.bench_preprocess",
            "kernels": "megafixed.bench.kernels",
            "train": "megafixed.bench.train",
            "eval": "megafixed.bench.eval",
+           "startup": "megafixed.bench.startup",
            }
 
 

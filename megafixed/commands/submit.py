@@ -25,7 +25,9 @@ HELP = "submit a (multi-node) Slurm training job: sbatch script, pre-timeout che
 def add_arguments(p):
     p.add_argument("config", metavar="CONFIG", help="a YAML run config (examples/configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, passed on to `megafixed train`")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--nodes", default="1", metavar="N|MIN-MAX",
+                   help="nodes (default 1); MIN-MAX (Slurm's syntax) lets a requeued job come back on fewer nodes "
+                        "when one is lost: it resumes with fewer data-parallel replicas and the same global batch")
     p.add_argument("--gpus-per-node", type=int, required=True,
                    help="GPUs per node = ranks per node (one srun task per GPU)")
     p.add_argument("--cpu", action="store_true",
@@ -50,7 +52,8 @@ def run(args) -> int:
     from ..launch.sbatch import JobSpec, record, render, sbatch
     from ..launch.world import LaunchError
 
-    for flag, value, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
+    min_nodes, args.nodes = parse_nodes(args.nodes)
+    for flag, value, low in (("--nodes", min_nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
                              ("--cpus-per-task", args.cpus_per_task, 1), ("--chain", args.chain, 1),
                              ("--signal-before", args.signal_before, 0)):
         if value < low:
@@ -61,9 +64,11 @@ def run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     world = args.nodes * args.gpus_per_node
     _check_plan(cfg, world, gpu=not args.cpu, data=not args.dry_run)
+    _check_shrinks(cfg, min_nodes, args.nodes, args.gpus_per_node, gpu=not args.cpu)
     run_dir = os.path.abspath(cfg.train.run_dir)
     spec = JobSpec(config=os.path.abspath(args.config), overrides=list(args.overrides), run_dir=run_dir,
-                   nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpu=args.cpu,
+                   nodes=args.nodes, min_nodes=min_nodes if min_nodes < args.nodes else None,
+                   gpus_per_node=args.gpus_per_node, cpu=args.cpu,
                    cpus_per_task=args.cpus_per_task, partition=args.partition, account=args.account, qos=args.qos,
                    time=args.time, signal_before=args.signal_before,
                    # A chained job must end at its limit: requeued, it would never end, and the job after it
@@ -113,6 +118,37 @@ def _check_plan(cfg, world: int, gpu: bool, data: bool) -> None:
         if data:
             raise
         print(f"warning: {exc}", file=sys.stderr)
+
+
+def parse_nodes(text) -> tuple[int, int]:
+    """``--nodes N`` or ``MIN-MAX`` -> (min, max)."""
+    from ..launch.world import LaunchError
+
+    low, dash, high = str(text).partition("-")
+    try:
+        a, b = int(low), int(high) if dash else int(low)
+    except ValueError:
+        raise LaunchError(f"--nodes {text!r}: give a number of nodes, or MIN-MAX (e.g. 2-3) to let a requeued job "
+                          f"come back on fewer") from None
+    if b < a:
+        raise LaunchError(f"--nodes {text}: MIN must not exceed MAX")
+    return a, b
+
+
+def _check_shrinks(cfg, low: int, high: int, per_node: int, gpu: bool) -> None:
+    """Every node count the job may come back on must run this layout: a shrink re-lays out only the
+    data-parallel degree (the global batch kept by accumulating more); a TP or PP group that would lose
+    its node is refused here, by name, not hours later in the queue."""
+    from ..launch.world import LaunchError
+    from ..run_plan import RunPlan
+
+    for nodes in range(high - 1, low - 1, -1):
+        try:
+            RunPlan.build(cfg, nodes * per_node, gpu=gpu)
+        except ValueError as exc:
+            raise LaunchError(f"--nodes {low}-{high}: on {nodes} node(s) ({nodes * per_node} ranks) this run cannot "
+                              f"go on ({exc}); a job may shrink only by whole data-parallel replicas (tensor- and "
+                              f"pipeline-parallel groups stay whole): raise the minimum to {nodes + 1}") from None
 
 
 def _describe_chain(spec, k: int) -> None:

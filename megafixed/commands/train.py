@@ -43,17 +43,22 @@ def run(args) -> int:
             return dry_run(args)
         except Exception as exc:  # noqa: BLE001 -- the error boundary decides what is a bug
             return report(exc)
-    code = exit_codes.OK
+    from ..train.stop import StopRequest
+
+    code, stop = exit_codes.OK, StopRequest()
     try:
-        code = _train(args)
+        code = _train(args, stop)
     except Exception as exc:  # noqa: BLE001
+        from ..launch.refusal import give_rank0_the_lead
+
         code = report(exc)
+        # rank 0's line must be out before the launcher ends the job (a TERM already caught: it has)
+        give_rank0_the_lead(exc, code, ended_already=lambda: stop.requested)
     _flush_and_exit(code)
 
 
-def _train(args) -> int:
+def _train(args, stop) -> int:
     from ..run_plan import RunPlan
-    from ..train.stop import StopRequest
 
     # SIGUSR1 (Slurm's pre-timeout signal, which the job script forwards) and SIGTERM (scancel, preemption,
     # the time limit itself): finish the step (or leave validation), save, exit STOPPED. Installed before
@@ -61,8 +66,10 @@ def _train(args) -> int:
     # of the default action (death without a checkpoint). Requeueing is the job script's decision (it
     # sees exit 75 and knows whether the signal was the pre-timeout one): see megafixed/launch.
     # Ctrl-C (SIGINT) is the same request from a keyboard; a second one aborts (train/stop.py).
-    stop = StopRequest()
     stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM), interrupt=True)
+    from ..run.faults import check_env
+
+    check_env()  # a malformed MEGAFIXED_INJECT is refused before anything is built
     cfg = load_config(args.config, args.overrides)
     from ..engine import prepare_runtime_env
 

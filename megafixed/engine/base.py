@@ -24,7 +24,10 @@ import torch
 class StepResult:
     loss: float  # mean over the global batch (all data-parallel ranks)
     grad_norm: Optional[float]
-    skipped: bool  # non-finite loss with on_nonfinite=skip: the update was dropped
+    skipped: bool  # a bad step (non-finite or spike) with skip/rollback: the update was dropped
+    verdict: Optional[object] = None  # the bad-step guard's verdict (megafixed.run.bad_steps.Verdict), if any
+    # The trainer may set ``engine.guard`` (the bad-step guard) and ``engine.faults`` (injected faults) on
+    # an engine; its step then asks them (``engine/loops.py``). An engine without them behaves as before.
 
 
 class ConvertError(ValueError):

@@ -3,7 +3,8 @@
 What both engines do alike lives here: pulling ``accum`` micro batches and splitting each into
 inputs and labels on the device, summing their losses in float64 (so the logged loss does not
 depend on the compute dtype or the accumulation order), the DP mean every rank agrees on with
-one non-finite flag (``batches.dp_mean_and_flag``), ``train.on_nonfinite=stop``, and the eval
+one non-finite flag (``batches.dp_mean_and_flag``), the bad-step verdict and the injected loss
+faults (``loss_verdict``, ``norm_verdict``, ``scaled_loss``), and the eval
 loop's float64 mean over micro batches and DP ranks. What the engines do *between* (the forward
 and backward of one micro batch, when gradients are reduced, how a skipped update leaves weights,
 gradients and optimizer state untouched) is each engine's own and is passed in as ``micro_step``
@@ -38,10 +39,35 @@ def accumulated_loss(batches: Iterator[torch.Tensor], accum: int, micro_step: Mi
     return dp_mean_and_flag(local_sum / accum, dp_group, dp)
 
 
-def stop_if_asked(nonfinite: bool, on_nonfinite: str, step: int, value: float) -> None:
-    """``train.on_nonfinite=stop``: a non-finite loss ends the run; ``skip`` leaves it to the engine."""
-    if nonfinite and on_nonfinite == "stop":
+# The bad-step guard and the injected loss faults, as both engines' steps ask them. The trainer attaches
+# ``engine.guard`` (``megafixed.run.bad_steps.BadStepGuard``) and ``engine.faults`` (``run.faults.FaultPlan``
+# or None); an engine used without the trainer (a benchmark) has neither: a non-finite loss then follows
+# ``train.on_nonfinite`` as it always did (``stop`` raises here), and nothing else is judged. ``step`` is
+# the loop's 0-based counter; verdicts carry the log's numbering (+1).
+def scaled_loss(loss, faults, step: int):
+    """``loss`` times this rank's injected factor for the step (NaN for ``nan@``), else ``loss``."""
+    if faults is None:
+        return loss
+    factor = faults.loss_factor(step + 1)
+    return loss if factor is None else loss * factor
+
+
+def loss_verdict(guard, step: int, value: float, nonfinite: bool, on_nonfinite: str):
+    """The verdict on the step's global-batch loss (already all-reduced: identical on every rank)."""
+    if guard is not None:
+        return guard.judge(step + 1, "loss", float("nan") if nonfinite else value)
+    if not nonfinite:
+        return None
+    if on_nonfinite == "stop":
         raise NonFiniteLossError(nonfinite_message(step, value))
+    from ..run.bad_steps import Verdict
+
+    return Verdict(step + 1, "nonfinite", "loss", value, on_nonfinite)
+
+
+def norm_verdict(guard, step: int, norm: Optional[float]):
+    """The verdict on the global gradient norm the update would clip with (identical on every rank)."""
+    return guard.judge(step + 1, "grad_norm", norm) if guard is not None else None
 
 
 def eval_mean(batches: Iterator[torch.Tensor], iters: int, forward: Forward, *, device,

@@ -32,8 +32,9 @@ class JobSpec:
     config: str  # absolute path of the run config
     overrides: list[str]
     run_dir: str  # absolute
-    nodes: int
+    nodes: int  # the most nodes (the job starts on as many as Slurm gives, between min_nodes and nodes)
     gpus_per_node: int  # ranks per node; GPUs requested unless cpu
+    min_nodes: Optional[int] = None  # `--nodes MIN-MAX`: a requeued job may come back on fewer
     cpu: bool = False
     cpus_per_task: int = 8
     partition: Optional[str] = None
@@ -75,7 +76,8 @@ def render(spec: JobSpec, submitted: Optional[str] = None) -> str:
         if value:
             options.append(f"#SBATCH --{flag}={value}")
     values = {
-        "NODES": spec.nodes, "TASKS_PER_NODE": spec.gpus_per_node, "WORLD": spec.world,
+        "NODES": f"{spec.min_nodes}-{spec.nodes}" if spec.min_nodes else spec.nodes,
+        "TASKS_PER_NODE": spec.gpus_per_node, "WORLD": spec.world,
         "CPUS_PER_TASK": spec.cpus_per_task,
         "SUBMITTED": submitted or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "JOB_NAME": re.sub(r"[^A-Za-z0-9_.-]", "_", spec.job_name), "SIGNAL_BEFORE": spec.signal_before,
@@ -130,7 +132,8 @@ def sbatch(script: str, dependency: Optional[str] = None) -> str:
 def record(spec: JobSpec, script: str, job_id: str, dependency: Optional[str]) -> dict:
     """Append the submitted job to ``<run_dir>/slurm/jobs.jsonl`` (one JSON object per line)."""
     entry = {"job_id": job_id, "submitted": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-             "nodes": spec.nodes, "ranks_per_node": spec.gpus_per_node, "world": spec.world,
+             "nodes": spec.nodes, "min_nodes": spec.min_nodes, "ranks_per_node": spec.gpus_per_node,
+             "world": spec.world,
              "gpus": not spec.cpu, "after": dependency, "script": script,
              "script_sha256": hashlib.sha256(Path(script).read_bytes()).hexdigest(),
              "git_revision": git_revision(), "config": spec.config, "overrides": spec.overrides}

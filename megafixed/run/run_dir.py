@@ -88,6 +88,11 @@ class RunDirectory:
     def lock_file(self) -> Path:
         return self.path / LOCK
 
+    @property
+    def faults_dir(self) -> Path:
+        """What went wrong and what was done about it: hang stacks, bad-step verdicts, skipped-step windows."""
+        return self.path / "faults"
+
     def tag_dir(self, tag: str) -> Path:
         return self.checkpoints / tag
 

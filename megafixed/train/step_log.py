@@ -33,13 +33,22 @@ class StepLog:
         self.window_steps += 1
         self.step_times.append(time.perf_counter() - t0)
 
-    def record(self, step: int, lr: float, result, val: Optional[float], consumed: int) -> None:
+    def record(self, step: int, lr: float, result, val: Optional[float], consumed: int, extra=None) -> None:
+        """``result`` None: the step's data was skipped (``data.skip_steps``, a rollback window).
+        ``extra(step)``: more fields for a record (on every rank: it may be a collective)."""
         if not (step == self.last_step or (self.interval > 0 and step % self.interval == 0) or val is not None):
+            return
+        more = extra(step) if extra is not None else {}
+        if result is None:
+            self.write({"step": step, "lr": lr, "skipped_data": True, "consumed_samples": consumed, **more,
+                        **({"val_loss": val} if val is not None else {})})
+            self.say(f"step {step}/{self.last_step} | data skipped (consumed without training)"
+                     + (f" | val {val:.4f}" if val is not None else ""))
             return
         rec = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                "tokens_per_s": self.tokens_per_step * self.window_steps
                / max(time.perf_counter() - self.window_t, 1e-9),
-               "consumed_samples": consumed}
+               "consumed_samples": consumed, **more}
         if self.flops_tok:
             rec["mfu"] = rec["tokens_per_s"] * self.flops_tok / (self.peak * self.world)
         if val is not None:

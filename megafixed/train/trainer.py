@@ -30,6 +30,7 @@ from ..run.run_dir import RunDirectory, tag_step
 from ..run.run_lock import hold_run_dir
 from ..threads import apply_thread_policy
 from .checkpoint import Checkpointer, RunIdentity
+from .resilience import Resilience
 from .schedule import LRSchedule
 from .step_log import StepLog
 from .stop import StopRequest
@@ -84,11 +85,18 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
     datasets = _datasets(cfg) if datasets is None else datasets
     engine = build_engine(cfg, topo)
     seed_everything(cfg.train.seed + 1 + topo.rank)  # dropout differs per rank; initial weights do not
-    step, consumed = _start(cfg, topo, engine, checkpointer, resume, say)
+    step, consumed, client = _start(cfg, topo, engine, checkpointer, resume, say)
+    res = Resilience(cfg.train, topo, engine, checkpointer, say, skip_steps=cfg.data.skip_steps,  # bad steps,
+                     slow_phase_s=cfg.parallel.collective_timeout_s)  # skipped data, hangs, stragglers
+    res.guard.load_state_dict((client or {}).get("bad_steps"))
+    res.note_shrink(resume)
     _write_run_files(cfg, topo, engine)  # only now: a refused resume must not replace the run's own files
     from ..data.gpt_dataset import micro_batches
-    batches = micro_batches(datasets["train"], start_sample=consumed, micro_batch=layout.micro_batch,
-                            dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
+
+    def batches_from(start: int):
+        return micro_batches(datasets["train"], start_sample=start, micro_batch=layout.micro_batch,
+                             dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
+    batches = batches_from(consumed)
     schedule = LRSchedule.from_config(cfg.schedule, cfg.optimizer, cfg.train.max_steps)
     validator = Validator(engine, datasets.get("valid"), cfg.train, topo, stop)
     steps = StepLog(cfg.train, cfg.model, cfg.data.seq_len, topo, engine, resume_step=step, sinks=sinks,
@@ -96,7 +104,7 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
     say(_start_line(cfg, plan))
 
     def run_state() -> dict:  # what a checkpoint holds besides the engine's state and the position
-        return {"schedule": schedule.state_dict(), "config": cfg.to_dict()}
+        return {"schedule": schedule.state_dict(), "config": cfg.to_dict(), **res.state()}
 
     last_loss = last_val = None
     stopped, first_step = False, step
@@ -108,20 +116,33 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
                 steps.initial_validation(val0)
         while step < cfg.train.max_steps and not stopped:
             lr = schedule.lr_at(step)
-            with steps.timing():
-                result = engine.train_step(batches, lr, step)
-            step, consumed, last_loss = step + 1, consumed + layout.global_batch, result.loss
-            val = validator.run() if validator.should_validate(step) else None
+            if res.skip_step(step, batches, layout.accum):  # data.skip_steps / a rollback's window
+                result = None
+            else:
+                with steps.timing(), res.step(step):
+                    result = engine.train_step(batches, lr, step)
+                rolled_back = res.after_step(step + 1, result, steps)  # a bad step's verdict acted on
+                if rolled_back is not None:
+                    step, consumed = int(rolled_back["step"]), int(rolled_back["consumed_samples"])
+                    batches = batches_from(consumed)
+                    continue
+                last_loss = result.loss
+            step, consumed = step + 1, consumed + layout.global_batch
+            with res.grace():
+                val = validator.run() if validator.should_validate(step) else None
             last_val = val if val is not None else last_val
-            steps.record(step, lr, result, val, consumed)
+            steps.record(step, lr, result, val, consumed, extra=res.log_extra)
             stopped = stop.should_stop()
-            if checkpointer.save(engine, step, consumed, run_state, force=stopped):
-                steps.not_charged()  # do not charge the save to tokens/s
-        checkpointer.wait(engine)  # the run ends with `latest` on its last checkpoint (async saves complete)
+            with res.grace():
+                if checkpointer.save(engine, step, consumed, run_state, force=stopped):
+                    steps.not_charged()  # do not charge the save to tokens/s
+        with res.grace():
+            checkpointer.wait(engine)  # the run ends with `latest` on its last checkpoint (async saves complete)
         if stopped and step > first_step:  # (a stop during the step-0 validation saved nothing)
             say(f"stopped at step {step} ({stop.reason}); checkpoint {checkpointer.ckpt_dir / checkpointer.latest} "
                 f"is complete. Run the same command again to resume.")
     finally:
+        res.close()
         steps.close()
     if resume is not None and step == tag_step(resume.tag) and not stopped:
         say(f"nothing to do: the run already reached train.max_steps={cfg.train.max_steps}")
@@ -138,18 +159,19 @@ def _datasets(cfg) -> dict:
     return build_datasets(cfg.data, seed=cfg.train.seed)
 
 
-def _start(cfg, topo, engine, checkpointer, resume, say) -> tuple[int, int]:
-    """(step, consumed samples) to start from: a resumed checkpoint's, else 0 (maybe from other weights)."""
+def _start(cfg, topo, engine, checkpointer, resume, say) -> tuple[int, int, Optional[dict]]:
+    """(step, consumed samples, client state) to start from: a resumed checkpoint's, else 0 (maybe from
+    other weights) and None."""
     if resume is not None:
         client = checkpointer.load(engine, resume)
         step, consumed = int(client["step"]), int(client["consumed_samples"])
         say(f"resumed from {resume.tag_dir} (step {step}, {consumed} samples consumed)"
             + (f"; changed: {', '.join(resume.changes)}" if resume.changes else ""))
-        return step, consumed
+        return step, consumed, client
     if cfg.train.init_from:  # a new run starting from other weights (e.g. `megafixed import hf`)
         from .init_from import load_initial_weights
         say(load_initial_weights(engine, cfg, topo))
-    return 0, 0
+    return 0, 0, None
 
 
 def _write_run_files(cfg, topo, engine) -> None:

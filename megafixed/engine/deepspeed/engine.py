@@ -57,7 +57,8 @@ class DeepSpeedEngine:
             group["lr"] = lr
         return ds_step.train_step(self.ds, self.optimizer, batches, self.layout.accum, dp=self.topo.dp,
                                   dp_group=self.topo.dp_group, on_nonfinite=self.cfg.train.on_nonfinite,
-                                  step=step, grad_sync=self.grad_sync, vocab_size=self.cfg.model.vocab_size)
+                                  step=step, grad_sync=self.grad_sync, vocab_size=self.cfg.model.vocab_size,
+                                  guard=getattr(self, "guard", None), faults=getattr(self, "faults", None))
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         return ds_step.eval_loss(self.ds, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,

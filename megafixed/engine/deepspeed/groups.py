@@ -8,8 +8,9 @@ def megatron_groups(plan) -> dict:
     if plan.tp == 1 and plan.pp == 1:
         return {}
     # megatron-core's default order (tp-cp-ep-dp-pp) is the plan's grid order.
-    from megatron.core import parallel_state as ps
+    from .megatron_tp import load
 
+    ps = load().parallel_state  # without the rest of megatron-core (megatron_tp.py)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
                                      create_gloo_process_groups=False)

@@ -47,6 +47,7 @@ def build_model(model_cfg, topo, *, seed: int, pp_partition: str = "parameters",
 
 def _materialize(module, model_cfg, topo, seed, full_shapes, name_of) -> None:
     from ...model import init_parameters
+    from ...model.empty import to_empty
     from ...parallel.tensor import sharded_dim
 
     # to_empty makes new Parameter objects; keep the attributes the parallel layers set on the
@@ -60,7 +61,7 @@ def _materialize(module, model_cfg, topo, seed, full_shapes, name_of) -> None:
         if id(p) in first_name:
             ties.append((name, first_name[id(p)]))
         first_name.setdefault(id(p), name)
-    module.to_empty(device=topo.device)
+    to_empty(module, topo.device)  # Module.to_empty without torch's Python meta path (sympy): model/empty.py
     for name, first in ties:
         owner, attr = name.rsplit(".", 1)
         setattr(module.get_submodule(owner), attr, module.get_parameter(first))

@@ -42,8 +42,8 @@ class TopologyMPU:
         return self.topo.pp
 
     def get_pipeline_model_parallel_group(self):
-        from megatron.core import parallel_state as ps
-        return ps.get_pipeline_model_parallel_group()
+        from .megatron_tp import load
+        return load().parallel_state.get_pipeline_model_parallel_group()
 
     # model parallel = one replica (TP x PP)
     def get_model_parallel_group(self):

@@ -17,7 +17,7 @@ import torch
 
 from ..base import StepResult
 from ..batches import none_if_nan, split_tokens
-from ..loops import accumulated_loss, eval_mean, stop_if_asked
+from ..loops import accumulated_loss, eval_mean, loss_verdict, norm_verdict, scaled_loss
 
 
 def _fence_checkpoint_copies(engine) -> None:
@@ -42,7 +42,7 @@ def _stage0_grad_norm(engine) -> Optional[float]:
 
 def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *, dp: int, dp_group=None,
                on_nonfinite: str = "stop", step: int = 0, grad_sync=None,
-               vocab_size: Optional[int] = None) -> StepResult:
+               vocab_size: Optional[int] = None, guard=None, faults=None) -> StepResult:
     """Run one optimizer step over ``accum`` micro batches from ``batches`` on this rank.
 
     ``grad_sync`` (plain engine, sequence parallelism, ZeRO 0/1) sums the sequence-parallel
@@ -57,13 +57,16 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
         loss = engine.train_batch(data_iter=pairs)  # already averaged over micro batches and DP
         value = float(loss)
         nonfinite = not torch.isfinite(torch.tensor(value))
-        stop_if_asked(nonfinite, on_nonfinite, step, value)
         # With ZeRO-1 (the pipeline engine's maximum) DeepSpeed itself skips an update whose
-        # gradients are non-finite, which is what a non-finite loss produces.
-        return StepResult(loss=value, grad_norm=none_if_nan(engine.get_global_grad_norm()), skipped=nonfinite)
+        # gradients are non-finite, which is what a non-finite loss produces. A spike is judged only
+        # after the schedule's update here (it runs inside train_batch): stop and rollback act on it.
+        verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+        grad_norm = none_if_nan(engine.get_global_grad_norm())
+        verdict = verdict or norm_verdict(guard, step, grad_norm)
+        return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite, verdict=verdict)
 
     def micro_step(k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = engine(inputs, labels)
+        loss = scaled_loss(engine(inputs, labels), faults, step)  # an injected fault (MEGAFIXED_INJECT), if any
         engine.backward(loss)
         if k < accum - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro step
@@ -74,19 +77,36 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
 
     value, nonfinite = accumulated_loss(batches, accum, micro_step, device=engine.device, vocab_size=vocab_size,
                                         dp=dp, dp_group=dp_group)
-    stop_if_asked(nonfinite, on_nonfinite, step, value)
+    # The guard judges values every rank already holds (the reduced loss, the global norm): every rank
+    # reaches the same verdict with no collective of its own, and no device read is added.
+    verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+    grad_norm, judged = None, {}
+    if verdict is None and engine.zero_optimization_stage() == 0:
+        grad_norm = _stage0_grad_norm(engine)  # before the update: ours to compute without ZeRO
+        verdict = norm_verdict(guard, step, grad_norm)
+    elif verdict is None and guard is not None:
+        def judge_zero_norm() -> bool:  # inside ZeRO's step: its norm is computed, the update not yet run
+            judged["norm"] = _zero_grad_norm(engine)  # the one read of it: also the logged norm below
+            judged["verdict"] = norm_verdict(guard, step, judged["norm"])
+            return judged["verdict"] is not None
+        optimizer.before_update = judge_zero_norm
     # skip: DeepSpeed still takes the optimizer step at the boundary (and zeroes the gradients after
     # it), so the update is turned into a no-op (run.optim.SkippableAdamW) rather than not called.
-    optimizer.skip_next_step = nonfinite
-    grad_norm = None
-    if not nonfinite and engine.zero_optimization_stage() == 0:
-        grad_norm = _stage0_grad_norm(engine)
+    optimizer.skip_next_step = verdict is not None
     _fence_checkpoint_copies(engine)
     engine.step()
-    optimizer.skip_next_step = False  # ZeRO may have skipped on its own without consuming the flag
-    if grad_norm is None and not nonfinite:
-        grad_norm = none_if_nan(engine.get_global_grad_norm())
-    return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite)
+    optimizer.skip_next_step, optimizer.before_update = False, None  # ZeRO may skip without asking us
+    verdict = verdict or judged.get("verdict")
+    if grad_norm is None and verdict is None:
+        grad_norm = none_if_nan(judged["norm"] if "norm" in judged else engine.get_global_grad_norm())
+    return StepResult(loss=value, grad_norm=grad_norm, skipped=verdict is not None, verdict=verdict)
+
+
+def _zero_grad_norm(engine):
+    """The global norm ZeRO computed for this update (``DeepSpeedZeroOptimizer``/``BF16_Optimizer`` keep
+    it before they call the client optimizer's step); inf when it found an overflow."""
+    norm = getattr(engine.optimizer, "_global_grad_norm", None)
+    return None if norm is None else float(norm)
 
 
 @torch.no_grad()

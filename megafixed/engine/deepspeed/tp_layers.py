@@ -6,11 +6,13 @@ imported only under ``megafixed/engine/``).
 The layers are megatron-core's (``ColumnParallelLinear``, ``RowParallelLinear``,
 ``VocabParallelEmbedding``, ``vocab_parallel_cross_entropy``): they carry the communication and
 mark their sharded parameters ``tensor_model_parallel=True``, which is what DeepSpeed's gradient
-norm reads to count each parameter once. We do not use megatron's GPTModel (CUDA-only paths) and
-keep our own model: ``apply_tp`` swaps the Linear modules named in ``TP_PLAN`` in place on a model
-built on the meta device; ``megafixed.engine.deepspeed.model.build_model`` then materialises each rank's shards
-with the matching slice of the single-process initial values (``sharded_dim`` says which), so a TP
-run starts from exactly the single-process weights without any rank holding the full model.
+norm reads to count each parameter once. They come through ``megatron_tp.load()``, which imports
+them without the rest of megatron-core (its ``__init__`` costs seconds per rank). We do not use
+megatron's GPTModel (CUDA-only paths) and keep our own model: ``apply_tp`` swaps the Linear modules
+named in ``TP_PLAN`` in place on a model built on the meta device;
+``megafixed.engine.deepspeed.model.build_model`` then materialises each rank's shards with the
+matching slice of the single-process initial values (``sharded_dim`` says which), so a TP run
+starts from exactly the single-process weights without any rank holding the full model.
 Parameter names do not change, which keeps checkpoints convertible.
 
 Layout conventions: our activations are batch-first ``[B, T, D]``; megatron's sequence-parallel
@@ -46,9 +48,9 @@ def megatron_config(tp: int, dtype: torch.dtype = torch.float32):
     ``sequence_parallel`` stays False here on purpose: megatron's sequence-parallel code paths
     allocate on CUDA, so our subclasses do the sequence collectives themselves (``sequence.py``).
     """
-    from megatron.core import ModelParallelConfig
+    from .megatron_tp import load
 
-    return ModelParallelConfig(tensor_model_parallel_size=tp,
+    return load().ModelParallelConfig(tensor_model_parallel_size=tp,
                                sequence_parallel=False,
                                # no CUDA allocation at construction: layers are built on the meta
                                # device and filled by build_model with the single-process values
@@ -64,8 +66,8 @@ def _no_init(_weight):  # values come from build_model's per-parameter init, nev
 
 def _mark_sharded(param: nn.Parameter, dim: int) -> None:
     if not hasattr(param, "tensor_model_parallel"):
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-        set_tensor_model_parallel_attributes(param, True, dim, 1)
+        from .megatron_tp import load
+        load().layers.set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
 def _build_column(base, seq_group):
@@ -117,9 +119,9 @@ def _build_embedding(base, seq_group):
 
 def vocab_parallel_loss(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss from vocabulary-sharded logits (no rank ever holds all of V)."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from .megatron_tp import load
 
-    return vocab_parallel_cross_entropy(local_logits.float(), targets).mean()
+    return load().cross_entropy.vocab_parallel_cross_entropy(local_logits.float(), targets).mean()
 
 
 def _column(linear: nn.Linear, mcfg, cls) -> nn.Module:
@@ -145,7 +147,11 @@ def apply_tp(model: GPT, topo) -> GPT:
     are marked ``sequence_parallel=True``; ``megafixed.engine.deepspeed.grads`` sums their gradients over
     the TP group once per step.
     """
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from .megatron_tp import load
+
+    layers = load().layers  # megatron-core's TP layers without the rest of it (megatron_tp.py)
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding = (
+        layers.ColumnParallelLinear, layers.RowParallelLinear, layers.VocabParallelEmbedding)
 
     tp, rank = topo.tp, topo.tp_rank
     mcfg = megatron_config(tp, dtype=model.head.proj.weight.dtype)

@@ -50,7 +50,8 @@ class NativeEngine:
                                       dp=self.topo.dp, dp_group=self.topo.dp_group,
                                       grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.train.on_nonfinite,
                                       step=step, vocab_size=self.cfg.model.vocab_size, device=self.device,
-                                      loss_context=self._loss_context, precision=self.plan.precision)
+                                      loss_context=self._loss_context, precision=self.plan.precision,
+                                      guard=getattr(self, "guard", None), faults=getattr(self, "faults", None))
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         return native_step.eval_loss(self.model, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,

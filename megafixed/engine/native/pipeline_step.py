@@ -73,7 +73,8 @@ class PipelineEngine(NativeEngine):
 
         return apply_update(self.optimizer, value, nonfinite, lr=lr, grad_clip=self.cfg.optimizer.grad_clip,
                             on_nonfinite=self.cfg.train.on_nonfinite, step=step,
-                            norm=lambda params: pp_grad_norm(params, self.pp_group))
+                            norm=lambda params: pp_grad_norm(params, self.pp_group),
+                            guard=getattr(self, "guard", None))  # the bad-step guard (no injected loss faults)
 
     @torch.no_grad()
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..base import StepResult
-from ..loops import accumulated_loss, eval_mean, stop_if_asked
+from ..loops import accumulated_loss, eval_mean, loss_verdict, norm_verdict, scaled_loss
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ def clip_(parameters, max_norm: float, total: float) -> None:
 def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *, lr: float, dp: int, dp_group,
                grad_clip: float, on_nonfinite: str = "stop", step: int = 0, vocab_size: Optional[int] = None,
                device=None, loss_context: Callable = lambda _m: contextlib.nullcontext(),
-               precision: str = "fp32") -> StepResult:
+               precision: str = "fp32", guard=None, faults=None) -> StepResult:
     """One optimizer step over ``accum`` micro batches of this rank (``batches``)."""
     model.train()
     device = device if device is not None else next(model.parameters()).device
@@ -98,27 +98,32 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
         # FSDP2's default: this micro batch's gradients reduce-scattered by its own backward
         with loss_context(model):
             with compute():
-                loss = model(inputs, labels)
+                loss = scaled_loss(model(inputs, labels), faults, step)  # MEGAFIXED_INJECT, if set
             (loss / accum).backward()
         return _plain(loss)
 
     value, nonfinite = accumulated_loss(batches, accum, micro_step, device=device, vocab_size=vocab_size,
                                         dp=dp, dp_group=dp_group)
-    return apply_update(optimizer, value, nonfinite, lr=lr, grad_clip=grad_clip, on_nonfinite=on_nonfinite, step=step)
+    return apply_update(optimizer, value, nonfinite, lr=lr, grad_clip=grad_clip, on_nonfinite=on_nonfinite, step=step,
+                        guard=guard)
 
 
 def apply_update(optimizer, value: float, nonfinite: bool, *, lr: float, grad_clip: float, on_nonfinite: str,
-                 step: int, norm: Callable = grad_norm) -> StepResult:
-    """The step's end, after the backward of every micro batch: the non-finite contract, the global
-    gradient norm (``norm``: the pipeline's sums it over the pp group too), clipping, AdamW."""
-    if nonfinite:
-        # skip: torch has no step to turn into a no-op; not calling it and dropping the gradients
-        # leaves weights and optimizer state untouched (DeepSpeed's engine needs SkippableAdamW).
-        optimizer.zero_grad(set_to_none=True)
-        stop_if_asked(nonfinite, on_nonfinite, step, value)
-        return StepResult(loss=value, grad_norm=None, skipped=True)  # the batch is dropped, no update
+                 step: int, norm: Callable = grad_norm, guard=None) -> StepResult:
+    """The step's end, after the backward of every micro batch: the bad-step verdict, the global
+    gradient norm (``norm``: the pipeline's sums it over the pp group too), clipping, AdamW.
+
+    The guard judges the reduced loss and the global norm, identical on every rank (no collective, no
+    device read of its own: both values are read here anyway). A dropped update: torch has no step to
+    turn into a no-op; not calling it and dropping the gradients leaves weights and optimizer state
+    untouched (DeepSpeed's engine needs SkippableAdamW)."""
+    verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    total = float(norm(params))
+    total = float(norm(params)) if verdict is None else None
+    verdict = verdict or norm_verdict(guard, step, total)
+    if verdict is not None:
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss=value, grad_norm=None, skipped=True, verdict=verdict)  # the batch is dropped
     clip_(params, grad_clip, total)
     for group in optimizer.param_groups:
         group["lr"] = lr

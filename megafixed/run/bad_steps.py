@@ -1,0 +1,114 @@
+"""The bad-step guard: one verdict for a non-finite value or a spike, over the loss and the gradient
+norm of a step, taken before that step's update (Megatron core's NaN check and
+``--check-for-spiky-loss``, OLMo-core's ``SkipStepOptimizer``).
+
+* non-finite: the global-batch loss or the global gradient norm is NaN/Inf;
+* spike: the value is beyond ``train.spike_sigma`` standard deviations above the mean of the last
+  ``train.spike_window`` accepted steps (one-sided: a loss that falls faster is no fault). No verdict
+  before the window is full, so warm-up's steep first steps are never judged.
+
+``train.on_nonfinite`` / ``train.on_spike`` say what a verdict does: ``stop``, ``skip`` (the update is
+dropped, the batch counted as consumed) or ``rollback`` (the trainer reloads the newest verified
+checkpoint and skips the data up to the bad step; ``megafixed.train.rollback``).
+
+WHY EVERY RANK AGREES without a collective of its own: the guard only ever sees values that are
+already identical on every rank -- the loss after the engine's data-parallel all-reduce (one rank's
+NaN makes the reduced non-finite flag of every rank true) and the global gradient norm the engine
+clips with (reduced over the whole mesh). Every rank runs the same arithmetic on the same numbers
+over the same window (its contents travel in the checkpoint), so every rank reaches the same verdict.
+
+WHY NO HOST SYNC IS ADDED on a GPU: both values already cross to the host once per step in the
+engines (the loss in ``engine.batches.dp_mean_and_flag``, the one read of its stacked
+[loss, non-finite] tensor; the norm where the engine clips and logs it). The guard judges those host
+copies: it adds arithmetic on a 128-float window, no device read and no collective.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+ACTIONS = ("stop", "skip", "rollback")
+
+
+@dataclass
+class Verdict:
+    step: int  # as numbered in the logs
+    kind: str  # "nonfinite" or "spike"
+    what: str  # "loss" or "grad_norm"
+    value: float
+    action: str  # stop / skip / rollback
+    mean: Optional[float] = None  # the window's, for a spike
+    std: Optional[float] = None
+
+    def line(self, sigma: float, window: int) -> str:
+        if self.kind == "nonfinite":
+            why = f"the {self.what.replace('_', ' ')} is {self.value} (non-finite)"
+        else:
+            why = (f"the {self.what.replace('_', ' ')} {self.value:.6g} is a spike: beyond {sigma:g} sigma of the "
+                   f"last {window} steps (mean {self.mean:.6g}, std {self.std:.3g})")
+        return f"bad step {self.step}: {why}; action {self.action} ({self.key()}={self.action})"
+
+    def key(self) -> str:
+        return "train.on_nonfinite" if self.kind == "nonfinite" else "train.on_spike"
+
+    def record(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class Window:
+    """The last ``size`` accepted values of one quantity, with their mean and (population) std."""
+
+    def __init__(self, size: int, values=()):
+        self.values: deque = deque(values, maxlen=size)
+
+    @property
+    def full(self) -> bool:
+        return len(self.values) == self.values.maxlen
+
+    def stats(self) -> tuple[float, float]:
+        n = len(self.values)
+        mean = math.fsum(self.values) / n
+        return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in self.values) / n)
+
+
+class BadStepGuard:
+    """Judges each step's loss and gradient norm; ``accept`` adds a good step to the windows."""
+
+    def __init__(self, *, sigma: float = 6.0, window: int = 128, on_nonfinite: str = "stop", on_spike: str = "stop"):
+        self.sigma, self.size = float(sigma), int(window)
+        self.on_nonfinite, self.on_spike = on_nonfinite, on_spike
+        self.windows = {"loss": Window(self.size), "grad_norm": Window(self.size)}
+
+    @classmethod
+    def from_config(cls, train_cfg) -> "BadStepGuard":
+        return cls(sigma=getattr(train_cfg, "spike_sigma", 6.0), window=getattr(train_cfg, "spike_window", 128),
+                   on_nonfinite=train_cfg.on_nonfinite, on_spike=getattr(train_cfg, "on_spike", "stop"))
+
+    def judge(self, step: int, what: str, value: Optional[float]) -> Optional[Verdict]:
+        """The verdict on ``value`` (the loss or the grad norm of log step ``step``), or None if good."""
+        if value is None:  # an engine that reports no norm for this step
+            return None
+        if not math.isfinite(value):
+            return Verdict(step, "nonfinite", what, value, self.on_nonfinite)
+        window = self.windows[what]
+        if not window.full:
+            return None
+        mean, std = window.stats()
+        if value > mean + self.sigma * std:
+            return Verdict(step, "spike", what, value, self.on_spike, mean, std)
+        return None
+
+    def accept(self, loss: Optional[float], grad_norm: Optional[float]) -> None:
+        for what, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if value is not None and math.isfinite(value):
+                self.windows[what].values.append(float(value))
+
+    def state_dict(self) -> dict:
+        return {what: list(w.values) for what, w in self.windows.items()}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """Restore the windows a checkpoint kept (a checkpoint from before the guard: start empty)."""
+        for what in self.windows:
+            self.windows[what] = Window(self.size, (state or {}).get(what, ()))

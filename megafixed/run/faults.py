@@ -1,0 +1,156 @@
+"""Injected faults, for the tests and for a user's drill of a long run (Megatron core's
+``fault_injector.py`` is the model): ``MEGAFIXED_INJECT`` holds faults separated by ``;``, steps
+numbered as in the logs (the first optimizer step is step 1):
+
+* ``nan@STEP[:rank=R]``: the loss of that step turns NaN on rank R (or on every rank) -- before its
+  backward, so the gradients are NaN too, as a real overflow makes them;
+* ``spike@STEP[:rank=R][:factor=F]``: that loss is multiplied by F (default 1000), gradients with it;
+* ``hang@STEP[:rank=R]``: the rank stops making progress before that step (the hang watchdog's drill);
+* ``slow[:rank=R][:factor=F]``: every forward of the rank takes F times as long (default 3): a
+  straggler, seen as compute (the straggler report's drill);
+* ``exit@STEP[:rank=R]``: the rank dies (SIGKILL, as a lost node does) before that step.
+
+Unset, ``FaultPlan.from_env`` returns None and the loop pays one ``is None`` test per step. A
+malformed value is one ``InjectError`` line naming the bad fault and the grammar.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+ENV = "MEGAFIXED_INJECT"
+KINDS = ("nan", "spike", "hang", "slow", "exit")
+DEFAULT_FACTOR = {"spike": 1000.0, "slow": 3.0}
+GRAMMAR = ("nan@STEP, spike@STEP, hang@STEP, exit@STEP or slow, each with optional :rank=R (and :factor=F for "
+           "spike and slow), separated by ';' -- e.g. MEGAFIXED_INJECT='nan@3:rank=1;slow:rank=0:factor=2'")
+
+
+class InjectError(ValueError):
+    """A malformed ``MEGAFIXED_INJECT`` (exit 2, one line)."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: Optional[int]  # None: every step (slow)
+    rank: Optional[int]  # None: every rank
+    factor: float = 1.0
+
+    def applies(self, rank: int, step: Optional[int] = None) -> bool:
+        return (self.rank is None or self.rank == rank) and (step is None or self.step == step)
+
+    def spelled(self) -> str:
+        text = self.kind + (f"@{self.step}" if self.step is not None else "")
+        text += f":rank={self.rank}" if self.rank is not None else ""
+        return text + (f":factor={self.factor:g}" if self.kind in DEFAULT_FACTOR else "")
+
+
+def _bad(raw: str, part: str, why: str) -> InjectError:
+    return InjectError(f"{ENV}={raw!r}: {part!r} {why}; expected {GRAMMAR}, or unset {ENV}")
+
+
+def _number(raw: str, part: str, key: str, text: str, kind=int):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise _bad(raw, part, f"has {key}={text!r}, not a number") from None
+    if value < (0 if key == "rank" else 1) or value != value:
+        raise _bad(raw, part, f"has {key}={text}, out of range")
+    return value
+
+
+def parse(raw: str) -> list[Fault]:
+    """The faults named by ``raw`` (a ``MEGAFIXED_INJECT`` value), or InjectError naming the bad one."""
+    faults = []
+    for part in (p.strip() for p in raw.split(";")):
+        if not part:
+            continue
+        head, *options = part.split(":")
+        kind, at, step_text = head.partition("@")
+        if kind not in KINDS:
+            raise _bad(raw, part, f"is not a fault ({kind!r} is none of {', '.join(KINDS)})")
+        if (kind == "slow") == bool(at):
+            raise _bad(raw, part, "takes no @STEP" if kind == "slow" else "needs @STEP")
+        step = _number(raw, part, "step", step_text) if at else None
+        rank, factor = None, DEFAULT_FACTOR.get(kind, 1.0)
+        for opt in options:
+            key, eq, value = opt.partition("=")
+            if key == "rank" and eq:
+                rank = _number(raw, part, "rank", value)
+            elif key == "factor" and eq and kind in DEFAULT_FACTOR:
+                factor = _number(raw, part, "factor", value, float)
+            else:
+                raise _bad(raw, part, f"has an unknown option {opt!r}")
+        faults.append(Fault(kind, step, rank, factor))
+    if not faults:
+        raise _bad(raw, raw, "names no fault")
+    return faults
+
+
+def check_env(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The value of ``MEGAFIXED_INJECT`` once it parses (None when unset): for the run record, and
+    for refusing a malformed value before anything is built."""
+    raw = env.get(ENV, "")
+    if not raw.strip():
+        return None
+    parse(raw)
+    return raw
+
+
+class FaultPlan:
+    """This rank's share of the injected faults; the trainer and the engine's step ask it."""
+
+    def __init__(self, faults: list[Fault], rank: int, say=print):
+        self.every_rank = list(faults)
+        self.faults = [f for f in faults if f.applies(rank)]
+        self.rank, self.say = rank, say
+        self.slow = next((f.factor for f in self.faults if f.kind == "slow"), None)
+
+    @classmethod
+    def from_env(cls, rank: int, env: Mapping[str, str] = os.environ, say=print) -> Optional["FaultPlan"]:
+        raw = env.get(ENV, "")
+        return cls(parse(raw), rank, say) if raw.strip() else None
+
+    def _at(self, kind: str, step: int) -> Optional[Fault]:
+        return next((f for f in self.faults if f.kind == kind and f.step == step), None)
+
+    def loss_factor(self, step: int) -> Optional[float]:
+        """What this rank's loss of (log) step ``step`` is multiplied by, or None: NaN for ``nan``."""
+        if self._at("nan", step):
+            return float("nan")
+        spike = self._at("spike", step)
+        return spike.factor if spike else None
+
+    def before_step(self, step: int) -> None:
+        """``exit`` and ``hang`` happen here, before (log) step ``step`` begins on this rank."""
+        if self._at("exit", step):
+            self._line(f"injected fault ({ENV}): rank {self.rank} dies (SIGKILL) before step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._at("hang", step):
+            self._line(f"injected fault ({ENV}): rank {self.rank} stops making progress before step {step}")
+            while True:  # the main thread stays alive and silent; the hang watchdog's thread must notice
+                time.sleep(1.0)
+
+    def slow_down(self, seconds: float) -> None:
+        """A forward that took ``seconds`` takes ``factor`` times as long (``slow``): the rank computes
+        (spins), as a slower device would, rather than sleeps."""
+        if self.slow and self.slow > 1:
+            clock = time.process_time
+            end = clock() + (self.slow - 1.0) * seconds
+            while clock() < end:
+                pass
+
+    def _line(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)  # every rank: the faulty rank may not be rank 0
+
+
+def scale_loss(loss, plan: Optional[FaultPlan], step: int):
+    """The step's loss with this rank's injected factor applied (``loss`` itself when none)."""
+    if plan is None:
+        return loss
+    factor = plan.loss_factor(step)
+    return loss if factor is None else loss * factor

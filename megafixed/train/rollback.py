@@ -1,0 +1,59 @@
+"""``train.on_nonfinite=rollback`` / ``train.on_spike=rollback``: reload the newest verified checkpoint
+from before the bad step and go on without a restart, skipping the data from that checkpoint up to
+the bad step plus ``train.rollback_skip`` more (PaLM: restart ~100 steps earlier, skip 200-500 batches).
+
+The window is written into the run directory (``run/skip_steps.py``) before the run goes on, so a
+resume, a requeue or a re-layout resume skips the same batches; a fresh run given the same steps as
+``data.skip_steps`` reproduces the rolled-back run exactly (the checkpoint restores weights, Adam
+moments, every rank's RNG and the guard's window; a skipped step consumes no RNG).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..run.run_dir import tag_step
+
+
+class BadStepError(RuntimeError):
+    """A bad step the run cannot go on from (``stop``, or no rollback left): exit 1, one line."""
+
+
+def newest_before(checkpointer, step: int) -> Optional[str]:
+    """The newest checkpoint tag of this run whose step is below ``step`` (log numbering)."""
+    tags = [t for t in checkpointer.run_dir.tags() if tag_step(t) < step]
+    return max(tags, key=tag_step) if tags else None
+
+
+def rollback_count(skips) -> int:
+    return sum(1 for w in skips.windows() if w.get("reason", "").startswith("rollback"))
+
+
+def roll_back(checkpointer, engine, verdict, skips, train, topo, say) -> dict:
+    """Reload the newest verified checkpoint before ``verdict.step``; mark the window skipped; return
+    the checkpoint's client state (``train``: the config's train section). Raises ``BadStepError``
+    when ``train.max_rollbacks`` are used up or no checkpoint precedes the bad step."""
+    from ..run import manifest
+    from .checkpoint import ResumePoint
+
+    done = rollback_count(skips)
+    if done >= train.max_rollbacks:
+        raise BadStepError(f"{verdict.line(train.spike_sigma, train.spike_window)}; but this run already "
+                           f"rolled back {done} time(s) (train.max_rollbacks={train.max_rollbacks}): it stops "
+                           f"here, the last checkpoint is intact. Look at the data around the skipped steps "
+                           f"({skips.file}), lower optimizer.lr or raise train.max_rollbacks")
+    checkpointer.wait(engine)  # a save in flight completes (and is committed) first
+    tag = newest_before(checkpointer, verdict.step)
+    if tag is None:
+        raise BadStepError(f"{verdict.line(train.spike_sigma, train.spike_window)}; but no checkpoint "
+                           f"precedes step {verdict.step} to roll back to: the run stops. Set a smaller "
+                           f"train.save_interval, or {verdict.key()}=skip")
+    tag_dir = checkpointer.run_dir.tag_dir(tag)
+    manifest.verify_for_reading(tag_dir, rank=topo.rank, world=topo.world_size)
+    client = checkpointer.load(engine, ResumePoint(tag=tag, tag_dir=tag_dir))
+    first, last = tag_step(tag) + 1, verdict.step + train.rollback_skip
+    skips.add_window(first, last, reason=f"rollback {done + 1}: {verdict.kind} {verdict.what} at step "
+                     f"{verdict.step}", write=topo.is_main)
+    say(f"rollback {done + 1}/{train.max_rollbacks}: reloaded {tag_dir} (verified); steps {first}-{last} are "
+        f"skipped (their batches consumed without training), recorded in {skips.file}")
+    checkpointer.latest = tag
+    return client

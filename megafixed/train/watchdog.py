@@ -1,0 +1,200 @@
+"""The hang watchdog (NVRx's in-job hang detection, torchtitan's flight-recorder dump on a timeout):
+when no step completes within ``train.hang_timeout_s``, every live rank writes the Python stacks of
+all its threads to ``<run_dir>/faults/``, rank 0 names in one line the ranks (and hosts) that never
+reached the step, and the job exits ``exit_codes.HUNG``, which the Slurm job script requeues.
+
+A thread per rank, beside the heartbeat (``launch/rendezvous.py``): the main thread only stores two
+integers per step (the step it entered, the step it finished); the thread publishes them on the
+rendezvous store once a second, which outlives a stuck collective, so the ranks that did not reach
+the step can be told from those waiting in its collectives. The first rank to time out raises a
+flag on the store; the others see it within a poll and dump their stacks too.
+
+The timeout: ``train.hang_timeout_s``, or 0 (auto) = max(300 s, 20 x the median of the last steps).
+The first step (compilation, the first collectives' set-up) and checkpoint saves and validation
+passes (``grace``) get at least ``parallel.collective_timeout_s``: those are slow by nature, and a
+peer lost inside them is already named by the collective timeout (``launch/lost.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+from .. import exit_codes
+
+AUTO_FLOOR_S = 300.0
+AUTO_FACTOR = 20.0
+POLL_S = 0.5
+PUBLISH_S = 1.0
+GATHER_S = 10.0  # how long rank 0 waits for the other ranks' stack files before naming and exiting
+KEY = "megafixed/hang"
+
+
+def _key(what: str, rank: int) -> str:
+    return f"{KEY}/{what}/{rank}"
+
+
+class HangWatchdog:
+    def __init__(self, *, timeout_s: float, slow_phase_s: float, faults_dir: Path, rank: int, world: int,
+                 say=print, store=None, hosts: Optional[list] = None):
+        self.fixed = float(timeout_s) if timeout_s and timeout_s > 0 else None
+        self.slow_phase_s = float(slow_phase_s)
+        self.faults_dir, self.rank, self.world, self.say = Path(faults_dir), rank, world, say
+        self.store = store if world > 1 else None
+        self.hosts = hosts or [socket.gethostname()] * world
+        self.entered = self.finished = 0  # log step numbers, written by the main thread only
+        self.recent: deque = deque(maxlen=50)
+        self.deadline = time.monotonic() + max(self.timeout(), self.slow_phase_s)  # the first step
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def for_run(cls, timeout_s: float, slow_phase_s: float, topo, faults_dir: Path, say) -> "HangWatchdog":
+        """Started at the first step (``start``): ``train.hang_timeout_s``, ``parallel.collective_timeout_s``."""
+        from ..launch import rendezvous
+
+        hosts = [p["host"] for p in sorted(rendezvous.peers(), key=lambda p: p["rank"])] or None
+        return cls(timeout_s=timeout_s, slow_phase_s=slow_phase_s,
+                   faults_dir=faults_dir, rank=topo.rank, world=topo.world_size, say=say,
+                   store=rendezvous.store(), hosts=hosts if hosts and len(hosts) == topo.world_size else None)
+
+    def timeout(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        if not self.recent:
+            return AUTO_FLOOR_S
+        return max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(self.recent))
+
+    # ---- the main thread
+    def start(self) -> "HangWatchdog":
+        """Once, at the first step (the first step's allowance counts from here)."""
+        if self._thread is not None:
+            return self
+        self.deadline = time.monotonic() + max(self.timeout(), self.slow_phase_s)
+        self._thread = threading.Thread(target=self._watch, name="megafixed-hang-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def enter(self, step: int) -> None:
+        self.entered = step
+
+    def finish(self, step: int, seconds: float) -> None:
+        self.finished = step
+        self.recent.append(seconds)
+        self.deadline = time.monotonic() + self.timeout()
+
+    def touch(self, step: int) -> None:
+        """Progress without a timed step (a skipped step's batches consumed)."""
+        self.entered = self.finished = step
+        self.deadline = time.monotonic() + self.timeout()
+
+    @contextlib.contextmanager
+    def grace(self):
+        """Around a save or a validation pass: at least ``parallel.collective_timeout_s`` for it, and a
+        full timeout for the step after it."""
+        self.deadline = time.monotonic() + max(self.timeout(), self.slow_phase_s)
+        try:
+            yield
+        finally:
+            self.deadline = time.monotonic() + self.timeout()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- the watchdog thread
+    def _watch(self) -> None:
+        published, last_publish = None, 0.0
+        while not self._stop.wait(POLL_S):
+            now = time.monotonic()
+            if self.store is not None and now - last_publish >= PUBLISH_S:
+                state = (self.entered, self.finished)
+                with contextlib.suppress(Exception):  # the store (rank 0) gone: the lost-peer path names it
+                    if state != published:
+                        self.store.set(_key("progress", self.rank), f"{state[0]} {state[1]}")
+                        published = state
+                    if self.store.check([KEY]):
+                        return self._fire(noticed=False)
+                last_publish = now
+            if now > self.deadline:
+                return self._fire(noticed=True)
+
+    def _fire(self, noticed: bool) -> None:
+        if self._stop.is_set():
+            return
+        if noticed and self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(KEY, str(self.rank))
+        path = self._dump_stacks()
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(_key("progress", self.rank), f"{self.entered} {self.finished}")
+                self.store.set(_key("dumped", self.rank), str(path))
+        if self.rank == 0:
+            self._name_the_ranks()
+            time.sleep(1.0)  # the others leave first, each with HUNG: a launcher then sees 76, not its own kill
+        else:
+            self._wait_for(lambda: self.store is None or self.store.check([_key("named", 0)]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_codes.HUNG)
+
+    def _dump_stacks(self) -> Path:
+        self.faults_dir.mkdir(parents=True, exist_ok=True)
+        step = self.finished + 1
+        path = self.faults_dir / f"hang.step{step:08d}.rank{self.rank:05d}.{self.hosts[self.rank]}.txt"
+        with open(path, "w") as f:
+            f.write(f"# rank {self.rank} of {self.world} on {self.hosts[self.rank]}, pid {os.getpid()}: no step "
+                    f"completed within {self.timeout():g}s after step {self.finished}; this rank entered step "
+                    f"{self.entered}. Python stacks of every thread:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        return path
+
+    def _wait_for(self, done) -> None:
+        deadline = time.monotonic() + GATHER_S
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if done():
+                    return
+            time.sleep(0.1)
+
+    def _progress(self) -> dict:
+        if self.store is None:
+            return {0: (self.entered, self.finished)}
+        keys = [_key("progress", r) for r in range(self.world)]
+        self._wait_for(lambda: self.store.check([_key("dumped", r) for r in range(self.world)]))
+        out = {}
+        for r, k in enumerate(keys):
+            with contextlib.suppress(Exception):
+                if self.store.check([k]):
+                    a, b = self.store.get(k).decode().split()
+                    out[r] = (int(a), int(b))
+        return out
+
+    def _name_the_ranks(self) -> None:
+        from ..launch.world import ranges
+
+        progress = self._progress()
+        step = max((p[0] for p in progress.values()), default=self.entered)
+        behind = [r for r in range(self.world) if progress.get(r, (0, 0))[0] < step]
+        where = sorted({self.hosts[r] for r in behind})
+        if behind:
+            who = (f"rank{'s' if len(behind) > 1 else ''} {ranges(behind)} on {', '.join(where)} never reached step "
+                   f"{step} (the others wait in its collectives)")
+        else:
+            who = f"every rank entered step {step} and none finished it (a collective or the device is stuck)"
+        self.say(f"hang: no step completed within {self.timeout():g}s (train.hang_timeout_s) after step "
+                 f"{min((p[1] for p in progress.values()), default=self.finished)}: {who}; Python stacks of every "
+                 f"rank in {self.faults_dir}/hang.step{step:08d}.rank*.txt; exit {exit_codes.HUNG} (a Slurm job "
+                 f"requeues itself)")
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(_key("named", 0), "1")
