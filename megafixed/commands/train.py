@@ -90,6 +90,7 @@ def _train(args, stop) -> int:
         lost = lost_peer_error(exc, cfg.train.run_dir, cfg.parallel.collective_timeout_s)
         if lost is None:
             raise
+        lost.after_start = True  # launch/refusal.py: the survivors do not wait for rank 0's line
         raise lost from exc
     if topo.is_main:
         from ..run.run_dir import RunDirectory

@@ -47,7 +47,9 @@ def give_rank0_the_lead(exc: BaseException, code: int, ended_already=lambda: Fal
     (``ended_already()``: a stop handler caught it); else waits as described above."""
     from ..errors import describe
 
-    if code == 0 or _rank() == 0 or getattr(exc, "every_rank", False):
+    # after_start: a failure once training ran (a lost peer, named by lost.py): not a start-up refusal,
+    # and every survivor reached it alone, so waiting would only add a second line for one fault.
+    if code == 0 or _rank() == 0 or getattr(exc, "every_rank", False) or getattr(exc, "after_start", False):
         return
     if threading.current_thread() is not threading.main_thread():
         return
