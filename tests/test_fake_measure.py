@@ -123,8 +123,11 @@ FULL = {  # the 1.7B paper config at 64 ranks
 }
 
 
+# One full-size row runs by default; the other three (about 3 CPU-minutes together) with -m fullsize:
+# the memory half of this check is open ([scale]), and every suite run paid for three known xfails.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(FULL))
+@pytest.mark.parametrize("name", [n if n == "fsdp_ac" else pytest.param(n, marks=pytest.mark.fullsize)
+                                  for n in FULL])
 def test_analytic_model_within_10_percent_of_the_fake_1p7b_step_at_64_ranks(name):
     spec = {"config": str(PAPER), "overrides": ["train.engine=torch"], "gpus": 64, "precision": "bf16",
             "layout": FULL[name]}
