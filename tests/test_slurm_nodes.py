@@ -7,7 +7,11 @@ stop checkpoints on every rank at one step, requeues and finishes with the unint
 node that dies mid-step (its ranks killed, or its link cut) is named by the survivors within the
 run's collective timeout, and a resubmitted job resumes from the last checkpoint with identical
 losses; a node that never starts its task, or runs other code, is refused within the rendezvous
-timeout, naming it.
+timeout, naming it. Resilience: an injected hang (``hang@3:rank=1``) exits 76 in Slurm's view, names the
+rank and its node, leaves a stack file per rank, and the job script requeues it up to
+``MEGAFIXED_MAX_REQUEUES``; a dp 3 job (``--nodes 2-3``) that loses its head node is requeued by Slurm
+onto the two others and goes on with dp 2 and the same global batch (the one-process losses, every
+step), saying it shrank; a range whose minimum would split a TP pair is refused at submit in one line.
 
 How it fits its time budget on 2 cores (each rank spends ~10 s of CPU starting torch and DeepSpeed, so
 the group is CPU-bound and every rank start counts):
@@ -19,6 +23,9 @@ the group is CPU-bound and every rank start counts):
   at once, so their CPU work fills the faults' timeouts, and a cut node2 carries no other job;
 * TP and PP across nodes are one tp=2 x pp=2 job whose TP pairs and PP pairs both span the nodes
   (an arbitrary task layout); the single-process reference runs beside the cluster's jobs.
+* the hang drill is one of those side jobs (1 rank per node); the job that loses a node runs last, on all
+  three (partition ``all``), when no other job is left to disturb, 1 rank per node; its one-process
+  reference (global batch 12) runs beside the first jobs.
 
 Run as root (network namespaces), serialised with the other Slurm tests:
 ``flock /tmp/megafixed-slurm.lock python -m pytest -m multinode``.
