@@ -234,9 +234,10 @@ SIDE_JOBS = {
     "dp": dict(),
     # TP pairs (0,1), (2,3) and PP pairs (0,2), (1,3) (topology.py's order) each span the two nodes
     "tppp": dict(extra=("parallel.tp=2", "parallel.pp=2"), layout=("node1", "node3", "node3", "node1")),
-    # rank 1 (node3) never enters step 3: exit 76, requeued once by the job script, hangs again, ends
+    # rank 1 (node3) never enters step 4: exit 76, requeued once by the job script, resumes from checkpoint 2,
+    # hangs again, ends. Step 4, not 3: the first step after a resume gets parallel.collective_timeout_s.
     "hang": dict(per_node=1, extra=(f"train.hang_timeout_s={HANG_TIMEOUT}",),
-                 env={"MEGAFIXED_INJECT": "hang@3:rank=1", "MEGAFIXED_MAX_REQUEUES": "1"}),
+                 env={"MEGAFIXED_INJECT": "hang@4:rank=1", "MEGAFIXED_MAX_REQUEUES": "1"}),
 }
 
 
@@ -463,11 +464,11 @@ def test_a_hang_exits_76_names_the_rank_and_its_host_and_requeues_up_to_the_limi
     assert log.count(f"a step hung; requeueing job {job} (restart 1 of 1,") == 1, log[-4000:]
     assert "start 1," in log and f"resumed from {run_dir / 'checkpoints' / 'step_00000002'}" in log
     named = [ln for ln in log.splitlines() if f"no step completed within {HANG_TIMEOUT}s" in ln]
-    assert len(named) == 2 and all("rank 1 on node3 never reached step 3" in ln for ln in named), log[-4000:]
-    stacks = sorted(p.name for p in (run_dir / "faults").glob("hang.step00000003.rank*.txt"))
-    assert stacks == ["hang.step00000003.rank00000.node1.txt", "hang.step00000003.rank00001.node3.txt"], stacks
+    assert len(named) == 2 and all("rank 1 on node3 never reached step 4" in ln for ln in named), log[-4000:]
+    stacks = sorted(p.name for p in (run_dir / "faults").glob("hang.step00000004.rank*.txt"))
+    assert stacks == ["hang.step00000004.rank00000.node1.txt", "hang.step00000004.rank00001.node3.txt"], stacks
     assert "before_step" in (run_dir / "faults" / stacks[1]).read_text()  # where rank 1 hangs
-    assert latest(run_dir).name == "step_00000002" and max(losses(run_dir)) == 2
+    assert latest(run_dir).name == "step_00000002" and max(losses(run_dir)) == 3
 
 
 def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_with_the_same_losses(
@@ -482,11 +483,12 @@ def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_
                                 "--gpus-per-node", "1", "--cpu", "--dry-run",
                                 *tiny_overrides(prefix, tmp_path / "tp", *COMMON, "parallel.tp=2")],
                                cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cluster.wait_idle(60)  # a node still completing the last job: Slurm would start this one on 2 of 3
     job = submit(cluster, inputs, run_dir, SHRINK_BATCH, nodes="2-3", per_node=1, partition=ALL)
     try:
         wait_for_step(run_dir, 5, job, cluster)  # past checkpoint 4
         pids = cluster.signal_job(job, signal.SIGSTOP)
-        assert len(pids) == 3 and max(losses(run_dir)) < STEPS, pids
+        assert len(pids) == 3 and max(losses(run_dir)) < STEPS, (pids, job_log(run_dir, job)[:600])
         before = latest(run_dir)
         killed = cluster.signal_job(job, signal.SIGKILL, ["node1"])
         cluster.run("scontrol", "update", "nodename=node1", "state=down", "reason=lost_in_a_test")
