@@ -471,6 +471,9 @@ def test_a_hang_exits_76_names_the_rank_and_its_host_and_requeues_up_to_the_limi
     assert latest(run_dir).name == "step_00000002" and max(losses(run_dir)) == 3
 
 
+# A product bug this test found (left open, see the reason): the job starts on MIN nodes, so there is no node to lose.
+@pytest.mark.xfail(strict=True, reason="`submit --nodes 2-3` starts on 2 nodes, not 3: sbatch derives the job's task "
+                                       "count from MIN x --ntasks-per-node, so Slurm never allocates more than MIN")
 def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_with_the_same_losses(
         cluster, inputs, shrink_reference_run, tmp_path):
     """3 nodes x 1 rank (dp 3, ``--nodes 2-3``); node1 (the head: rank 0, the batch shell, the run lock) loses its
@@ -486,6 +489,8 @@ def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_
     cluster.wait_idle(60)  # a node still completing the last job: Slurm would start this one on 2 of 3
     job = submit(cluster, inputs, run_dir, SHRINK_BATCH, nodes="2-3", per_node=1, partition=ALL)
     try:
+        wait_for_text(run_dir, job, " node(s) x 1 ranks", cluster)
+        assert re.search(r"start 0, \S+: 3 node\(s\)", job_log(run_dir, job)), job_log(run_dir, job)[:300]
         wait_for_step(run_dir, 5, job, cluster)  # past checkpoint 4
         pids = cluster.signal_job(job, signal.SIGSTOP)
         assert len(pids) == 3 and max(losses(run_dir)) < STEPS, (pids, job_log(run_dir, job)[:600])
