@@ -479,13 +479,7 @@ def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_
     """3 nodes x 1 rank (dp 3, ``--nodes 2-3``); node1 (the head: rank 0, the batch shell, the run lock) loses its
     ranks to SIGKILL and is declared down (what SlurmdTimeout does 45 s later, or a node health check); Slurm
     requeues the job onto node2 + node3, which resumes with dp 2 and the same global batch."""
-    cfg, prefix = inputs
     run_dir = tmp_path / "shrink"
-    # One line at submit time: with one rank per node every TP pair spans two nodes, so a shrink splits one.
-    refused = subprocess.Popen([sys.executable, "-m", "megafixed.cli", "submit", cfg, "--nodes", "2-4",
-                                "--gpus-per-node", "1", "--cpu", "--dry-run",
-                                *tiny_overrides(prefix, tmp_path / "tp", *COMMON, "parallel.tp=2")],
-                               cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cluster.wait_idle(60)  # a node still completing the last job: Slurm would start this one on 2 of 3
     job = submit(cluster, inputs, run_dir, SHRINK_BATCH, nodes="2-3", per_node=1, partition=ALL)
     try:
@@ -520,9 +514,19 @@ def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_
     proc, ref_root = shrink_reference_run
     assert proc.wait(timeout=120) == 0, (ref_root / "out.log").read_text()[-3000:]
     assert_same_losses(losses(run_dir), losses(ref_root / "run"), "dp 3 on 3 nodes, then dp 2 on 2 (head lost)")
-    out, err = refused.communicate(timeout=120)
+    cluster.wait_idle(60)
+
+
+def test_a_node_range_whose_minimum_would_split_a_tp_pair_is_refused_at_submit_in_one_line(inputs, tmp_path):
+    """With one rank per node every TP pair spans two nodes: losing one would split a pair (no cluster needed)."""
+    cfg, prefix = inputs
+    refused = subprocess.Popen([sys.executable, "-m", "megafixed.cli", "submit", cfg, "--nodes", "2-4",
+                                "--gpus-per-node", "1", "--cpu", "--dry-run",
+                                *tiny_overrides(prefix, tmp_path / "tp", *COMMON, "parallel.tp=2")],
+                               cwd=ROOT, env=_one_process_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    _, err = refused.communicate(timeout=120)
     lines = err.strip().splitlines()
     assert refused.returncode == exit_codes.BAD_INPUT and len(lines) == 1, err
     assert lines[0].startswith("error: --nodes 2-4: on 3 node(s) (3 ranks) this run cannot go on") and \
         "raise the minimum to 4" in lines[0], lines[0]
-    cluster.wait_idle(60)
