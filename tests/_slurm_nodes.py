@@ -167,7 +167,8 @@ class NodesCluster(Cluster):
                 env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
             except (OSError, ValueError):
                 continue
-            if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURMD_NODENAME") == node.encode():
+            mine = env.get(b"SLURM_CONF") == str(self.root / "slurm.conf").encode()  # not an earlier cluster's job
+            if mine and env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURMD_NODENAME") == node.encode():
                 pids.append(int(proc.name))
         return pids
 
@@ -192,13 +193,17 @@ class NodesCluster(Cluster):
         # Not Cluster.stop: its scancel runs outside the controller's namespace, where slurmctld's address
         # does not route, and waits out MessageTimeout for nothing.
         _terminate([pid for _name, pid in self.started], kill_after=2)  # throwaway state: no clean shutdown needed
-        # anything still running inside our namespaces (a stalled prolog, a straggling rank) goes too
-        for ns in our_namespaces():
-            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-                try:
+        # Anything still running inside our namespaces (a stalled prolog, a straggling rank) goes too, until none
+        # is left: a slurmstepd forked while the pass runs (a job starting at teardown) would otherwise outlive its
+        # deleted namespace, its ranks would keep running, and the next cluster's job of the same id would see them.
+        for _ in range(20):
+            pids = [pid for ns in our_namespaces() for pid in _ip("netns", "pids", ns, check=False).stdout.split()]
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            time.sleep(0.1)
         return remove_namespaces()
 
 

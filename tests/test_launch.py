@@ -106,7 +106,8 @@ def test_the_job_script_is_complete_and_valid_bash(tmp_path):
                  "#SBATCH --signal=B:USR1@600", "#SBATCH --requeue", "#SBATCH --partition=gpu",
                  "#SBATCH --account=acc", "#SBATCH --time=1-00:00:00", f"#SBATCH --output={tmp_path}/run/slurm/%j.out",
                  "scontrol show hostnames \"$SLURM_JOB_NODELIST\"", "scontrol requeue \"$SLURM_JOB_ID\"",
-                 "srun --kill-on-bad-exit=1 /venv/bin/python -m megafixed.cli train /c/cfg.yaml train.max_steps=5 "
+                 "srun --kill-on-bad-exit=1 --ntasks=\"$MEGAFIXED_EXPECTED_WORLD\" --ntasks-per-node=8 "
+                 "/venv/bin/python -m megafixed.cli train /c/cfg.yaml train.max_steps=5 "
                  "'data.prefixes=[/d/x y]' &"):
         assert line in text, line
     assert "--qos" not in text and "ssh " not in text.replace("No ssh", "")

@@ -139,7 +139,12 @@ def test_submit_nodes_range_renders_and_refuses_a_shrink_that_splits_tp(tmp_path
               "model.code_bits=8", f"train.run_dir={tmp_path / 'run'}", "train.global_batch=12", "train.micro_batch=2"]
     assert main(["submit", *common, "--nodes", "2-3"]) == 0
     out = capsys.readouterr().out
-    assert "#SBATCH --nodes=2-3" in out and "# megafixed training job: 2-3 node(s)" in out
+    assert "#SBATCH --nodes=2-3" in out and "# megafixed training job: 2-3 node(s) x 1 rank(s) per node = 2-3" in out
+    # No --ntasks-per-node with a range (sbatch would make it --ntasks=MIN x G: never more than MIN nodes); each
+    # node's CPUs are asked for instead, and srun starts G ranks on each node the job got.
+    sbatch_lines = [ln for ln in out.splitlines() if ln.startswith("#SBATCH")]
+    assert "#SBATCH --mincpus=8" in sbatch_lines and not any("--ntasks" in ln for ln in sbatch_lines), sbatch_lines
+    assert 'srun --kill-on-bad-exit=1 --ntasks="$MEGAFIXED_EXPECTED_WORLD" --ntasks-per-node=1 ' in out
     # A TP pair over two one-GPU nodes cannot lose a node: refused, naming the node count and the fix.
     assert main(["submit", *common, "--nodes", "1-2", "parallel.tp=2", "train.global_batch=4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

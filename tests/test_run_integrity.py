@@ -291,6 +291,7 @@ def test_under_slurm_a_lock_of_an_earlier_incarnation_or_an_ended_job_is_stale_a
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued after a hard kill, on another node
     with _lock(lock.parent) as taken:
         assert taken.info["slurm_restart"] == 1
+        assert taken.took_over == "host node-b, pid 4242, Slurm job 77, since x: left by an earlier run of Slurm job 77"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     squeue = bin_dir / "squeue"

@@ -169,7 +169,7 @@ def job_log(run_dir, job_id) -> str:
 
 def finished(cluster, job, run_dir, state="COMPLETED", timeout=240) -> dict:
     info = cluster.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, timeout=timeout)
-    assert info["JobState"] == state, job_log(run_dir, job)[-6000:]
+    assert info["JobState"] == state, (info, job_log(run_dir, job)[-6000:])
     return info
 
 
@@ -471,14 +471,12 @@ def test_a_hang_exits_76_names_the_rank_and_its_host_and_requeues_up_to_the_limi
     assert latest(run_dir).name == "step_00000002" and max(losses(run_dir)) == 3
 
 
-# A product bug this test found (left open, see the reason): the job starts on MIN nodes, so there is no node to lose.
-@pytest.mark.xfail(strict=True, reason="`submit --nodes 2-3` starts on 2 nodes, not 3: sbatch derives the job's task "
-                                       "count from MIN x --ntasks-per-node, so Slurm never allocates more than MIN")
 def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_with_the_same_losses(
         cluster, inputs, shrink_reference_run, tmp_path):
     """3 nodes x 1 rank (dp 3, ``--nodes 2-3``); node1 (the head: rank 0, the batch shell, the run lock) loses its
     ranks to SIGKILL and is declared down (what SlurmdTimeout does 45 s later, or a node health check); Slurm
-    requeues the job onto node2 + node3, which resumes with dp 2 and the same global batch."""
+    requeues the job onto node2 + node3, which resumes with dp 2 and the same global batch. The job starts on
+    3 nodes at all only because a node range renders no ``--ntasks-per-node`` (sbatch would cap it at MIN)."""
     run_dir = tmp_path / "shrink"
     cluster.wait_idle(60)  # a node still completing the last job: Slurm would start this one on 2 of 3
     job = submit(cluster, inputs, run_dir, SHRINK_BATCH, nodes="2-3", per_node=1, partition=ALL)
@@ -490,6 +488,9 @@ def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_
         assert len(pids) == 3 and max(losses(run_dir)) < STEPS, (pids, job_log(run_dir, job)[:600])
         before = latest(run_dir)
         killed = cluster.signal_job(job, signal.SIGKILL, ["node1"])
+        # Drained first: node1's slurmd still answers here (a lost node's does not), and ReturnToService=2 would
+        # put a node that is only down back in service at its next registration, before the requeued job starts.
+        cluster.run("scontrol", "update", "nodename=node1", "state=drain", "reason=lost_in_a_test")
         cluster.run("scontrol", "update", "nodename=node1", "state=down", "reason=lost_in_a_test")
         t0 = time.time()
         cluster.signal_job(job, signal.SIGCONT, ["node2", "node3"])
@@ -507,6 +508,10 @@ def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_
     assert shrank == [f"the job shrank: checkpoint {before.name} was written by 3 ranks on 3 nodes (dp 3), this run "
                       f"has 2 on 2 nodes (dp 2); the global batch 12 is kept by accumulating 3 micro batches per "
                       f"step"], log[-4000:]
+    # the lost head's rank 0 left the run lock behind: taken over at once (an earlier start of this job), no wait
+    took = [ln for ln in log.splitlines() if ln.startswith("took over the run directory lock")]
+    assert len(took) == 1 and f"Slurm job {job}, since " in took[0] and \
+        took[0].endswith(f": left by an earlier run of Slurm job {job})"), log[-4000:]
     record = json.loads((latest(run_dir) / "run.json").read_text())
     assert latest(run_dir).name == f"step_{STEPS:08d}" and record["nodes"] == 2 and record["layout"]["dp"] == 2
     assert record["shrunk_from"] == {"world": 3, "dp": 3, "nodes": 3}, record

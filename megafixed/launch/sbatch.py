@@ -75,9 +75,11 @@ def render(spec: JobSpec, submitted: Optional[str] = None) -> str:
                         ("qos", spec.qos)):
         if value:
             options.append(f"#SBATCH --{flag}={value}")
+    ranged = spec.min_nodes is not None and spec.min_nodes < spec.nodes
     values = {
-        "NODES": f"{spec.min_nodes}-{spec.nodes}" if spec.min_nodes else spec.nodes,
-        "TASKS_PER_NODE": spec.gpus_per_node, "WORLD": spec.world,
+        "NODES": f"{spec.min_nodes}-{spec.nodes}" if ranged else spec.nodes,
+        "TASKS_PER_NODE": spec.gpus_per_node, "PER_NODE": per_node_request(spec, ranged),
+        "WORLD": f"{spec.min_nodes * spec.gpus_per_node}-{spec.world}" if ranged else spec.world,
         "CPUS_PER_TASK": spec.cpus_per_task,
         "SUBMITTED": submitted or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "JOB_NAME": re.sub(r"[^A-Za-z0-9_.-]", "_", spec.job_name), "SIGNAL_BEFORE": spec.signal_before,
@@ -93,6 +95,21 @@ def render(spec: JobSpec, submitted: Optional[str] = None) -> str:
 
     text = _PLACEHOLDER.sub(fill, template_text())
     return re.sub(r"\n{3,}", "\n\n", text)  # no double blank line where the options were empty
+
+
+def per_node_request(spec: JobSpec, ranged: bool) -> str:
+    """The #SBATCH lines that size each node's share of the job.
+
+    A fixed node count asks for ``--ntasks-per-node``. A range must not: sbatch (seen with Slurm 22.05)
+    turns ``--ntasks-per-node=G`` into ``--ntasks=MIN x G`` when no task count is given, and a job of
+    MIN x G tasks at G per node never gets more than MIN nodes, however many are free. A range asks for
+    each node's CPUs instead (``--mincpus``; the GPUs come from ``--gpus-per-node``), and the script's
+    srun starts G ranks on every node the job got."""
+    if not ranged:
+        return f"#SBATCH --ntasks-per-node={spec.gpus_per_node}"
+    return ("# No --ntasks-per-node with a node range: sbatch would set --ntasks=MIN x it, capping the job at MIN "
+            "nodes.\n# Each node's CPUs instead (its ranks x --cpus-per-task); srun below starts the ranks.\n"
+            f"#SBATCH --mincpus={spec.gpus_per_node * spec.cpus_per_task}")
 
 
 def git_revision(path: str | os.PathLike | None = None) -> Optional[str]:

@@ -104,6 +104,8 @@ class RunLock:
         self.path = Path(path)
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
         self.info: Optional[dict] = None
+        # The stale lock this one replaced, and why it was stale (for the trainer's one line), else None.
+        self.took_over: Optional[str] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -120,6 +122,8 @@ class RunLock:
                 if why_stale is None:
                     raise RunDirectoryBusy(self._busy_message(held)) from None
                 self._break(held)
+                if held:
+                    self.took_over = f"{holder_text(held)}: {why_stale}"
                 continue
             with os.fdopen(fd, "w") as fh:
                 fh.write(json.dumps(me) + "\n")

@@ -64,7 +64,9 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     A failed run that created its run directory and saved nothing leaves nothing behind."""
     run_dir = RunDirectory(cfg.train.run_dir)
     created = not run_dir.path.exists()
-    with hold_run_dir(run_dir, topo.is_main):
+    with hold_run_dir(run_dir, topo.is_main) as lock:
+        if lock.took_over and topo.is_main:  # e.g. a requeue after the head node died: no wait on its lock
+            log(f"took over the run directory lock {lock.path} of a trainer that is gone ({lock.took_over})")
         try:
             return _train(cfg, topo, datasets=datasets, stop=stop or StopRequest(),
                           say=log if topo.is_main else (lambda *_: None))
