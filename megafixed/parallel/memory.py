@@ -51,6 +51,12 @@ from typing import Optional
 
 GiB = 1024 ** 3
 
+# What no tensor count sees, fake or real on CPU, and every GPU job pays: the CUDA context with
+# cuBLAS/cuDNN workspaces (about 0.5-1 GiB), NCCL's communicator buffers (about 0.5-1 GiB over a
+# few communicators), and the caching allocator's fragmentation. A fixed, stated allowance, not a
+# measurement: ``megafixed plan`` adds it to every row's total (its own column, ``reserve`` in --json).
+RESERVE_BYTES = 3 * GiB
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -205,10 +211,11 @@ def loss_phase_bytes(m, seq: int, micro: int, tp: int, sp: bool) -> float:
     nll_loss: its backward holds three fp32 logit-sized tensors together -- the saved log-probs,
     nll_loss's (dense) gradient and log_softmax's gradient -- 12 bytes per logit element, where the
     paper's 4 counts the logits alone. The final norm keeps two fp32 copies of its input (RMSNorm
-    computes in fp32)."""
+    computes in fp32). The vocabulary-parallel loss (TP: DTensor's ``loss_parallel``) holds a
+    fourth, of its local shard (measured: 3.0 GiB at 1.7B, TP2, micro batch 4)."""
     logits = seq * micro * m.vocab_size / tp
     norm = 2 * seq * micro * m.d_model * 4 / (tp if sp else 1)
-    return 3 * 4 * logits + norm
+    return (4 if tp > 1 else 3) * 4 * logits + norm
 
 
 @dataclass
@@ -220,14 +227,21 @@ class Estimate:
     activations: float
     params_count: int  # parameters on the worst stage's GPU (before ZeRO-3 sharding)
     pipeline: Optional[dict] = None  # an engine's own pipeline summary (schedule, bubble, in flight)
+    reserve: float = RESERVE_BYTES  # CUDA context, NCCL buffers, fragmentation: fixed, not modelled
+
+    @property
+    def tensors(self) -> float:
+        """The tensors' bytes: what ``plan --fake`` measures (everything but the reserve)."""
+        return self.params + self.grads + self.optimizer + self.activations
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.tensors + self.reserve
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["total"] = self.total
+        d["tensors"] = self.tensors
         return d
 
 
