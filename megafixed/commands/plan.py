@@ -14,8 +14,6 @@ from ..config import ConfigError, load_config
 
 HELP = "list feasible TP/PP/DP/ZeRO layouts and their estimated memory per GPU"
 
-# Room for the CUDA context, allocator fragmentation and communication buffers.
-HEADROOM = 0.90
 
 
 def parse_bytes(text: str) -> float:
@@ -62,13 +60,13 @@ def run(args) -> int:
 
     prepare_runtime_env()  # DeepSpeed's partitioner is imported below: quiet, CPU-safe
     from ..model.interfaces import interface_of
-    from ..parallel.memory import GiB, estimate, fixed_code_saving, tp_param_counts
+    from ..parallel.memory import RESERVE_BYTES, GiB, estimate, fixed_code_saving, tp_param_counts
 
     cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
     gpu_mem = parse_bytes(args.gpu_mem)
     if args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: the number of GPUs to plan for must be >= 1")
-    budget = gpu_mem * HEADROOM
+    budget = gpu_mem  # the room for the CUDA context, NCCL and fragmentation is each row's reserve
     seq = cfg.data.seq_len
     from ..engines import engine_kind
 
@@ -108,11 +106,12 @@ def run(args) -> int:
               f"bubble = idle / busy time per rank replayed from the schedule's own action table (F = I = W = 1, "
               f"B = 2), the closed form (p-1)/(v*m) in brackets; activ holds the microbatches each stage keeps in "
               f"flight in that table")
-    print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= {HEADROOM:.0%} of that "
-          f"({budget / GiB:.1f} GiB). GiB per GPU on the most loaded stage"
+    print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= that; total = the tensors + a fixed "
+          f"reserve of {RESERVE_BYTES / GiB:.0f} GiB (CUDA context, NCCL buffers, fragmentation: what --fake cannot "
+          f"see). GiB per GPU on the most loaded stage"
           + planner.grads_note(args.precision) + ":")
     print(f"  {'TP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | {'params':>8} "
-          f"{'grads':>8} {'optim':>8} {'activ':>8} | {'total':>8}  fits |" + header(args.fake))
+          f"{'grads':>8} {'optim':>8} {'activ':>8} {'reserve':>8} | {'total':>8}  fits |" + header(args.fake))
     for e in shown[:args.top]:
         lay = e.layout
         partition = (e.pipeline["schedule"] if e.pipeline else lay.partition) if lay.pp > 1 else "-"
@@ -120,7 +119,8 @@ def run(args) -> int:
                   f"{e.pipeline['in_flight_per_rank']}" if e.pipeline else "")
         print(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
               f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
-              f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} | {e.total / GiB:8.2f}  "
+              f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} {e.reserve / GiB:8.2f} | "
+              f"{e.total / GiB:8.2f}  "
               f"{'yes' if e.total <= budget else 'no':>4} |" + columns(extras[id(e)]) + bubble)
     if len(shown) > args.top:
         print(f"  ... {len(shown) - args.top} more (--top N)")

@@ -98,7 +98,7 @@ def measure_rows(args, planner, estimates, progress=None) -> list:
             line = f"fake {i}/{len(estimates)}: {where}: {got['refused']}"
         else:
             line = (f"fake {i}/{len(estimates)}: {where}: peak {got['peak_bytes'] / GiB:.2f} GiB "
-                    f"(analytic {e.total / GiB:.2f}) in {got['seconds']:.0f} s")
+                    f"(analytic {e.tensors / GiB:.2f} + reserve {e.reserve / GiB:.0f}) in {got['seconds']:.0f} s")
         print(line, file=progress or sys.stderr, flush=True)
         out.append(got)
     return out
@@ -112,7 +112,9 @@ def row_extras(cfg, e, args, fake: dict | None, precision: str) -> dict:
 
     t = traffic(cfg.model, cfg.data.seq_len, e.layout, precision)
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    out = {"total_gib": e.total / GiB, "comm_bytes": t.total, "traffic": t.as_dict(),
+    # total = tensors (what --fake measures) + the fixed reserve (what it cannot see)
+    out = {"total_gib": e.total / GiB, "tensors_gib": e.tensors / GiB, "reserve_gib": e.reserve / GiB,
+           "comm_bytes": t.total, "traffic": t.as_dict(),
            "step_time_estimate": step_time_bound(cfg.model, t, e.layout, args, tp_param_counts(cfg.model).total,
                                                  tokens)}
     if fake is not None:

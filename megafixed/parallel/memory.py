@@ -39,8 +39,8 @@ counted, and drop the ``5*a*s^2*b`` attention-score term because the model uses
 Full activation checkpointing stores only each layer's input (``2*s*b*h``, split by ``t`` under SP)
 plus one layer's activations during its recomputation. Under 1F1B the first stage holds ``pp``
 micro batches in flight, so it holds activations for ``pp * L/pp = L`` layers (the paper's point
-that PP does not shrink activation memory). The last stage adds the logits (fp32 for the loss,
-``4*s*b*V/t``).
+that PP does not shrink activation memory). The last stage adds the loss's working set
+(``loss_phase_bytes``: three fp32 logit-sized tensors, ``12*s*b*V/t``, in its backward).
 
 The estimates are checked against measured tensor bytes on CPU in ``tests/test_parallel_plan.py``.
 """
@@ -50,6 +50,12 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 GiB = 1024 ** 3
+
+# What no tensor count sees, fake or real on CPU, and every GPU job pays: the CUDA context with
+# cuBLAS/cuDNN workspaces (about 0.5-1 GiB), NCCL's communicator buffers (about 0.5-1 GiB over a
+# few communicators), and the caching allocator's fragmentation. A fixed, stated allowance, not a
+# measurement: ``megafixed plan`` adds it to every row's total (its own column, ``reserve`` in --json).
+RESERVE_BYTES = 3 * GiB
 
 
 @dataclass(frozen=True)
@@ -182,9 +188,12 @@ def layer_activation_bytes(m, seq: int, micro: int, tp: int, sp: bool, act_bytes
     s, b, h, f = seq, micro, m.d_model, m.ffn_dim
     e = act_bytes
     mask = 1 if dropout_masks else 0
-    # replicated across TP without SP: the two norm inputs, the attention and MLP inputs
-    # (norm outputs), and the two dropout masks
-    replicated = s * b * h * (4 * e + 2 * mask)  # = 10 sbh at e=2 with masks, as in the paper
+    # replicated across TP without SP: the two norms' saved inputs, the attention and MLP inputs
+    # (norm outputs), and the two dropout masks. RMSNorm computes in fp32: with 16-bit activations
+    # each keeps two fp32 copies of its input (the upcast and the normalised product; measured
+    # under ``plan --fake``, 23.6 GiB against 18.6 for the paper's bf16 inputs at 1.7B without AC)
+    norm_saved = 8 if (m.norm == "rmsnorm" and e < 4) else e
+    replicated = s * b * h * (2 * norm_saved + 2 * e + 2 * mask)  # the paper's 10 sbh: 2+2+2+2+2
     # split by TP: Q, K, V; attention output and its copy as the wo input; MLP hidden tensors
     # (GELU: its input and output; SwiGLU: gate, silu(gate), w_in output and their product);
     # the attention log-sum-exp (fp32, per head and position)
@@ -193,6 +202,20 @@ def layer_activation_bytes(m, seq: int, micro: int, tp: int, sp: bool, act_bytes
     if sp:
         return (replicated + sharded) / tp
     return replicated + sharded / tp
+
+
+def loss_phase_bytes(m, seq: int, micro: int, tp: int, sp: bool) -> float:
+    """What the loss's backward holds at once, on one TP rank (measured under ``plan --fake``).
+
+    ``cross_entropy_loss`` upcasts the logits to fp32 and ``F.cross_entropy`` is log_softmax then
+    nll_loss: its backward holds three fp32 logit-sized tensors together -- the saved log-probs,
+    nll_loss's (dense) gradient and log_softmax's gradient -- 12 bytes per logit element, where the
+    paper's 4 counts the logits alone. The final norm keeps two fp32 copies of its input (RMSNorm
+    computes in fp32). The vocabulary-parallel loss (TP: DTensor's ``loss_parallel``) holds a
+    fourth, of its local shard (measured: 3.0 GiB at 1.7B, TP2, micro batch 4)."""
+    logits = seq * micro * m.vocab_size / tp
+    norm = 2 * seq * micro * m.d_model * 4 / (tp if sp else 1)
+    return (4 if tp > 1 else 3) * 4 * logits + norm
 
 
 @dataclass
@@ -204,14 +227,21 @@ class Estimate:
     activations: float
     params_count: int  # parameters on the worst stage's GPU (before ZeRO-3 sharding)
     pipeline: Optional[dict] = None  # an engine's own pipeline summary (schedule, bubble, in flight)
+    reserve: float = RESERVE_BYTES  # CUDA context, NCCL buffers, fragmentation: fixed, not modelled
+
+    @property
+    def tensors(self) -> float:
+        """The tensors' bytes: what ``plan --fake`` measures (everything but the reserve)."""
+        return self.params + self.grads + self.optimizer + self.activations
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.tensors + self.reserve
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["total"] = self.total
+        d["tensors"] = self.tensors
         return d
 
 
@@ -236,14 +266,17 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
     best = None
     for i, n_params in enumerate(per_stage):
         in_flight = min(layout.pp - i, layout.pp)  # 1F1B: stage i holds pp - i micro batches
+        last = loss_phase_bytes(m, seq, b, t, sp) if i == layout.pp - 1 else 0.0
         if layout.activation_checkpointing:
-            act = in_flight * blocks[i] * stored_input + layer
+            # the loss backward (every stored input, the loss's working set) comes before the last
+            # block's recomputation, whose activations are the other candidate peak
+            act = in_flight * blocks[i] * stored_input + max(layer, last)
         else:
-            act = in_flight * blocks[i] * layer
-        if i == layout.pp - 1:  # final norm input + fp32 logits for the loss
-            act += stored_input + seq * b * m.vocab_size * 4 / t
-        if i == 0:
-            act += in_flight * stored_input  # input codes / embedding output
+            act = in_flight * blocks[i] * layer + last  # the peak: the loss backward, all saved
+        if i == layout.pp - 1:  # the final norm's input
+            act += stored_input
+        if i == 0 and not layout.activation_checkpointing:
+            act += in_flight * stored_input  # input codes / embedding output (under AC: block 0's stored input)
         p, g, o = model_state_bytes(n_params, layout, precision)
         p += layout.planner.working_param_bytes(m, layout, n_params, precision, e)  # e.g. FSDP2's gathered copies
         est = Estimate(layout, p, g, o, act, n_params)

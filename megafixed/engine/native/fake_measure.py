@@ -136,6 +136,23 @@ def _mesh_slicing_outside_fake_mode():
         DeviceMesh.__init__ = original
 
 
+@contextlib.contextmanager
+def _sharding_propagation_in_its_own_fake_mode():
+    """DTensor's sharding propagation (its uncached path: the first step's ``_foreach_norm`` over
+    every gradient) builds global-shape tensors in the active fake mode, or in a fresh one when there
+    is none, as in a real run. Borrowing ours, the tracker counted them as memory: the whole model in
+    fp32 (6.4 GiB at 1.7B) that no real step allocates. A fresh mode per propagation, as eager has,
+    keeps them out (the tracker skips every mode but the one it entered in)."""
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
 def measure_fake(cfg, plan) -> dict:
     """``measure_step`` for rank 0 of ``plan`` under ``FakeTensorMode`` on a fake process group of
     ``plan.world_size`` (initialised here: one per process, so one plan per process)."""
@@ -148,7 +165,8 @@ def measure_fake(cfg, plan) -> dict:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
         topo = topology(cfg, plan, 0, torch.device("cpu"))  # outside the mode: the mesh reads real ranks
-        with FakeTensorMode(allow_non_fake_inputs=True), _mesh_slicing_outside_fake_mode():
+        with (FakeTensorMode(allow_non_fake_inputs=True), _mesh_slicing_outside_fake_mode(),
+              _sharding_propagation_in_its_own_fake_mode()):
             out = measure_step(cfg, topo)
     finally:
         dist.destroy_process_group()

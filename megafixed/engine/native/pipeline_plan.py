@@ -43,7 +43,7 @@ def pipeline_summary(m, layout, per_set: float, stored_input: float, logits: flo
 
 def torch_pipeline_estimate(m, seq: int, layout, precision: str, masks: bool):
     """The most loaded pipeline rank's ``Estimate``, with the ``pipeline`` summary attached."""
-    from ...parallel.memory import Estimate, layer_activation_bytes, layer_params, model_state_bytes
+    from ...parallel.memory import Estimate, layer_activation_bytes, layer_params, loss_phase_bytes, model_state_bytes
     from .schedules import is_v_shaped, stage_ids, stage_spans
 
     e = 4 if precision == "fp32" else 2
@@ -51,7 +51,9 @@ def torch_pipeline_estimate(m, seq: int, layout, precision: str, masks: bool):
     layer = layer_activation_bytes(m, seq, b, t, sp, e, masks)
     stored_input = seq * b * m.d_model * e / (t if sp else 1)
     ac = layout.activation_checkpointing
-    summary = pipeline_summary(m, layout, stored_input if ac else layer, stored_input, seq * b * m.vocab_size * 4 / t)
+    # the last stage's loss backward, one microbatch at a time (parallel.memory.loss_phase_bytes)
+    loss = loss_phase_bytes(m, seq, b, t, sp)
+    summary = pipeline_summary(m, layout, stored_input if ac else layer, stored_input, loss)
     spans = stage_spans(m.n_layers, layout.pp * layout.vpp, layout.edge)
     per_layer = layer_params(m, t)
     best = None
