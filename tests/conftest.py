@@ -92,31 +92,3 @@ def tiny_reference(tiny_shards, tmp_path_factory):
         return {kind: runs[kind] for kind in kinds}
 
     return get
-
-
-# ----------------------------------------------------------------------------- parallel test workers
-# pytest.ini runs the suite on 2 pytest-xdist workers (`--dist loadgroup`): most tests wait on one
-# single-threaded subprocess at a time, so one worker kept 2 cores only ~60% busy (measured
-# 2026-12-02: 800 CPU-s in 1336 s). The groups below decide what may run side by side:
-#  * every test of a file stays on one worker, so module-scoped launches are not repeated per worker;
-#  * the Slurm files form one group: each starts its own cluster (munged, slurmctld, network
-#    namespaces named node1..3), and two clusters at once would meet each other's daemons;
-# and the longest groups start first, so the last one to finish is not a long one started late.
-SLURM_FILES = ("test_slurm.py", "test_slurm_nodes.py", "test_preprocess_slurm.py")
-LONGEST_FIRST = ("slurm", "test_readme_commands.py", "test_resilience.py", "test_fake_measure.py",
-                 "test_native_engine.py", "test_parallel_train.py", "test_bad_inputs.py", "test_bench_eval.py",
-                 "test_native_pipeline.py", "test_native_tp.py", "test_native_checkpoint.py", "test_gpu_check.py")
-
-
-def _group(item) -> str:
-    name = item.path.name
-    return "slurm" if name in SLURM_FILES else name
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
-def pytest_collection_modifyitems(config, items):
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
-    # a stable sort: within a file the order is the file's own
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))
