@@ -140,3 +140,38 @@ def test_the_ranks_whose_heartbeat_stands_still_are_named_with_their_node(monkey
     monkeypatch.setattr(rendezvous, "_STORE", _BeatingStore(alive={0, 1, 2, 3}))
     assert lost.lost_peer_error(RuntimeError("gloo: Connection closed by peer"), str(tmp_path), 20) is None
     assert lost.lost_peer_error(ValueError("bad shape"), str(tmp_path), 20) is None
+
+
+_MEET_WITH_OTHER_CODE = """
+import sys
+import megafixed.launch.rendezvous as r
+from megafixed.errors import report
+from megafixed.launch.world import World
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+if rank == 1:  # this rank's node runs other code, and it polls the rendezvous slowly (a loaded node)
+    mine = r.record
+    r.record = lambda world, addr: {**mine(world, addr), "code": "0123456789ab"}
+    nap = r.time.sleep
+    r.time.sleep = lambda seconds: nap(max(seconds, 1.5))
+try:
+    r.meet(World(size=2, rank=rank, local_rank=0, source="launcher"), "127.0.0.1", port, wait=60)
+except Exception as exc:
+    sys.exit(report(exc))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_term_while_the_different_code_verdict_waits_for_rank0_keeps_the_verdicts_code(tmp_path):
+    port = _free_port()
+    # srun reports the highest task code: a rank ended by srun after rank 0's verdict (exit 2) must
+    # exit 2 too, not the 143 of "TERM during the rendezvous" (CI, 2026-12-02: job exit 143:0, rank 1
+    # still polling the rendezvous when rank 0 refused). Rank 1 here polls every 1.5 s.
+    procs = [subprocess.Popen([sys.executable, "-c", _MEET_WITH_OTHER_CODE, str(r), str(port)], cwd=ROOT,
+                              env=launch_free_env(RANK=str(r), OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    assert procs[0].wait(timeout=120) == 2
+    procs[1].send_signal(signal.SIGTERM)  # as srun --kill-on-bad-exit does once rank 0 has exited
+    assert procs[1].wait(timeout=30) == 2
+    err0, err1 = procs[0].stderr.read(), procs[1].stderr.read()
+    assert "error: the ranks run different code" in err0 and "0123456789ab" in err0
+    assert "during the rendezvous" not in err1 and "error:" not in err1  # only rank 0 prints the verdict

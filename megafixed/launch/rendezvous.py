@@ -200,7 +200,10 @@ def meet(world: World, addr: str, port: int, wait: Optional[float] = None):
         if arrived < world.size:
             raise RendezvousError(_missing_message(store, world, wait, f"{addr}:{port}"))
         records = [json.loads(v) for v in store.multi_get([f"{PREFIX}/rank/{r}" for r in range(world.size)])]
-    _check_same_code(records, world.rank)
+        store.add(f"{PREFIX}/read", 1)
+    # Outside the block above: a TERM while the verdict waits for rank 0 must end this rank with the
+    # verdict's own code, not the 143 of "TERM during the rendezvous" (srun reports the highest code).
+    _check_same_code(records, world.rank, everyone_read=lambda: store.add(f"{PREFIX}/read", 0) >= world.size)
     _STORE, _PEERS = store, records
     return store
 
@@ -245,7 +248,11 @@ def slurm_task_nodes(size: int) -> list[str]:
     return out if len(out) == size else []
 
 
-def _check_same_code(records: list[dict], rank: int = 0) -> None:
+def _check_same_code(records: list[dict], rank: int = 0, everyone_read=lambda: True) -> None:
+    """Refuse ranks that run different code. The verdict's exit code must be the job's: under srun,
+    which reports the highest task code, a rank that srun ends while still polling the rendezvous
+    (143) would hide rank 0's 2. So rank 0 refuses only once every rank has read the records
+    (``everyone_read``, bounded), when each is in its own verdict, which keeps the code on a TERM."""
     groups: dict = {}
     for rec in records:
         groups.setdefault((rec["megafixed"], rec["code"], rec["torch"]), []).append(rec)
@@ -256,13 +263,49 @@ def _check_same_code(records: list[dict], rank: int = 0) -> None:
     base = next(key for key, recs in groups.items() if any(r["rank"] == 0 for r in recs))
     odd = sorted({r["host"] for key, recs in groups.items() if key != base for r in recs})
     head = sorted({r["host"] for r in groups[base]})
-    if rank != 0:
+    runs = "runs" if len(odd) == 1 else "run"
+    error = RendezvousError(f"the ranks run different code ({seen}); {', '.join(odd)} {runs} "
+                            f"other code than rank 0 ({', '.join(head)}): install the same megafixed revision and "
+                            f"torch on every node (one shared checkout or venv, or one container image) and resubmit")
+    if rank == 0:
+        deadline = time.monotonic() + 5.0  # the others poll every 0.2 s: they read within moments
+        while time.monotonic() < deadline and not _safely(everyone_read):
+            time.sleep(0.05)
+    else:
         # Every rank reaches this verdict, but only rank 0 prints it. A rank that left first would have
         # srun (--kill-on-bad-exit) kill rank 0 before its line is out: give rank 0 the lead (bounded).
-        time.sleep(3)
-    raise RendezvousError(f"the ranks run different code ({seen}); {', '.join(odd)} run{'s' if len(odd) == 1 else ''} "
-                          f"other code than rank 0 ({', '.join(head)}): install the same megafixed revision and torch "
-                          f"on every node (one shared checkout or venv, or one container image) and resubmit")
+        _wait_for_rank0_to_print(error)
+    raise error
+
+
+def _safely(check) -> bool:
+    try:
+        return bool(check())
+    except (RuntimeError, OSError):  # the store went away: nobody is left to wait for
+        return True
+
+
+def _wait_for_rank0_to_print(error: BaseException, seconds: float = 3.0) -> None:
+    """Sleep up to ``seconds``; the launcher's TERM (rank 0 has printed and exited) ends this rank at once
+    with the verdict's own exit code, so the job's code is the refusal's whichever rank srun saw last."""
+    from ..errors import describe
+
+    code = (describe(error) or (2, ""))[0]
+
+    def ended(_signum, _frame):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(seconds)
+        return
+    previous = {sig: signal.signal(sig, ended) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        time.sleep(seconds)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def init_process_group(world: World, backend: str, collective_timeout_s: float = 600) -> None:
