@@ -3,7 +3,7 @@
 Launched by torchrun (tests/test_fake_measure.py) with a JSON file of ``fake_worker`` specs (one
 per case, each for 2 GPUs). Every rank builds the case's run plan and really trains it with
 ``fake_measure.measure_step`` -- the function the fake run calls, now on real tensors and a real
-process group -- and rank 0 writes its peak by part and its collectives' bytes, per case, as JSON.
+process group -- and rank 0 writes every rank's peak by part and collectives' bytes, per case, as JSON.
 
     torchrun --nproc-per-node 2 tests/fake_measure_worker.py SPECS.json OUT.json
 """
@@ -28,8 +28,9 @@ def main(specs_path: str, out_path: str) -> None:
         cfg = layout_config(spec)
         plan = RunPlan.build(cfg, dist.get_world_size(), gpu=True)  # the plan the fake run measures
         got = measure_step(cfg, topology(cfg, plan, rank, torch.device("cpu")))
-        out.append(got)
-        dist.barrier()
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, got)  # each rank's: a pipeline's stages differ
+        out.append(every)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)

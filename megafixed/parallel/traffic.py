@@ -84,12 +84,15 @@ def tp_traffic(out: Traffic, m, seq: int, layout, act_bytes: int, blocks: int, l
         out.add("tp", "all_reduce", n * 3 * seq * layout.micro_batch * 4, t)
 
 
-def pp_traffic(out: Traffic, m, seq: int, layout, act_bytes: int) -> None:
-    """A middle stage's sends and receives: the activation forward and its gradient backward."""
+def pp_traffic(out: Traffic, m, seq: int, layout, act_bytes: int, stage: int = 1) -> None:
+    """This stage's sends and receives per microbatch: the activation forward and its gradient
+    backward, each way (a middle stage receives and sends both; the first and the last only one
+    of each)."""
     if layout.pp == 1:
         return
     a = seq * layout.micro_batch * m.d_model * act_bytes / (layout.tp if layout.sequence_parallel else 1)
-    out.add("pp", "p2p", layout.accum * 2 * 2 * a, layout.pp)  # send + receive, each direction
+    neighbours = 1 if stage in (0, layout.pp - 1) else 2
+    out.add("pp", "p2p", layout.accum * 2 * neighbours * a, layout.pp)
 
 
 def _stages(m, layout) -> tuple[list, list]:
@@ -115,6 +118,6 @@ def traffic(m, seq: int, layout, precision: str = "bf16") -> Traffic:
     worst = max(range(layout.pp), key=lambda i: per_stage[i])
     out = Traffic()
     tp_traffic(out, m, seq, layout, e, blocks[worst], worst == layout.pp - 1)
-    pp_traffic(out, m, seq, layout, e)
+    pp_traffic(out, m, seq, layout, e, worst)
     layout.planner.dp_traffic(out, m, layout, per_stage[worst], blocks[worst], precision)
     return out

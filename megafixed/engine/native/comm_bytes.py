@@ -17,12 +17,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "other")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p", "other")
 
 
 def kind_of(op_name: str) -> str:
     name = op_name.replace("allgather", "all_gather").replace("allreduce", "all_reduce")
-    for kind in KINDS[:-1]:
+    if name.rsplit(".", 1)[-1] in P2P_OPS:
+        return "p2p"  # a pipeline's sends and receives (each buffer once, as parallel.traffic counts them)
+    for kind in KINDS[:-2]:
         if kind in name:
             return kind
     return "other"
@@ -62,8 +64,13 @@ class CommBytesMode(TorchDispatchMode):
                 if self.calls_by_kind[k]}
 
 
+P2P_OPS = ("send", "recv_", "recv_any_source_")  # c10d's point-to-point ops (CommDebugMode lists none)
+
+
 def _collective_ops() -> set:
-    """CommDebugMode's lists: c10d's in-place collectives and the functional ones (DTensor's)."""
+    """CommDebugMode's lists: c10d's in-place collectives and the functional ones (DTensor's), and
+    c10d's point-to-point ops."""
     from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
 
-    return set(c10d_collective_ops) | set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values())
+    p2p = {getattr(torch.ops.c10d, name) for name in P2P_OPS if hasattr(torch.ops.c10d, name)}
+    return set(c10d_collective_ops) | set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | p2p

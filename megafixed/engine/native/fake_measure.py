@@ -10,6 +10,10 @@ peak a long run sees) under ``FSDPMemTracker``, which labels every live tensor (
 unsharded params, grads, optimizer state, activations, temporaries); ``CommBytesMode`` counts the
 second step's collectives with their bytes.
 
+Under pipeline parallelism (one stage per rank) the engine's own pipeline build and schedule run
+instead (``pipeline_step.build_pipeline_engine``), its sends and receives the fake group's no-ops;
+``fake_worker`` measures the first and the last stage's ranks.
+
 ``measure_step`` takes any process group and any tensors, so the same function run really on two
 gloo processes is the check that the fake run is right (tests/test_fake_measure.py).
 """
@@ -26,8 +30,6 @@ STEPS = 2  # the second step is measured: the first creates the optimizer state
 
 def check_measurable(plan) -> str | None:
     """Why this plan's step cannot be measured under fake tensors here, or None."""
-    if plan.pp > 1:
-        return "pipeline parallelism is not measured under fake tensors yet (parallel.pp must be 1)"
     try:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: F401
         from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
@@ -45,8 +47,8 @@ def topology(cfg, plan, rank: int, device: torch.device):
     shape = SimpleNamespace(dp=plan.dp, tp=plan.tp, pp=plan.pp, device=device)
     mesh = build_mesh(shape, plan.dp_replicate)
     at = plan.dims.coords(rank)
-    return Topology(world_size=plan.world_size, rank=rank, local_rank=0, tp=plan.tp, pp=1, dp=plan.dp,
-                    sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], dp_rank=at["dp"],
+    return Topology(world_size=plan.world_size, rank=rank, local_rank=0, tp=plan.tp, pp=plan.pp, dp=plan.dp,
+                    sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], pp_rank=at["pp"], dp_rank=at["dp"],
                     device=device, backend="fake", plan=plan, mesh=mesh, tp_group=mesh["tp"].get_group(),
                     dp_group=dp_submesh(mesh).get_group(), model_parallel_group=mesh["tp"].get_group())
 
@@ -88,26 +90,80 @@ def _one_step(model, optimizer, topo, inputs, labels, accum: int, tracker) -> No
     optimizer.zero_grad(set_to_none=True)
 
 
+def _pipeline_step(engine, inputs, labels, tracker) -> None:
+    """``PipelineEngine.train_step``'s tensor work: the schedule over this rank's ``accum``
+    microbatches (sends and receives are the fake group's no-ops, the received tensors fake), the
+    pp-summed grad norm and the optimizer step."""
+    from .pipeline import pp_grad_norm
+
+    tracker.reset_mod_stats()
+    losses = [] if engine.has_last else None
+    with engine._loss_context(engine.model), engine._compute()():
+        engine.schedule.step(*((inputs,) if engine.has_first else ()), target=labels if engine.has_last else None,
+                             losses=losses, return_outputs=False)
+    params = [p for group in engine.optimizer.param_groups for p in group["params"]]
+    pp_grad_norm(params, engine.pp_group)
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=True)
+
+
+def _pipeline_tracker(engine):
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    root = engine.stages[0]  # vpp = 1: the rank's one stage, its FSDP2 root when dp > 1
+    if isinstance(root, FSDPModule):
+        tracker = FSDPMemTracker(root, engine.optimizer)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(engine.model, engine.optimizer)
+    # The schedule runs the stage's forward once per microbatch, which the per-module stats refuse
+    # without a reset in between (the peak is kept across resets). A global hook, registered before
+    # the tracker's own (which it adds on entering), so the reset comes before the tracker records
+    # this forward, not between its pre- and post-forward hooks.
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    tracker._megafixed_reset = register_module_forward_pre_hook(
+        lambda module, _args: tracker.reset_mod_stats() if module is root else None)
+    return tracker
+
+
 def measure_step(cfg, topo) -> dict:
     """Build this rank's model and optimizer for ``topo`` and run ``STEPS`` steps; the peak bytes
-    by part, and the last step's collectives with their bytes (on this rank)."""
-    from ...run.optim import build_optimizer
-    from .build import build_model
+    by part, and the last step's collectives with their bytes (on this rank). Under pipeline
+    parallelism, this rank's stage through the engine's own schedule."""
     from .comm_bytes import CommBytesMode
 
-    model = build_model(cfg, topo)
-    optimizer = build_optimizer(model, cfg.optimizer)
     b, s = topo.plan.batch.micro_batch, cfg.data.seq_len
     gen = torch.Generator().manual_seed(cfg.train.seed + topo.dp_rank)
+    if topo.pp > 1:  # the schedule takes the step's microbatches as one batch and splits it
+        from .pipeline_step import build_pipeline_engine
+
+        engine = build_pipeline_engine(cfg, topo)
+        tracker = _pipeline_tracker(engine)
+        b *= topo.plan.batch.accum
+        step = lambda: _pipeline_step(engine, inputs, labels, tracker)  # noqa: E731
+    else:
+        from ...run.optim import build_optimizer
+        from .build import build_model
+
+        model = build_model(cfg, topo)
+        optimizer = build_optimizer(model, cfg.optimizer)
+        tracker = _tracker(model, optimizer)
+        step = lambda: _one_step(model, optimizer, topo, inputs, labels, topo.plan.batch.accum, tracker)  # noqa: E731
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=gen)
     inputs, labels = tokens[:, :-1].to(topo.device), tokens[:, 1:].to(topo.device)
-    tracker = _tracker(model, optimizer)
     comm = None
-    with tracker:
-        for i in range(STEPS):
-            comm = CommBytesMode() if i == STEPS - 1 else contextlib.nullcontext()
-            with comm:
-                _one_step(model, optimizer, topo, inputs, labels, topo.plan.batch.accum, tracker)
+    try:
+        with tracker:
+            for i in range(STEPS):
+                comm = CommBytesMode() if i == STEPS - 1 else contextlib.nullcontext()
+                with comm:
+                    step()
+    finally:
+        if hasattr(tracker, "_megafixed_reset"):
+            tracker._megafixed_reset.remove()
     peak = tracker.get_tracker_snapshot("peak")
     device_peak = max(peak.values(), key=lambda d: d.get("Total", 0)) if peak else {}
     parts = {str(k): int(v) for k, v in device_peak.items() if str(k) != "Total"}
@@ -153,20 +209,82 @@ def _sharding_propagation_in_its_own_fake_mode():
         _sharding_prop.detect_fake_mode = original
 
 
-def measure_fake(cfg, plan) -> dict:
-    """``measure_step`` for rank 0 of ``plan`` under ``FakeTensorMode`` on a fake process group of
-    ``plan.world_size`` (initialised here: one per process, so one plan per process)."""
+@contextlib.contextmanager
+def _pipeline_warmup_vote_decided_locally():
+    """torch's pipeline schedules (2.12 on) open with a vote over the stages, STATIC (every stage was
+    given its shapes) or DYNAMIC, passed along by point-to-point sends and read with ``.item()``,
+    which a fake tensor cannot answer. Every stage of our pipeline is built with its shapes
+    (``pipeline.build_schedule``), so the vote's outcome is each stage's own: decided here, locally,
+    as the library would. Older torch has no vote, and nothing is patched."""
+    from torch.distributed.pipelining import schedules
+
+    base = schedules._PipelineSchedule
+    original = getattr(base, "_warmup_p2p", None)
+    if original is None:
+        yield
+        return
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def decided_locally(self, stages, has_backward, p2p_done):
+        static = not any(InferenceMode.needs_dynamic(stage._user_meta, has_backward) for stage in stages)
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC if static else InferenceMode.DYNAMIC
+
+    base._warmup_p2p = decided_locally
+    try:
+        yield
+    finally:
+        base._warmup_p2p = original
+
+
+@contextlib.contextmanager
+def _plain_parameters_replaced_on_to_empty():
+    """``to_empty`` swaps each parameter in place (``torch.utils.swap_tensors``) when the new one is
+    a fake tensor, and a meta parameter the fake mode has already seen carries the converter's weakref,
+    which the swap refuses ("Couldn't swap RMSNorm.weight"). A model with no DTensor parameter
+    (no FSDP2 or TP: a pipeline stage on dp 1, a lone GPU) gets new Parameters instead, as
+    ``to_empty`` with ``torch.__future__``'s overwrite switch would; nothing holds them yet
+    (``materialize`` runs before the optimizer is built)."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    original = nn.Module.to_empty
+
+    def to_empty(self, *, device, recurse=True):
+        if not recurse or any(isinstance(p, DTensor) for p in self.parameters()):
+            return original(self, device=device, recurse=recurse)
+        for module in self.modules():
+            for key, p in module._parameters.items():
+                if p is not None:
+                    module._parameters[key] = nn.Parameter(torch.empty_like(p, device=device),
+                                                           requires_grad=p.requires_grad)
+            for key, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[key] = torch.empty_like(b, device=device)
+        return self
+
+    nn.Module.to_empty = to_empty
+    try:
+        yield
+    finally:
+        nn.Module.to_empty = original
+
+
+def measure_fake(cfg, plan, rank: int = 0) -> dict:
+    """``measure_step`` for ``rank`` of ``plan`` under ``FakeTensorMode`` on a fake process group of
+    ``plan.world_size`` (initialised here and torn down after)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     started = time.perf_counter()
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     try:
-        topo = topology(cfg, plan, 0, torch.device("cpu"))  # outside the mode: the mesh reads real ranks
+        topo = topology(cfg, plan, rank, torch.device("cpu"))  # outside the mode: the mesh reads real ranks
         with (FakeTensorMode(allow_non_fake_inputs=True), _mesh_slicing_outside_fake_mode(),
-              _sharding_propagation_in_its_own_fake_mode()):
+              _sharding_propagation_in_its_own_fake_mode(), _pipeline_warmup_vote_decided_locally(),
+              _plain_parameters_replaced_on_to_empty()):
             out = measure_step(cfg, topo)
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """``python -m megafixed.engine.native.fake_worker``: one fake measurement in a process of its own.
 
 Reads one JSON object on stdin (``config``, ``overrides``, ``gpus``, ``precision``, ``layout``: the
-``parallel.memory.Layout`` fields) and prints one JSON object on stdout: ``fake_measure``'s result,
+``parallel.memory.Layout`` fields; ``rank``: the one rank to measure, default rank 0 and, under
+PP, the last stage's rank too) and prints one JSON object on stdout: ``fake_measure``'s result,
 or ``{"refused": why}``. A process per layout because a fake process group has one world size per
 process and is torn down with it, so rows cannot leak memory or state into each other and one
 row's failure is that row's alone (``megafixed plan --fake`` runs them).
@@ -9,20 +10,26 @@ row's failure is that row's alone (``megafixed plan --fake`` runs them).
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from dataclasses import asdict
 
 
 def layout_config(spec: dict):
     """The run config of ``spec``'s layout: the config with the layout's keys set (as ``plan`` sizes it)."""
     from ...config import load_config
     from ...engines import engine_kind
+    from ...parallel.memory import Layout
 
     cfg = load_config(spec["config"], spec.get("overrides", []))
-    lay = spec["layout"]
+    lay = asdict(Layout(**spec["layout"]))  # a partial layout: the rest at Layout's defaults
     cfg.parallel.tp, cfg.parallel.pp = lay["tp"], lay["pp"]
     engine_kind(cfg.train.engine).hook("planner").set_sharding(cfg, lay["dp_replicate"])
     cfg.parallel.sequence_parallel, cfg.train.micro_batch = lay["sequence_parallel"], lay["micro_batch"]
     cfg.train.activation_checkpointing = lay["activation_checkpointing"]
+    cfg.parallel.pp_schedule, cfg.parallel.vpp = lay["schedule"], lay["vpp"]
+    cfg.parallel.pp_input_head_layers = lay["edge"]
+    cfg.torch_engine.reshard_after_forward = lay["reshard_after_forward"]
     cfg.train.precision = spec["precision"]
     cfg.parallel.backend = "auto"
     return cfg
@@ -37,7 +44,28 @@ def measure(spec: dict) -> dict:
     why = check_measurable(plan)
     if why:
         return {"refused": why}
-    return measure_fake(cfg, plan)
+    if plan.pp == 1 or "rank" in spec:
+        return measure_fake(cfg, plan, spec.get("rank", 0))
+    # Under PP the ranks differ: the first stage holds the most microbatches in flight, the last the
+    # head and the loss. Both are measured (rank 0's grid position on the other axes); the row is the
+    # larger, as the analytic row is its most loaded rank. The last stage in a process of its own,
+    # meanwhile: a second fake world in one process trips over the first one's cached TP groups.
+    last = subprocess.Popen([sys.executable, "-m", "megafixed.engine.native.fake_worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    last.stdin.write(json.dumps({**spec, "rank": plan.dims.rank_of(pp=plan.pp - 1)}))
+    last.stdin.close()
+    first = measure_fake(cfg, plan, 0)
+    out, err = last.stdout.read(), last.stderr.read()
+    last.wait()
+    lines = out.strip().splitlines()
+    if last.returncode or not lines:
+        raise RuntimeError(f"the last stage's measurement exited {last.returncode}: "
+                           f"{(err.strip().splitlines() or ['no output'])[-1]}")
+    stages = {"0": first, str(plan.pp - 1): json.loads(lines[-1])}
+    if "refused" in stages[str(plan.pp - 1)]:
+        return stages[str(plan.pp - 1)]
+    worst = max(stages.values(), key=lambda m: m["peak_bytes"])
+    return {**worst, "seconds": max(m["seconds"] for m in stages.values()), "pp_stages": stages}
 
 
 def main() -> int:

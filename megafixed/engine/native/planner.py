@@ -81,11 +81,21 @@ def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> No
     block in the compute dtype in forward and, resharded after it, again in backward; the head and
     the root (their groups stay gathered to backward) once each. Every micro batch reduce-scatters
     its fp32 gradients over the shard degree (step.py: FSDP2's default), and HSDP then all-reduces
-    each shard over the replicas. Sizes are per TP rank (FSDP2 shards TP's DTensors locally)."""
+    each shard over the replicas. Sizes are per TP rank (FSDP2 shards TP's DTensors locally).
+
+    Under PP the schedule drives FSDP2 (``pipelining``'s ``backward_maybe_with_nosync``): the stage's
+    parameters are gathered once and stay so across the microbatches, and its gradients are
+    accumulated unsharded and reduced once, at the last microbatch (measured under ``plan --fake``)."""
     from ...parallel.memory import layer_params
 
     shard, replicate = layout.dp_shard, layout.dp_replicate
     e = 4 if precision == "fp32" else 2
+    if layout.pp > 1:
+        if shard > 1:
+            out.add("dp_shard", "all_gather", n_params * e, shard)
+            out.add("dp_shard", "reduce_scatter", n_params * 4, shard)
+        out.add("dp_replicate", "all_reduce", n_params * 4 / shard, replicate)
+        return
     per_layer = layer_params(m, layout.tp)
     if shard > 1:
         block_gathers = 2 if layout.reshard_after_forward else 1
@@ -97,8 +107,9 @@ def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> No
 
 def fake_refusal(layout):
     """Why ``megafixed plan --fake`` cannot measure this layout, or None (``fake_measure.py``)."""
-    if layout.pp > 1:
-        return "pipeline parallelism is not measured under fake tensors yet (pp must be 1)"
+    if layout.pp > 1 and layout.vpp > 1:
+        return ("a pipeline with several stages per rank (vpp > 1) is not measured under fake tensors; "
+                "--fake measures vpp=1 schedules")
     return None
 
 
