@@ -73,10 +73,13 @@ def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: in
 
 def measured_state(engine) -> dict:
     """What this rank really holds after the steps, for the memory planner's check: its
-    parameter count and the bytes of optimizer state tensors (ZeRO partitions included)."""
+    parameter count and the bytes of the optimizer's tensors: Adam's state and the fp32 master
+    partitions ZeRO steps it on (the keys of the inner optimizer's state: ZeRO-3 empties its
+    ``param_groups`` between steps)."""
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     opt_bytes = sum(t.numel() * t.element_size() for st in inner.state.values() for k, t in st.items()
                     if torch.is_tensor(t) and k != "step")
+    opt_bytes += sum(p.numel() * p.element_size() for p in inner.state)
     params = sum(p.numel() for p in engine.module.parameters())
     return {"local_params": params, "optimizer_bytes": opt_bytes}
 

@@ -9,7 +9,14 @@ import torch
 from megafixed.cli import main as cli_main
 from megafixed.config import load_config
 from megafixed.model import GPT
-from megafixed.parallel.memory import Layout, estimate, layer_activation_bytes, stage_params, tp_param_counts
+from megafixed.parallel.memory import (
+    Layout,
+    estimate,
+    layer_activation_bytes,
+    model_state_bytes,
+    stage_params,
+    tp_param_counts,
+)
 from megafixed.parallel.tensor import sharded_dim
 
 BASE = ["model.vocab_size=512", "model.d_model=128", "model.n_heads=4", "model.max_seq_len=256",
@@ -101,10 +108,13 @@ def test_parallel_splits_follow_the_rules():
         + c.n_layers * c.block_replicated + c.head_replicated
     pp2 = stage_params(m, Layout(pp=2), partition="type:Block")
     assert sum(pp2) == c.total and pp2[0] == c.input + 2 * (c.block_sharded + c.block_replicated)
-    base = estimate(m, 256, Layout(dp=4, zero=0, micro_batch=2))
-    z1, z2, z3 = (estimate(m, 256, Layout(dp=4, zero=z, micro_batch=2)) for z in (1, 2, 3))
-    assert z1.optimizer == base.optimizer / 4 and z1.grads == base.grads
-    assert z2.grads == base.grads / 4 and z3.params == base.params / 4
+    base = model_state_bytes(one, Layout(dp=4, zero=0))  # bf16 (params, grads, optimizer)
+    z1, z2, z3 = (model_state_bytes(one, Layout(dp=4, zero=z)) for z in (1, 2, 3))
+    assert z1[2] == base[2] / 4 and z1[1] == base[1]
+    # ZeRO-2 keeps the fp32 partition of the gradients (its 16-bit ones go through the bucket)
+    assert z2[1] == one * 4 / 4 and z3[1] == z2[1] and z3[0] == base[0] / 4
+    bucketed = estimate(m, 256, Layout(dp=4, zero=2, micro_batch=2, reduce_bucket=1000))
+    assert bucketed.grads == z2[1] + 1000 * 2  # the bucket, in the compute dtype
     sp = estimate(m, 256, Layout(tp=2, micro_batch=2, sequence_parallel=True))
     nosp = estimate(m, 256, Layout(tp=2, micro_batch=2))
     assert sp.activations < nosp.activations

@@ -10,6 +10,10 @@ fp32           4       4      8 (Adam m and v; the params are the master)
 =============  ======  =====  ==========================================
 
 ZeRO-1 divides the optimizer state by DP, ZeRO-2 also the gradients, ZeRO-3 also the parameters.
+DeepSpeed's engine (``engine/deepspeed/planner.py``) departs from the table where it measured
+otherwise: an fp32 master partition under ZeRO in fp32 too, only the fp32 gradient partition at
+ZeRO 2-3, and its own buffers (the reduction bucket, ZeRO-3's gathered and persistent parameters)
+plus a second peak, the gradient reduction, against the loss backward (``Estimate.tensors``).
 
 ``train.engine=torch`` (FSDP2) shards all three over the DP shard degree (``dp / dp_replicate``;
 HSDP replicates across ``dp_replicate`` groups), as ZeRO-3, but keeps different bytes: the sharded
@@ -42,7 +46,8 @@ micro batches in flight, so it holds activations for ``pp * L/pp = L`` layers (t
 that PP does not shrink activation memory). The last stage adds the loss's working set
 (``loss_phase_bytes``: three fp32 logit-sized tensors, ``12*s*b*V/t``, in its backward).
 
-The estimates are checked against measured tensor bytes on CPU in ``tests/test_parallel_plan.py``.
+The estimates are checked against measured tensor bytes on CPU in ``tests/test_parallel_plan.py``,
+DeepSpeed's whole step peak against its real 2-rank step in ``tests/test_deepspeed_memory.py``.
 """
 from __future__ import annotations
 
@@ -75,6 +80,7 @@ class Layout:
     schedule: str = "1F1B"  # parallel.pp_schedule (the torch engine's; DeepSpeed runs 1F1B)
     vpp: int = 1  # parallel.vpp: pipeline stages per rank
     edge: int = 1  # parallel.pp_input_head_layers
+    reduce_bucket: int = 500_000_000  # zero.reduce_bucket_size: DeepSpeed's gradient bucket, in elements
 
     @property
     def dp_shard(self) -> int:
@@ -142,6 +148,28 @@ def layer_params(m, tp: int = 1) -> list[int]:
     c = tp_param_counts(m)
     block = c.block_sharded // tp + c.block_replicated
     return [c.input // tp] + [block] * m.n_layers + [c.head_sharded // tp + c.head_replicated]
+
+
+_SIZES: dict[tuple, list] = {}
+
+
+def layer_param_sizes(m, tp: int = 1) -> list[list[int]]:
+    """Each parameter's element count on one TP rank, per pipeline layer (input, blocks..., head):
+    what an engine that treats small tensors apart needs (ZeRO-3 keeps those whole, ``engine/
+    deepspeed/planner.py``). From the meta model and the ``sharded_dim`` rule, as ``tp_param_counts``."""
+    from ..model.gpt import meta_gpt
+    from .tensor import sharded_dim
+
+    key = (repr(m), tp)
+    if key not in _SIZES:
+        model = meta_gpt(m)
+        layers: list[list[int]] = [[] for _ in range(m.n_layers + 2)]
+        for name, p in {id(p): (name, p) for name, p in model.named_parameters()}.values():
+            at = 0 if name.startswith("input.") else m.n_layers + 1 if name.startswith("head.") \
+                else int(name.split(".")[1]) + 1
+            layers[at].append(p.numel() // (tp if sharded_dim(name) is not None else 1))
+        _SIZES[key] = layers
+    return _SIZES[key]
 
 
 def stage_bounds(m, layout: Layout, partition: str = "parameters") -> list[int]:
@@ -228,11 +256,19 @@ class Estimate:
     params_count: int  # parameters on the worst stage's GPU (before ZeRO-3 sharding)
     pipeline: Optional[dict] = None  # an engine's own pipeline summary (schedule, bubble, in flight)
     reserve: float = RESERVE_BYTES  # CUDA context, NCCL buffers, fragmentation: fixed, not modelled
+    # An engine that reduces its gradients through copies of its own (DeepSpeed) has two peaks: the
+    # loss backward, holding the activations and only the gradient buffers it keeps from step to step
+    # (``grads_in_backward``; None: all of ``grads``, as FSDP2 and the paper count), and the reduction,
+    # after or late in the backward, holding every gradient and its transient copies (``reduction``).
+    grads_in_backward: Optional[float] = None
+    reduction: float = 0.0
 
     @property
     def tensors(self) -> float:
-        """The tensors' bytes: what ``plan --fake`` measures (everything but the reserve)."""
-        return self.params + self.grads + self.optimizer + self.activations
+        """The tensors' bytes at the step's peak: what ``plan --fake`` and the DeepSpeed check
+        (``engine/deepspeed/measure_memory.py``) measure (everything but the reserve)."""
+        held = self.grads if self.grads_in_backward is None else self.grads_in_backward
+        return self.params + self.optimizer + max(held + self.activations, self.grads + self.reduction)
 
     @property
     def total(self) -> float:
@@ -280,6 +316,10 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         p, g, o = model_state_bytes(n_params, layout, precision)
         p += layout.planner.working_param_bytes(m, layout, n_params, precision, e)  # e.g. FSDP2's gathered copies
         est = Estimate(layout, p, g, o, act, n_params)
+        phases = getattr(layout.planner, "reduction_phase", None)  # e.g. DeepSpeed's buckets and copies
+        if phases is not None:
+            buffers, est.grads_in_backward, est.reduction = phases(m, layout, n_params, precision)
+            est.grads += buffers
         if best is None or est.total > best.total:
             best = est
     return best

@@ -7,12 +7,15 @@ import torch
 
 from ...config import Config
 from ...parallel.layout import BatchLayout
+from .zero_buffers import stage3_keys
 
 
 def deepspeed_config(cfg: Config, layout: BatchLayout, precision: str, gpu: Optional[bool] = None) -> dict:
     gpu = torch.cuda.is_available() if gpu is None else gpu
     zero = {"stage": cfg.zero.stage, "reduce_bucket_size": cfg.zero.reduce_bucket_size,
             "allgather_bucket_size": cfg.zero.reduce_bucket_size}
+    if cfg.zero.stage == 3:
+        zero.update(stage3_keys())  # the sizes the planner counts (zero_buffers.py)
     if cfg.zero.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": gpu}
     ds = {
