@@ -52,6 +52,8 @@ SKIP = {
     "megafixed bench train examples/configs/paper-1.7b": "a 1.7B model for 30 steps is a GPU job: "
     "tests/test_bench_train.py runs bench train on a small config",
     "tools/gpu_check.sh": "a GPU machine",
+    re.compile(r"megafixed plan .* --fake"): "three full-size 1.7B fake steps at 64 ranks (90-150 s): "
+    "tests/test_fake_measure.py runs plan --fake on a small config and the 1.7B and 7B rows' fake steps",
     "megafixed eval runs/x/checkpoints/step_00001000 --tasks mmlu": "57 subjects x 5 shots of a 1,000-step run: "
     "tests/test_eval.py scores mmlu items",
     "python -m megafixed.eval.lm_eval_cli": "lm-eval reads arc_easy from the Hugging Face hub, which tests never "

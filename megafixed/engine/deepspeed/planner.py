@@ -130,8 +130,8 @@ def grads_note(precision: str) -> str:
 
 def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> None:
     """ZeRO's collectives of one step (``parallel.traffic``), in the communication dtype (the
-    compute dtype: DeepSpeed reduces 16-bit gradients): ZeRO-0 all-reduces the gradients; ZeRO-1
-    and -2 reduce-scatter them and all-gather the updated 16-bit parameters; ZeRO-3 instead gathers
+    compute dtype: DeepSpeed reduces 16-bit gradients): ZeRO-0 (and ZeRO-1 in bf16) all-reduces the
+    gradients; ZeRO-1 and -2 reduce-scatter them and all-gather the updated 16-bit parameters; ZeRO-3 instead gathers
     every parameter in forward and again in backward, per micro batch. Not measured: DeepSpeed
     cannot run under fake tensors (``fake_refusal``)."""
     dp, z = layout.dp, layout.zero
@@ -139,7 +139,12 @@ def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> No
     if z == 0:
         out.add("dp", "all_reduce", n_params * e, dp)
         return
-    out.add("dp", "reduce_scatter", n_params * e, dp)
+    if z == 1 and precision == "bf16":
+        # DeepSpeed's BF16 optimizer all-reduces the whole gradient (cast to 16 bits for the wire; seen in
+        # the measured step, reduction_phase) before each rank steps its partition and gathers the rest
+        out.add("dp", "all_reduce", n_params * e, dp)
+    else:
+        out.add("dp", "reduce_scatter", n_params * e, dp)
     out.add("dp", "all_gather", n_params * e * (2 * layout.accum if z >= 3 else 1), dp)
 
 
