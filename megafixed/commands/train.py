@@ -58,8 +58,6 @@ def run(args) -> int:
 
 
 def _train(args, stop) -> int:
-    from ..run_plan import RunPlan
-
     # SIGUSR1 (Slurm's pre-timeout signal, which the job script forwards) and SIGTERM (scancel, preemption,
     # the time limit itself): finish the step (or leave validation), save, exit STOPPED. Installed before
     # the rendezvous and data preparation, so that a signal during start-up becomes a clean stop instead
@@ -74,8 +72,10 @@ def _train(args, stop) -> int:
     from ..engine import prepare_runtime_env
 
     prepare_runtime_env(cfg.train.engine)  # the run's engine's: before anything imports its library
+    # torch comes in with the plan, after the config: a refusal of the config answers without it
     from ..data.prepare import prepare_data
     from ..parallel import setup_distributed
+    from ..run_plan import RunPlan
     from ..train.trainer import train
 
     plan = RunPlan.for_launch(cfg)  # the layout, validated once, before any process group exists

@@ -22,9 +22,6 @@ import signal
 import sys
 import threading
 
-import torch
-import torch.distributed as dist
-
 
 class StopRequest:
     def __init__(self):
@@ -45,6 +42,11 @@ class StopRequest:
 
     def should_stop(self, group=None) -> bool:
         """True on every rank once any rank's flag is set (a collective: call on all ranks)."""
+        # torch is imported here, not at the top: ``megafixed train`` makes its StopRequest first, and a
+        # refusal before the first step (a bad config key) then answers without loading torch (1.2 s)
+        import torch
+        import torch.distributed as dist
+
         local = self._event.is_set()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return local
