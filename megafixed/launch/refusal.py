@@ -16,6 +16,7 @@ its own line, naming itself, before exiting: a refusal is printed at least once,
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -41,6 +42,28 @@ def _grace() -> float:
         return DEFAULT_GRACE_S
 
 
+@contextlib.contextmanager
+def term_exits_with(code: int):
+    """While inside: the launcher's TERM (or Ctrl-C, a HUP) ends this process at once with ``code``,
+    its own refusal's, not the signal's 143; the previous handlers are back afterwards. Main thread
+    only (Python's rule for handlers); elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ended(signum, _frame):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    previous = {sig: signal.signal(sig, ended) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def give_rank0_the_lead(exc: BaseException, code: int, ended_already=lambda: False) -> None:
     """Call on the way out of a failed command, after ``errors.report``. Returns at once on rank 0,
     for a success, for an error every rank prints itself, or when the launcher's TERM already came
@@ -53,19 +76,14 @@ def give_rank0_the_lead(exc: BaseException, code: int, ended_already=lambda: Fal
         return
     if threading.current_thread() is not threading.main_thread():
         return
-
-    def ended(signum, _frame):  # the launcher ends us: rank 0 is done; keep this rank's own code
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, ended)
-    if ended_already():  # asked after our handlers are in: a TERM cannot fall between the two
-        ended(signal.SIGTERM, None)
-    deadline = time.monotonic() + _grace()
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
+    with term_exits_with(code):  # the launcher ends us: rank 0 is done; keep this rank's own code
+        if ended_already():  # asked after our handlers are in: a TERM cannot fall between the two
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        deadline = time.monotonic() + _grace()
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
     found = describe(exc)
     if found is not None:
         print(f"error: rank {_rank()}: {found[1]}", file=sys.stderr, flush=True)

@@ -289,23 +289,10 @@ def _wait_for_rank0_to_print(error: BaseException, seconds: float = 3.0) -> None
     """Sleep up to ``seconds``; the launcher's TERM (rank 0 has printed and exited) ends this rank at once
     with the verdict's own exit code, so the job's code is the refusal's whichever rank srun saw last."""
     from ..errors import describe
+    from .refusal import term_exits_with
 
-    code = (describe(error) or (2, ""))[0]
-
-    def ended(_signum, _frame):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-    if threading.current_thread() is not threading.main_thread():
+    with term_exits_with((describe(error) or (2, ""))[0]):
         time.sleep(seconds)
-        return
-    previous = {sig: signal.signal(sig, ended) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        time.sleep(seconds)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def init_process_group(world: World, backend: str, collective_timeout_s: float = 600) -> None:
