@@ -81,13 +81,20 @@ def test_guard_matches_numpy_and_waits_for_a_full_window():
 
 def test_the_forward_clock_counts_an_injected_slowdown_as_compute():
     """``slow:factor=3`` makes a forward take 3x its CPU time, and the clock (CPU time on CPU) sees it;
-    outside a step (validation) nothing is timed."""
+    outside a step (validation) nothing is timed.
+
+    The 3x is checked against the forwards the fault itself was shown (a run timed against another run is
+    noise on a shared CI box: one such pair measured 5.7x); an unslowed clock is checked to add nothing."""
     from megafixed.train.stragglers import ForwardClock, StragglerReport
 
     layer = torch.nn.Linear(256, 256)
     x = torch.randn(64, 256)
-    plain = ForwardClock(layer, "cpu")
     plan = faults.FaultPlan(faults.parse("slow:factor=3"), rank=0)
+    shown = []
+
+    def slow_down(seconds):
+        shown.append(seconds)
+        plan.slow_down(seconds)
 
     def forwards(clock, n=20):
         clock.active = True
@@ -96,12 +103,14 @@ def test_the_forward_clock_counts_an_injected_slowdown_as_compute():
         clock.active = False
         return clock.take()
 
-    base = forwards(plain)
-    layer2 = torch.nn.Linear(256, 256)
-    slowed = ForwardClock(layer2, "cpu", on_forward=plan.slow_down)
-    layer = layer2
+    plain = ForwardClock(torch.nn.Linear(1, 1), "cpu")  # hooks on another module: never fires
+    assert forwards(plain) == 0.0
+    slowed = ForwardClock(layer, "cpu", on_forward=slow_down)
     slow = forwards(slowed)
-    assert 2.0 < slow / base < 5.0, (base, slow)
+    assert len(shown) == 20 and all(s > 0 for s in shown)
+    # The fault spins (factor - 1) x each forward's own seconds, so the clock sees 3x them; what is over that is the
+    # hook's and the spin loop's own overshoot, well under a millisecond a forward.
+    assert 3.0 * sum(shown) * 0.999 <= slow <= 3.0 * sum(shown) + 20 * 1e-3, (sum(shown), slow)
     layer(x)  # inactive: not counted
     assert slowed.take() == 0.0
     rep = StragglerReport(factor=1.5, world=1, device="cpu")
