@@ -15,6 +15,7 @@ A DeepSpeed pipeline engine runs none of this: its schedule does the accumulatio
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -50,6 +51,24 @@ def scaled_loss(loss, faults, step: int):
         return loss
     factor = faults.loss_factor(step + 1)
     return loss if factor is None else loss * factor
+
+
+@contextmanager
+def faults_in_loss_fn(owner, attr: str, faults, step: int):
+    """Around one step of a pipeline schedule: ``owner.<attr>``, the loss function the schedule itself calls
+    for every micro batch on the last stage, gives the losses ``scaled_loss`` would (so the gradients carry
+    the fault too). Under a pipeline only the last stage's ranks hold a loss: a ``rank=R`` fault on another
+    stage has nothing to change. Without a fault at this step the function is left as it is."""
+    factor = None if faults is None else faults.loss_factor(step + 1)
+    if factor is None:
+        yield
+        return
+    original = getattr(owner, attr)
+    setattr(owner, attr, lambda *args, **kwargs: original(*args, **kwargs) * factor)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
 
 
 def loss_verdict(guard, step: int, value: float, nonfinite: bool, on_nonfinite: str):

@@ -147,10 +147,3 @@ class FaultPlan:
     def _line(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)  # every rank: the faulty rank may not be rank 0
 
-
-def scale_loss(loss, plan: Optional[FaultPlan], step: int):
-    """The step's loss with this rank's injected factor applied (``loss`` itself when none)."""
-    if plan is None:
-        return loss
-    factor = plan.loss_factor(step)
-    return loss if factor is None else loss * factor

@@ -11,13 +11,14 @@ shifted views (``megafixed.engine.batches.split_tokens``).
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional
 
 import torch
 
 from ..base import StepResult
 from ..batches import none_if_nan, split_tokens
-from ..loops import accumulated_loss, eval_mean, loss_verdict, norm_verdict, scaled_loss
+from ..loops import accumulated_loss, eval_mean, faults_in_loss_fn, loss_verdict, norm_verdict, scaled_loss
 
 
 def _fence_checkpoint_copies(engine) -> None:
@@ -51,19 +52,8 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
     """
     engine.train()
     if is_pipeline_engine(engine):
-        # Exactly `accum` pairs: the pipeline schedule pulls one per micro batch on its first/last stage.
-        pairs = (split_tokens(next(batches), engine.device, vocab_size) for _ in range(accum))
-        _fence_checkpoint_copies(engine)  # train_batch ends in the update: no overlap to be had here
-        loss = engine.train_batch(data_iter=pairs)  # already averaged over micro batches and DP
-        value = float(loss)
-        nonfinite = not torch.isfinite(torch.tensor(value))
-        # With ZeRO-1 (the pipeline engine's maximum) DeepSpeed itself skips an update whose
-        # gradients are non-finite, which is what a non-finite loss produces. A spike is judged only
-        # after the schedule's update here (it runs inside train_batch): stop and rollback act on it.
-        verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
-        grad_norm = none_if_nan(engine.get_global_grad_norm())
-        verdict = verdict or norm_verdict(guard, step, grad_norm)
-        return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite, verdict=verdict)
+        return _pipeline_train_step(engine, optimizer, batches, accum, on_nonfinite=on_nonfinite, step=step,
+                                    vocab_size=vocab_size, guard=guard, faults=faults)
 
     def micro_step(k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = scaled_loss(engine(inputs, labels), faults, step)  # an injected fault (MEGAFIXED_INJECT), if any
@@ -100,6 +90,55 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
     if grad_norm is None and verdict is None:
         grad_norm = none_if_nan(judged["norm"] if "norm" in judged else engine.get_global_grad_norm())
     return StepResult(loss=value, grad_norm=grad_norm, skipped=verdict is not None, verdict=verdict)
+
+
+def _pipeline_train_step(engine, optimizer, batches, accum: int, *, on_nonfinite: str, step: int,
+                         vocab_size: Optional[int], guard, faults) -> StepResult:
+    """One ``train_batch`` of a DeepSpeed pipeline engine, judged before its update.
+
+    The schedule runs the micro batches and ends in the optimizer step, all inside ``train_batch``. So the
+    verdict is asked from inside that step (``SkippableAdamW.before_update``, as for ZeRO below): there
+    the last stage holds the micro batches' losses and ZeRO-1 / the bf16 optimizer the update's global
+    norm. The loss is the engine's own aggregate (``_aggregate_total_loss``: the DP mean, broadcast over
+    the pipe group; ``train_batch`` repeats it after the update), so every rank judges the same values and
+    a skip leaves every stage unchanged. The cost, with a guard: that small all-reduce and broadcast once
+    more per step, and the loss's one host read moved before the update.
+    """
+    pairs = (split_tokens(next(batches), engine.device, vocab_size) for _ in range(accum))  # one per micro batch
+    judged: dict = {}
+
+    def judge_before_update() -> bool:
+        value = judged["loss"] = float(engine._aggregate_total_loss())  # on every rank: a collective
+        nonfinite = not math.isfinite(value)
+        verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+        if verdict is None:
+            # ZeRO-1 and the bf16 optimizer hold the update's pre-clip norm here. fp32 without ZeRO has none:
+            # DeepSpeed clipped before calling the optimizer and kept no norm, so the loss alone is judged.
+            judged["norm"] = _zero_grad_norm(engine)
+            verdict = norm_verdict(guard, step, judged["norm"])
+        judged["verdict"] = verdict
+        return verdict is not None
+
+    if guard is not None:
+        optimizer.before_update = judge_before_update
+    _fence_checkpoint_copies(engine)  # train_batch ends in the update: no overlap to be had here
+    try:
+        with faults_in_loss_fn(engine.module, "loss_fn", faults, step):
+            loss = engine.train_batch(data_iter=pairs)  # averaged over micro batches and DP, every stage
+    finally:
+        optimizer.skip_next_step, optimizer.before_update = False, None
+    value = judged["loss"] if "loss" in judged else float(loss)  # one host read of the loss per step
+    nonfinite = not math.isfinite(value)
+    if "verdict" in judged:
+        verdict = judged["verdict"]
+        grad_norm = None if verdict is not None else none_if_nan(judged["norm"])
+        return StepResult(loss=value, grad_norm=grad_norm, skipped=verdict is not None, verdict=verdict)
+    # Not asked: no guard (a benchmark), or ZeRO-1 / the bf16 optimizer found non-finite gradients (what a
+    # non-finite loss makes) and skipped the update itself, before calling the optimizer.
+    verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+    grad_norm = none_if_nan(engine.get_global_grad_norm())
+    return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite or guard is not None,
+                      verdict=verdict or norm_verdict(guard, step, grad_norm))
 
 
 def _zero_grad_norm(engine):

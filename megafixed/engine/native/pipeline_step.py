@@ -60,7 +60,10 @@ class PipelineEngine(NativeEngine):
         self.model.train()
         inputs, labels = self._local_batch(batches, self.plan.batch.accum)
         losses: list = [] if self.has_last else None
-        with self._loss_context(self.model), self._compute()():
+        from ..loops import faults_in_loss_fn
+
+        with self._loss_context(self.model), self._compute()(), \
+                faults_in_loss_fn(self.schedule, "_loss_fn", getattr(self, "faults", None), step):
             self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
                                losses=losses, return_outputs=False)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -74,7 +77,7 @@ class PipelineEngine(NativeEngine):
         return apply_update(self.optimizer, value, nonfinite, lr=lr, grad_clip=self.cfg.optimizer.grad_clip,
                             on_nonfinite=self.cfg.train.on_nonfinite, step=step,
                             norm=lambda params: pp_grad_norm(params, self.pp_group),
-                            guard=getattr(self, "guard", None))  # the bad-step guard (no injected loss faults)
+                            guard=getattr(self, "guard", None))  # the bad-step guard, before the update
 
     @torch.no_grad()
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
