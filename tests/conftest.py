@@ -184,3 +184,9 @@ def pytest_runtest_protocol(item, nextitem):
         # module fixtures may leave jobs running between tests); any other test leaves after itself
         if group not in EXCLUSIVE or nextitem is None or _group(nextitem) != group:
             _room.leave()
+
+
+def pytest_unconfigure(config):
+    if _room is not None:  # the worker is done: its lock files close (and any lock it held goes with them)
+        _room.turnstile.close()
+        _room.room.close()
