@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_resilience import _tensors  # every tensor of a checkpoint's nested state, by name
 
 from _train_data import tiny_overrides
 
@@ -44,17 +45,6 @@ def runs(tiny_shards, tmp_path_factory, torchrun):
 
 def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _tensors(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            yield from _tensors(obj[k], f"{prefix}.{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}[{i}]")
 
 
 def _state(engine: str, tag_dir: Path, scratch: Path) -> dict:
