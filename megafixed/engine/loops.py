@@ -59,12 +59,11 @@ def faults_in_loss_fn(owner, attr: str, faults, step: int):
     for every micro batch on the last stage, gives the losses ``scaled_loss`` would (so the gradients carry
     the fault too). Under a pipeline only the last stage's ranks hold a loss: a ``rank=R`` fault on another
     stage has nothing to change. Without a fault at this step the function is left as it is."""
-    factor = None if faults is None else faults.loss_factor(step + 1)
-    if factor is None:
+    if faults is None or faults.loss_factor(step + 1) is None:
         yield
         return
     original = getattr(owner, attr)
-    setattr(owner, attr, lambda *args, **kwargs: original(*args, **kwargs) * factor)
+    setattr(owner, attr, lambda *args, **kwargs: scaled_loss(original(*args, **kwargs), faults, step))
     try:
         yield
     finally:

@@ -127,14 +127,14 @@ def _pipeline_train_step(engine, optimizer, batches, accum: int, *, on_nonfinite
             loss = engine.train_batch(data_iter=pairs)  # averaged over micro batches and DP, every stage
     finally:
         optimizer.skip_next_step, optimizer.before_update = False, None
-    value = judged["loss"] if "loss" in judged else float(loss)  # one host read of the loss per step
-    nonfinite = not math.isfinite(value)
     if "verdict" in judged:
         verdict = judged["verdict"]
         grad_norm = None if verdict is not None else none_if_nan(judged["norm"])
-        return StepResult(loss=value, grad_norm=grad_norm, skipped=verdict is not None, verdict=verdict)
+        return StepResult(loss=judged["loss"], grad_norm=grad_norm, skipped=verdict is not None, verdict=verdict)
     # Not asked: no guard (a benchmark), or ZeRO-1 / the bf16 optimizer found non-finite gradients (what a
     # non-finite loss makes) and skipped the update itself, before calling the optimizer.
+    value = float(loss)
+    nonfinite = not math.isfinite(value)
     verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
     grad_norm = none_if_nan(engine.get_global_grad_norm())
     return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite or guard is not None,
