@@ -295,3 +295,19 @@ def test_the_hung_dp2_run_goes_on_with_one_rank_and_says_it_shrank(dp2_drill, on
     a, b = losses(one_process_nan), losses(run)
     for step in (7, 8, 9, 10):
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+
+
+def test_a_spike_after_max_rollbacks_stops_the_run_with_the_checkpoint_intact(tiny_shards, tmp_path, monkeypatch):
+    """``train.max_rollbacks=1``: the spike at step 6 rolls back to step 4; the next one, at step 8, finds the
+    rollbacks used up and stops the run in one line (exit 1 from the CLI), its newest checkpoint verified."""
+    from megafixed.train.rollback import BadStepError
+
+    run = tmp_path / "run"
+    with pytest.raises(BadStepError, match=r"bad step 8: .* already rolled back 1 time\(s\) \(train.max_rollbacks=1\)"):
+        _train(tiny_shards, run, *ROLLBACK, "train.on_spike=rollback", "train.max_rollbacks=1",
+               inject="spike@6:factor=1000;spike@8:factor=1000", monkeypatch=monkeypatch)
+    assert [(v["step"], v["action"]) for v in verdicts(run)] == [(6, "rollback"), (8, "rollback")]
+    window = json.loads((run / "faults" / "skipped_steps.json").read_text())["windows"]
+    assert [(w["first"], w["last"]) for w in window] == [(5, 6)]  # one rollback, no second window
+    assert sorted(losses(run)) == [1, 2, 3, 4, 7]  # 5-6 skipped; the stopping step 8 is not a trained step
+    assert assert_latest_verifies(run) == "step_00000006"  # saved after the rollback, before the stopping spike
