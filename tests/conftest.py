@@ -98,7 +98,8 @@ def tiny_reference(tiny_shards, tmp_path_factory):
 # pytest.ini runs the suite on 2 pytest-xdist workers (`--dist loadgroup --no-loadscope-reorder`): one
 # worker kept 2 cores only ~54% busy (measured 2026-12-03: 1300 CPU-s in 1191 s), because most tests wait
 # on one subprocess at a time, and a starting Python process is single-threaded.
-#  * every test of a file stays on one worker, so a module's shared launches are not repeated per worker;
+#  * every test of a file stays on one worker, so a module's shared launches are not repeated per worker
+#    (the scheduler below; tests/test_worker_groups.py checks it);
 #  * EXCLUSIVE groups run with the other worker idle: the Slurm files start clusters whose dozen ranks are
 #    already CPU-bound by design (a worker beside them starved the 3-node cluster on 2026-12-02: "node3 not
 #    responding", a job past its 240 s deadline), and they share one cluster name space. (The resilience and
@@ -118,17 +119,38 @@ LONGEST_FIRST = (*EXCLUSIVE, "test_fake_measure.py", "test_native_pipeline.py", 
                  "test_deepspeed_memory.py", "test_resilience_pipeline.py")
 
 
+def _group_of(file_name: str) -> str:
+    return "slurm" if file_name in SLURM_FILES else file_name
+
+
 def _group(item) -> str:
-    name = item.path.name
-    return "slurm" if name in SLURM_FILES else name
+    return _group_of(item.path.name)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
     items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: a file keeps its own order
+
+
+@pytest.hookimpl(optionalhook=True)  # optional: the hook exists only where pytest-xdist is installed
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`, with our groups as the scopes, read from the test's file name.
+
+    Not xdist's own LoadGroupScheduling with `xdist_group` marks: that one finds a test's group in an
+    ``@group`` suffix its workers append to ``item._nodeid``, and pytest 9 builds ``nodeid`` from ``_id``, so
+    the suffix never arrives and every test became its own scope (found 2026-12-03, pytest 9.2.0 with
+    pytest-xdist 3.8.0: the 45 s module fixture of test_fake_measure was built on both workers). A scope
+    read from the file name does not depend on either version. Other `--dist` modes stay xdist's."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(Path(nodeid.split("::", 1)[0]).name)
+
+    return FileGroupScheduling(config, log)
 
 
 class _Room:

@@ -214,3 +214,27 @@ def test_ctrl_c_leaves_no_complete_looking_pair(data, tmp_path):
     proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert os.listdir(out) == []  # finished temp shards, the open one and its partial .bin: all removed
+
+
+@pytest.mark.parametrize("moved", [1, 2, 4])  # the first shard's .bin alone; its .bin and .idx; two shards
+def test_an_interrupt_mid_commit_leaves_no_half_shard(data, tmp_path, monkeypatch, moved):
+    """scancel's SIGTERM (a SystemExit, commands/preprocess_submit.py) can land while the shards are being
+    moved into place (seen 2026-12-03: a final .bin with no .idx or meta). The output must then hold no shard
+    at all, so the group reads as not done, not as done with a damaged or missing shard."""
+    import megafixed.data.preprocess as pre
+
+    root, jsonl, tok = data
+    real_replace, moves = os.replace, []
+
+    def replace(src, dst):
+        if ".partial-" in str(src) and ".partial-" not in str(dst):  # the commit's, not the writer's own
+            if len(moves) == moved:
+                raise SystemExit(128 + 15)
+            moves.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(pre.os, "replace", replace)
+    with pytest.raises(SystemExit):
+        _run([jsonl], tmp_path / "sh", tok, shard_size_mb=0.05)
+    assert len(moves) == moved, "the commit had begun moving shards into place"
+    assert sorted(os.listdir(tmp_path)) == [], "a half-committed shard (or a temp file) was left behind"

@@ -141,7 +141,8 @@ FULL = {  # the 1.7B paper config at 64 ranks
 }
 
 
-# One full-size row runs by default (~30 s); the other three (about 2 CPU-minutes together) with -m fullsize.
+# One full-size row runs by default (72 s on a quiet 2-core machine, 2026-12-03); the other three (about 2
+# CPU-minutes together) with -m fullsize.
 # Measured vs analytic per row: docs/benchmarks.md.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n if n == "fsdp_ac" else pytest.param(n, marks=pytest.mark.fullsize)

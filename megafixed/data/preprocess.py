@@ -170,6 +170,7 @@ class _ShardedOutput:
         self.prefix, self.dtype, self.shard_bytes = prefix, dtype, shard_bytes
         self.tmp_base = f"{prefix}.partial-{os.getpid()}"
         self.done: list[str] = []  # temp prefixes of finished shards
+        self.committed: list[str] = []  # final prefixes this commit has begun to move into place
         self.writer: Optional[ShardWriter] = None
 
     def _tmp_prefix(self, i: int) -> str:
@@ -220,6 +221,7 @@ class _ShardedOutput:
             final = self.final_prefix(i)
             if os.path.exists(idx_path(final)):
                 os.remove(idx_path(final))
+            self.committed.append(final)  # before the first move: abort() must see a half-moved shard
             os.replace(bin_path(tmp), bin_path(final))
             _write_meta(final, {**meta, "shard": i, "num_shards": len(self.done)})
             os.replace(idx_path(tmp), idx_path(final))
@@ -229,8 +231,10 @@ class _ShardedOutput:
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()
-        for tmp in self.done:
-            for p in (bin_path(tmp), idx_path(tmp), meta_path(tmp)):
+        # a commit interrupted (scancel's SIGTERM lands mid-way, seen 2026-12-03) leaves no half shard: a .bin
+        # moved into place without its .idx, or a shard set missing its tail. .idx first: never an .idx without its .bin
+        for prefix in [*self.committed, *self.done]:
+            for p in (idx_path(prefix), meta_path(prefix), bin_path(prefix)):
                 if os.path.exists(p):
                     os.remove(p)
         # and a writer interrupted while opening (its file made, not yet ours to abort): every temp name
