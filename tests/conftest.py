@@ -127,7 +127,6 @@ def _group(item) -> str:
     return _group_of(item.path.name)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: a file keeps its own order
@@ -140,7 +139,7 @@ def pytest_xdist_make_scheduler(config, log):
     Not xdist's own LoadGroupScheduling with `xdist_group` marks: that one finds a test's group in an
     ``@group`` suffix its workers append to ``item._nodeid``, and pytest 9 builds ``nodeid`` from ``_id``, so
     the suffix never arrives and every test became its own scope (found 2026-12-03, pytest 9.2.0 with
-    pytest-xdist 3.8.0: the 45 s module fixture of test_fake_measure was built on both workers). A scope
+    pytest-xdist 3.8.0: the 72 s module fixture of test_fake_measure was built on both workers). A scope
     read from the file name does not depend on either version. Other `--dist` modes stay xdist's."""
     if config.getvalue("dist") != "loadgroup":
         return None
