@@ -260,6 +260,21 @@ class TrainConfig:
     spike_window: int = 128
     rollback_skip: int = 10
     max_rollbacks: int = 3
+    # A verdict is checked once before it is acted on (megafixed/train/recheck.py): every rank computes the
+    # step again from the state before its update, with the same batch and RNG. Good again: a transient
+    # fault (a flaky device, a flipped bit): the run trains on the recomputation, names the rank(s) whose
+    # values differed and counts it per node in <run_dir>/faults/bad_steps.jsonl. Bad again: on_nonfinite /
+    # on_spike act as without the check. On by default: it costs one more computation of a step only when a
+    # verdict comes, and turns a transient fault into a step trained as if nothing happened instead of a
+    # dropped batch, a rollback or a stopped run.
+    recheck_bad_steps: bool = True
+    # After this many transient faults on one node, the run saves a checkpoint and exits 77
+    # (exit_codes.EXCLUDE_NODE); the Slurm job script resubmits the job without that node. 0: never.
+    max_transient_faults: int = 2
+    # The checkpoint a resume, a requeue or a rollback would load fails verification (a file missing,
+    # truncated or corrupt): it is moved aside as <tag>.damaged-<why> (never deleted) and the newest older
+    # checkpoint that verifies is loaded, said in one line and in the run record. false: stop in one line.
+    checkpoint_fallback: bool = True
     # No step completed for this long: every rank writes its Python stacks to <run_dir>/faults/, rank 0
     # names the ranks that did not reach the step, exit 76 (exit_codes.HUNG). 0: max(300 s, 20 x the
     # median step time); the first step, saves and validation get at least parallel.collective_timeout_s.

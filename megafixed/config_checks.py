@@ -108,6 +108,7 @@ RANGES: dict[str, Range] = {
     "train.spike_window": _at_least(2, "good steps whose mean and std judge the next one"),
     "train.rollback_skip": _at_least(0, "steps skipped past the bad one after a rollback"),
     "train.max_rollbacks": _at_least(0, "rollbacks before the run stops; 0: the first bad step stops it"),
+    "train.max_transient_faults": _at_least(0, "transient faults on one node before the run leaves it; 0: never"),
     "train.hang_timeout_s": _at_least(0, "seconds without a completed step; 0: from the measured step time"),
     "train.straggler_factor": _pos("times the median forward compute that names a rank"),
     # parallel

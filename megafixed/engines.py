@@ -61,7 +61,7 @@ class EngineKind:
     check_supported: Hook  # (cfg, plan) -> None, or the engine's refusal (LayoutError/ConfigError)
     relayout_refusal: Hook  # (old layout, new layout) -> why not, or None
     setup_groups: Hook  # plan -> the Topology's process-group fields (a dict)
-    build: Hook  # (cfg, topo) -> this rank's Engine
+    build: Hook  # (cfg, topo, checks: StepChecks or None) -> this rank's Engine
     engine_config: Hook  # (cfg, plan) -> the engine's config as JSON
     checkpoint: Hook  # the module that reads its checkpoints (see the module docstring)
     describe: Hook  # the module of its self-description (see the module docstring)

@@ -164,6 +164,8 @@ def report(exc: BaseException, file=None) -> int:
     if found is None:
         raise exc
     code, line = found
+    notes = [n for n in getattr(exc, "__notes__", ()) if n]  # e.g. where a failed run's files are kept
+    line = "; ".join([line, *notes]) if notes else line
     # every_rank: a failure that rank 0 may not see (it is the missing rank), e.g. an unreachable master
     if _is_rank0() or getattr(exc, "every_rank", False):
         print(f"error: {line}", file=file or sys.stderr, flush=True)

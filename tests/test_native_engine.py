@@ -198,14 +198,14 @@ engine = build_engine(cfg, setup_distributed(RunPlan.for_launch(cfg)))
 assert engine.name == "torch" and isinstance(engine, Engine)  # the seam's protocol, all of it
 data = torch.randint(0, cfg.model.vocab_size, (64, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
 batches = iter(data.split(cfg.train.micro_batch))
-first = engine.train_step(batches, 1e-3, 0)
+first = engine.train_step(batches, 1e-3, 1)  # steps numbered as in the logs
 assert not first.skipped and math.isfinite(first.loss) and first.grad_norm > 0
 with torch.no_grad():
     engine.module.head.proj.weight[3, 5] = float("nan")  # every loss is NaN from here on
 before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in engine.optimizer.state.items()}
 engine.cfg.train.on_nonfinite = "skip"
-skipped = engine.train_step(batches, 1e-3, 1)
+skipped = engine.train_step(batches, 1e-3, 2)
 assert skipped.skipped and math.isnan(skipped.loss) and skipped.grad_norm is None
 for n, p in engine.module.named_parameters():
     assert torch.equal(p.detach().nan_to_num(7.0), before[n].nan_to_num(7.0)), n
@@ -214,7 +214,7 @@ for p, s in engine.optimizer.state.items():
     assert all(torch.equal(v, moments[id(p)][k]) for k, v in s.items())
 engine.cfg.train.on_nonfinite = "stop"
 try:
-    engine.train_step(batches, 1e-3, 2)
+    engine.train_step(batches, 1e-3, 3)
     raise AssertionError("a non-finite loss did not stop")
 except NonFiniteLossError as exc:
     assert "step 3: the training loss is nan" in str(exc) and "on_nonfinite=skip" in str(exc), exc

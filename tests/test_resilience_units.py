@@ -217,7 +217,7 @@ def test_the_guard_adds_no_device_read_to_a_step(tiny_shards, tmp_path, extra):
     guard = BadStepGuard.from_config(cfg.train)
     counts = {}
     for step, attached in enumerate((None, guard, None, guard)):
-        engine.guard = attached
+        engine.checks.guard = attached  # the StepChecks the engine was built with (none: build_engine's default)
         with _ScalarReads() as reads:
             result = engine.train_step(batches, 1e-3, step)
         counts.setdefault(attached is not None, []).append(reads.count)

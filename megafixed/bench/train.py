@@ -127,8 +127,8 @@ class EngineLoop(_Loop):
         self.n = 0
 
     def step(self) -> None:
+        self.n += 1  # steps numbered as in the logs (the first is 1)
         self.engine.train_step(self.batches, self.cfg.optimizer.lr, self.n)
-        self.n += 1
 
     def close(self) -> None:
         self.engine = self.batches = None

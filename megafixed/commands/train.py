@@ -91,6 +91,8 @@ def _train(args, stop) -> int:
         if lost is None:
             raise
         lost.after_start = True  # launch/refusal.py: the survivors do not wait for rank 0's line
+        for note in getattr(exc, "__notes__", ()):  # e.g. where the run's files are kept
+            lost.add_note(note)
         raise lost from exc
     if topo.is_main:
         from ..run.run_dir import RunDirectory
@@ -99,6 +101,8 @@ def _train(args, stop) -> int:
         ckpt = os.path.join(rd.checkpoints, result.checkpoint or "")
         print(f"{'stopped' if result.stopped else 'done'}: {count(result.step, 'step')}; metrics "
               f"{rd.metrics_file}, checkpoint {ckpt}")
+    if result.leaving:  # transient faults on a node: saved; the job script resubmits without it
+        return exit_codes.EXCLUDE_NODE
     if result.stopped and stop.interrupted:
         return exit_codes.INTERRUPTED
     return exit_codes.STOPPED if result.stopped else exit_codes.OK

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..engines import checkpoint_kind, engine_kind, kind_of, kinds
-from .base import ConvertError, Engine, NonFiniteLossError, StepResult  # noqa: F401  (the seam's types)
+from .base import ConvertError, Engine, NonFiniteLossError, StepChecks, StepResult  # noqa: F401  (the seam's types)
 from .batches import TokenRangeError, split_tokens  # noqa: F401
 
 
@@ -29,10 +29,12 @@ def check_supported(cfg, plan) -> None:
     kind_of(plan).call("check_supported", cfg, plan)
 
 
-def build_engine(cfg, topo) -> Engine:
+def build_engine(cfg, topo, checks: Optional[StepChecks] = None) -> Engine:
     """This rank's engine for the run: the model config, optimizer and engine keys from ``cfg``;
-    the batch, precision and layout from the run plan the topology was made from (``topo.plan``)."""
-    return kind_of(topo.plan).call("build", cfg, topo)
+    the batch, precision and layout from the run plan the topology was made from (``topo.plan``);
+    ``checks``: the bad-step guard and the loss tap its step asks (``Engine.checks``; None: neither,
+    as for a benchmark)."""
+    return kind_of(topo.plan).call("build", cfg, topo, checks)
 
 
 def engine_config(cfg, plan) -> dict:

@@ -42,13 +42,16 @@ class Verdict:
     mean: Optional[float] = None  # the window's, for a spike
     std: Optional[float] = None
 
-    def line(self, sigma: float, window: int) -> str:
+    def why(self, sigma: float, window: int) -> str:
         if self.kind == "nonfinite":
-            why = f"the {self.what.replace('_', ' ')} is {self.value} (non-finite)"
-        else:
-            why = (f"the {self.what.replace('_', ' ')} {self.value:.6g} is a spike: beyond {sigma:g} sigma of the "
-                   f"last {window} steps (mean {self.mean:.6g}, std {self.std:.3g})")
-        return f"bad step {self.step}: {why}; action {self.action} ({self.key()}={self.action})"
+            return f"the {self.what.replace('_', ' ')} is {self.value} (non-finite)"
+        return (f"the {self.what.replace('_', ' ')} {self.value:.6g} is a spike: beyond {sigma:g} sigma of the "
+                f"last {window} steps (mean {self.mean:.6g}, std {self.std:.3g})")
+
+    def line(self, sigma: float, window: int, again: str = "") -> str:
+        """``again``: words after the reason (the re-check's finding)."""
+        why = self.why(sigma, window)
+        return f"bad step {self.step}: {why}{again}; action {self.action} ({self.key()}={self.action})"
 
     def key(self) -> str:
         return "train.on_nonfinite" if self.kind == "nonfinite" else "train.on_spike"

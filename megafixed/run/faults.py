@@ -2,16 +2,23 @@
 ``fault_injector.py`` is the model): ``MEGAFIXED_INJECT`` holds faults separated by ``;``, steps
 numbered as in the logs (the first optimizer step is step 1):
 
-* ``nan@STEP[:rank=R]``: the loss of that step turns NaN on rank R (or on every rank) -- before its
+* ``nan@STEP[:rank=R][:once]``: the loss of that step turns NaN on rank R (or on every rank) -- before its
   backward, so the gradients are NaN too, as a real overflow makes them;
-* ``spike@STEP[:rank=R][:factor=F]``: that loss is multiplied by F (default 1000), gradients with it;
+* ``spike@STEP[:rank=R][:factor=F][:once]``: that loss is multiplied by F (default 1000), gradients with it;
+* ``:once`` (nan and spike): only the step's first computation is hit, as a flaky device or a flipped bit
+  would be; its re-computation (``train.recheck_bad_steps``) is clean, so the fault is found transient.
+  Without it the fault hits every computation of the step: a deterministic fault, as bad data is
+  (Megatron core's ``--error-injection-type transient_error`` / ``persistent_error``);
 * ``hang@STEP[:rank=R]``: the rank stops making progress before that step (the hang watchdog's drill);
 * ``slow[:rank=R][:factor=F]``: every forward of the rank takes F times as long (default 3): a
   straggler, seen as compute (the straggler report's drill);
 * ``exit@STEP[:rank=R]``: the rank dies (SIGKILL, as a lost node does) before that step.
 
 Unset, ``FaultPlan.from_env`` returns None and the loop pays one ``is None`` test per step. A
-malformed value is one ``InjectError`` line naming the bad fault and the grammar.
+malformed value is one ``InjectError`` line naming the bad fault and the grammar, and so is a drill that
+cannot fire in this run (``FaultPlan.refusal``: a rank not below the world size, a step beyond
+``train.max_steps``, a step a resumed run has already done): a drill that silently does nothing would
+be read as a fault survived.
 """
 from __future__ import annotations
 
@@ -25,8 +32,10 @@ from typing import Mapping, Optional
 ENV = "MEGAFIXED_INJECT"
 KINDS = ("nan", "spike", "hang", "slow", "exit")
 DEFAULT_FACTOR = {"spike": 1000.0, "slow": 3.0}
+ONCE = ("nan", "spike")  # the loss faults, which a re-computation of the step can tell apart
 GRAMMAR = ("nan@STEP, spike@STEP, hang@STEP, exit@STEP or slow, each with optional :rank=R (and :factor=F for "
-           "spike and slow), separated by ';' -- e.g. MEGAFIXED_INJECT='nan@3:rank=1;slow:rank=0:factor=2'")
+           "spike and slow, :once for nan and spike), separated by ';' -- e.g. "
+           "MEGAFIXED_INJECT='nan@3:rank=1;spike@5:once;slow:rank=0:factor=2'")
 
 
 class InjectError(ValueError):
@@ -39,6 +48,7 @@ class Fault:
     step: Optional[int]  # None: every step (slow)
     rank: Optional[int]  # None: every rank
     factor: float = 1.0
+    once: bool = False  # only the step's first computation (a transient fault)
 
     def applies(self, rank: int, step: Optional[int] = None) -> bool:
         return (self.rank is None or self.rank == rank) and (step is None or self.step == step)
@@ -46,7 +56,19 @@ class Fault:
     def spelled(self) -> str:
         text = self.kind + (f"@{self.step}" if self.step is not None else "")
         text += f":rank={self.rank}" if self.rank is not None else ""
-        return text + (f":factor={self.factor:g}" if self.kind in DEFAULT_FACTOR else "")
+        text += f":factor={self.factor:g}" if self.kind in DEFAULT_FACTOR else ""
+        return text + (":once" if self.once else "")
+
+    def cannot_fire(self, world: int, max_steps: int, done: int) -> Optional[str]:
+        """Why this fault can never happen in a run of ``world`` ranks that trains steps ``done + 1`` to
+        ``max_steps`` (None: it can)."""
+        if self.rank is not None and self.rank >= world:
+            return f"rank {self.rank} is not below the world size {world} (ranks 0-{world - 1})"
+        if self.step is not None and self.step > max_steps:
+            return f"step {self.step} is beyond train.max_steps={max_steps}"
+        if self.step is not None and self.step <= done:
+            return f"step {self.step} is already done: this run resumes after step {done}"
+        return None
 
 
 def _bad(raw: str, part: str, why: str) -> InjectError:
@@ -76,16 +98,18 @@ def parse(raw: str) -> list[Fault]:
         if (kind == "slow") == bool(at):
             raise _bad(raw, part, "takes no @STEP" if kind == "slow" else "needs @STEP")
         step = _number(raw, part, "step", step_text) if at else None
-        rank, factor = None, DEFAULT_FACTOR.get(kind, 1.0)
+        rank, factor, once = None, DEFAULT_FACTOR.get(kind, 1.0), False
         for opt in options:
             key, eq, value = opt.partition("=")
-            if key == "rank" and eq:
+            if key == "once" and not eq and kind in ONCE:
+                once = True
+            elif key == "rank" and eq:
                 rank = _number(raw, part, "rank", value)
             elif key == "factor" and eq and kind in DEFAULT_FACTOR:
                 factor = _number(raw, part, "factor", value, float)
             else:
                 raise _bad(raw, part, f"has an unknown option {opt!r}")
-        faults.append(Fault(kind, step, rank, factor))
+        faults.append(Fault(kind, step, rank, factor, once))
     if not faults:
         raise _bad(raw, raw, "names no fault")
     return faults
@@ -109,14 +133,25 @@ class FaultPlan:
         self.faults = [f for f in faults if f.applies(rank)]
         self.rank, self.say = rank, say
         self.slow = next((f.factor for f in self.faults if f.kind == "slow"), None)
+        self.step, self.computation = 0, 0  # the step being computed, and which computation of it (1: the first)
 
     @classmethod
     def from_env(cls, rank: int, env: Mapping[str, str] = os.environ, say=print) -> Optional["FaultPlan"]:
         raw = env.get(ENV, "")
         return cls(parse(raw), rank, say) if raw.strip() else None
 
+    def refusal(self, world: int, max_steps: int, done: int) -> Optional[str]:
+        """One line naming every fault (of any rank) that cannot fire in this run, or None."""
+        bad = [(f, why) for f in self.every_rank for why in [f.cannot_fire(world, max_steps, done)] if why]
+        if not bad:
+            return None
+        raw = os.environ.get(ENV, "; ".join(f.spelled() for f in self.every_rank))
+        return (f"{ENV}={raw!r}: " + "; ".join(f"{f.spelled()!r} cannot fire: {why}" for f, why in bad)
+                + f". A drill that cannot fire would test nothing; change it, or unset {ENV}")
+
     def _at(self, kind: str, step: int) -> Optional[Fault]:
-        return next((f for f in self.faults if f.kind == kind and f.step == step), None)
+        return next((f for f in self.faults if f.kind == kind and f.step == step
+                     and not (f.once and self.computation > 1)), None)
 
     def loss_factor(self, step: int) -> Optional[float]:
         """What this rank's loss of (log) step ``step`` is multiplied by, or None: NaN for ``nan``."""
@@ -126,7 +161,12 @@ class FaultPlan:
         return spike.factor if spike else None
 
     def before_step(self, step: int) -> None:
-        """``exit`` and ``hang`` happen here, before (log) step ``step`` begins on this rank."""
+        """Before each computation of (log) step ``step`` on this rank (a re-check computes it again):
+        ``exit`` and ``hang`` happen here, at the first."""
+        self.computation = self.computation + 1 if step == self.step else 1
+        self.step = step
+        if self.computation > 1:
+            return
         if self._at("exit", step):
             self._line(f"injected fault ({ENV}): rank {self.rank} dies (SIGKILL) before step {step}")
             os.kill(os.getpid(), signal.SIGKILL)

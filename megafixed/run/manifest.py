@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..atomic import atomic_write_text
+from .checkpoint_error import DamagedCheckpoint
 from .run_dir import LATEST, MANIFEST, RUN_RECORD, CheckpointError
 
 FORMAT = 1
@@ -113,8 +114,8 @@ def read(tag_dir: Path) -> Optional[dict]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is unreadable ({exc}); the checkpoint is damaged: point "
-                              f"{Path(tag_dir).parent / LATEST} at an earlier tag") from None
+        raise DamagedCheckpoint(f"{path} is unreadable ({exc}); the checkpoint is damaged: point "
+                                f"{Path(tag_dir).parent / LATEST} at an earlier tag", why="manifest") from None
 
 
 def check_file(tag_dir: Path, entry: dict, checksum: bool = True) -> Optional[str]:
@@ -163,13 +164,18 @@ def verify(tag_dir: Path, rank: int = 0, world: int = 1, group=None,
     if bad:
         _, name, why = bad[0]
         more = f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""
-        raise CheckpointError(f"checkpoint {tag_dir} is damaged: {Path(tag_dir) / name} is {why}{more}. Point "
-                              f"{Path(tag_dir).parent / LATEST} at an earlier tag (or delete it to start from "
-                              f"scratch)" if why == "missing" else
-                              f"checkpoint {tag_dir} is damaged: {Path(tag_dir) / name}: {why}{more}. Point "
-                              f"{Path(tag_dir).parent / LATEST} at an earlier tag (or delete it to start from "
-                              f"scratch)")
+        what = f"{Path(tag_dir) / name} is {why}" if why == "missing" else f"{Path(tag_dir) / name}: {why}"
+        raise DamagedCheckpoint(f"checkpoint {tag_dir} is damaged: {what}{more}. Point {Path(tag_dir).parent / LATEST} "
+                                f"at an earlier tag (or delete it to start from scratch)", why=_one_word(why))
     return manifest
+
+
+def _one_word(why: str) -> str:
+    """The kind of damage ``check_file`` found, as one word (for the name a damaged tag is moved aside under)."""
+    for word in ("missing", "truncated", "corrupt"):
+        if word in why:
+            return word
+    return "unlisted" if "not listed" in why else "damaged"
 
 
 def warn(line: str) -> None:

@@ -43,6 +43,14 @@ class SkipSteps:
     def __bool__(self) -> bool:
         return bool(self.ranges)
 
+    def consume(self, step: int, batches, accum: int) -> bool:
+        """If ``step`` is to be skipped: pull its ``accum`` micro batches (no forward, no RNG) and say True."""
+        if step not in self:
+            return False
+        for _ in range(accum):
+            next(batches)
+        return True
+
     def add_window(self, first: int, last: int, reason: str, write: bool) -> None:
         """A rollback's window: skipped from now on, and (rank 0: ``write``) kept in the run directory."""
         self.rolled_back = merge(self.rolled_back + [(first, last)])

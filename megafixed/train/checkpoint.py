@@ -154,11 +154,13 @@ def commit(ckpt_dir: Path, tag: str, world: int, keep: int, record: Optional[dic
 
 @dataclass
 class ResumePoint:
-    """Where a rerun continues: a verified tag, the safe config changes, whether the layout changed."""
+    """Where a rerun continues: a verified tag, the safe config changes, whether the layout changed, and
+    the damaged checkpoints passed over to reach it (``fallback.py``; not moved aside yet)."""
     tag: str
     tag_dir: Path
     changes: list = field(default_factory=list)
     relayout: bool = False
+    damaged: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -192,26 +194,47 @@ class Checkpointer:
         self.run_dir = RunDirectory(train.run_dir)
         self.ckpt_dir = self.run_dir.checkpoints
         self.interval, self.keep, self.last_step = train.save_interval, train.keep_checkpoints, train.max_steps
-        self.record = identity.record
+        self.strict = not train.checkpoint_fallback  # a damaged checkpoint stops the run instead of being passed over
+        self.record = dict(identity.record)  # what every checkpoint's run.json holds (``note``: and more)
         self.latest: Optional[str] = None  # the newest complete (or, async: in-flight) tag of this run
         self._meta: Optional[dict] = None
 
+    def note(self, **fields) -> None:
+        """Fields every later checkpoint's run record carries (a drill, a shrink, a fallback)."""
+        for key, value in fields.items():
+            if isinstance(value, list):
+                self.record.setdefault(key, []).extend(value)
+            else:
+                self.record[key] = value
+
     # ---- resume
     def resume_point(self) -> Optional[ResumePoint]:
-        """The checkpoint ``latest`` names, its files verified against its manifest and its run
-        record checked against the new config -- before anything in the run dir is touched."""
+        """The checkpoint ``latest`` names -- or, when its files fail their manifest, the newest older one
+        whose files verify (``fallback.py``) -- with its run record checked against the new config. Nothing
+        in the run dir is touched yet: a refused resume changes nothing (``set_damaged_aside`` follows)."""
+        from .fallback import newest_verified
+
         tag = read_latest(self.ckpt_dir)
         if tag is None:
             return None
+        tag, damaged = newest_verified(self.run_dir, tag, rank=self.topo.rank, world=self.topo.world_size,
+                                       strict=self.strict)
         tag_dir = self.run_dir.tag_dir(tag)
-        manifest.verify_for_reading(tag_dir, rank=self.topo.rank, world=self.topo.world_size)
-        point = ResumePoint(tag=tag, tag_dir=tag_dir)
+        point = ResumePoint(tag=tag, tag_dir=tag_dir, damaged=damaged)
         old = read_run_record(tag_dir)
         if old is not None:
             point.changes = self.identity.check(old, tag_dir)
             point.relayout = bool(layout_changes(old, self.topo.plan))
         self.latest = tag
         return point
+
+    def set_damaged_aside(self, point: Optional[ResumePoint], say) -> None:
+        """The damaged checkpoints the resume passed over, moved aside (said, and noted in the run record)."""
+        from .fallback import set_aside
+
+        if point is not None and point.damaged:
+            self.note(fallbacks=set_aside(self.run_dir, point.damaged, point.tag, is_main=self.topo.is_main,
+                                          world=self.topo.world_size, when="resume", say=say))
 
     def load(self, engine, point: ResumePoint) -> dict:
         """The engine's state from ``point`` (re-laid out if needed), then this rank's RNG; returns

@@ -113,6 +113,17 @@ class MetricsLog:
                 continue  # a line cut short by a kill
         atomic_write_text(self.path, "".join(line + "\n" for line in keep))
 
+    def rewind(self, step: int) -> None:
+        """The records (and TensorBoard events) past ``step`` go, as on a resume from ``step`` (a rollback
+        went back there): the files are closed, and the next record reopens them, truncated first."""
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.resume_step = step
+
     def write(self, rec: dict) -> None:
         if not self.enabled:
             return

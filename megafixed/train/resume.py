@@ -126,3 +126,27 @@ def check_run_dir_takes(cfg, plan) -> Optional[str]:
     if record is not None:
         check_resume(record, cfg, plan, rd.tag_dir(tag))
     return tag
+
+
+def shrink_note(resume, topo) -> tuple[Optional[str], dict]:
+    """A resume on fewer ranks than the checkpoint's (a requeued job back on fewer nodes, ``submit --nodes
+    MIN-MAX``): the data-parallel degree is re-laid out and the global batch kept by accumulating more.
+    Returns the one line that says so (None: no shrink) and what the run record keeps: ``nodes`` (the job's,
+    under Slurm) and ``shrunk_from``."""
+    import os
+
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES")
+    record: dict = {"nodes": int(nodes)} if nodes else {}
+    old = read_run_record(resume.tag_dir) if resume is not None else None
+    lay = (old or {}).get("layout") or {}
+    world = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("dp", 1)
+    if not lay or world <= topo.world_size:
+        return None, record
+    plan = topo.plan
+    was = {"world": world, "dp": lay.get("dp"), "nodes": (old or {}).get("nodes")}
+    record["shrunk_from"] = was
+    where = f" on {was['nodes']} nodes" if was["nodes"] else ""
+    now = f" on {nodes} nodes" if nodes else ""
+    return (f"the job shrank: checkpoint {resume.tag} was written by {world} ranks{where} (dp {lay.get('dp')}), "
+            f"this run has {topo.world_size}{now} (dp {plan.dp}); the global batch {plan.batch.global_batch} is "
+            f"kept by accumulating {plan.batch.accum} micro batches per step"), record

@@ -29,11 +29,12 @@ def rollback_count(skips) -> int:
 
 
 def roll_back(checkpointer, engine, verdict, skips, train, topo, say) -> dict:
-    """Reload the newest verified checkpoint before ``verdict.step``; mark the window skipped; return
-    the checkpoint's client state (``train``: the config's train section). Raises ``BadStepError``
-    when ``train.max_rollbacks`` are used up or no checkpoint precedes the bad step."""
-    from ..run import manifest
+    """Reload the newest verified checkpoint before ``verdict.step`` (a damaged one is moved aside and the
+    one before it tried: ``fallback.py``); mark the window skipped; return the checkpoint's client state
+    (``train``: the config's train section). Raises ``BadStepError`` when ``train.max_rollbacks`` are used
+    up or no checkpoint precedes the bad step."""
     from .checkpoint import ResumePoint
+    from .fallback import newest_verified, set_aside
 
     done = rollback_count(skips)
     if done >= train.max_rollbacks:
@@ -47,8 +48,11 @@ def roll_back(checkpointer, engine, verdict, skips, train, topo, say) -> dict:
         raise BadStepError(f"{verdict.line(train.spike_sigma, train.spike_window)}; but no checkpoint "
                            f"precedes step {verdict.step} to roll back to: the run stops. Set a smaller "
                            f"train.save_interval, or {verdict.key()}=skip")
-    tag_dir = checkpointer.run_dir.tag_dir(tag)
-    manifest.verify_for_reading(tag_dir, rank=topo.rank, world=topo.world_size)
+    rd = checkpointer.run_dir
+    tag, damaged = newest_verified(rd, tag, rank=topo.rank, world=topo.world_size, strict=not train.checkpoint_fallback)
+    checkpointer.note(fallbacks=set_aside(rd, damaged, tag, is_main=topo.is_main, world=topo.world_size,
+                                          when="rollback", say=say))
+    tag_dir = rd.tag_dir(tag)
     client = checkpointer.load(engine, ResumePoint(tag=tag, tag_dir=tag_dir))
     first, last = tag_step(tag) + 1, verdict.step + train.rollback_skip
     skips.add_window(first, last, reason=f"rollback {done + 1}: {verdict.kind} {verdict.what} at step "

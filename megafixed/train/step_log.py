@@ -68,6 +68,15 @@ class StepLog:
         self.metrics.write(rec)
         self.history.append(rec)
 
+    def note(self, rec: dict) -> None:
+        """A row of ``metrics.jsonl`` that is not a step's record (a bad step's verdict): not in the history."""
+        self.metrics.write(rec)
+
+    def rewind(self, step: int) -> None:
+        """Back to after ``step`` (a rollback): the records past it go, from the history and the files."""
+        self.history[:] = [r for r in self.history if r.get("step", 0) <= step]
+        self.metrics.rewind(step)
+
     def not_charged(self) -> None:
         """Time spent since the last step (a checkpoint save) does not count against tokens/s."""
         self.window_t = time.perf_counter()

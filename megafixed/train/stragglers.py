@@ -15,12 +15,17 @@ Per rank and step, two figures:
   which rank is slow; a rank with a small ``compute_s`` and a large ``wait_s`` is waiting for others.
 
 One all-gather of 2 floats per rank per log interval; nothing per step beyond the hooks' clocks.
+A straggler is also a line of ``<run_dir>/faults/stragglers.jsonl``, which -- unlike ``metrics.jsonl``,
+truncated past its checkpoint by a resume -- keeps every one a run saw.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
 import statistics
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -111,3 +116,46 @@ class StragglerReport:
         names = ", ".join(f"rank {s['rank']} on {s['host']} ({s['compute_s'] * 1e3:.1f} ms)" for s in slow)
         return (f"straggler at step {step}: {names} of forward compute per step, over {self.factor:g}x the median "
                 f"{figures['median_compute_s'] * 1e3:.1f} ms of the {self.world} ranks (train.straggler_factor)")
+
+
+FILE = "stragglers.jsonl"  # under <run_dir>/faults/
+
+
+class Stragglers:
+    """The straggler report in the loop: the rank's forwards timed while a step computes (``timing``), and
+    at each log interval the gathered figures for the record (``fields``), a straggler named in one line
+    that points at ``faults/stragglers.jsonl``, written first."""
+
+    def __init__(self, engine, topo, *, factor: float, faults_dir: Path, say, slow=None):
+        """``slow``: the ``slow`` drill's hook (``FaultPlan.slow_down``), run inside each timed forward."""
+        from ..launch import rendezvous
+
+        hosts = [p["host"] for p in sorted(rendezvous.peers(), key=lambda p: p["rank"])]
+        self.clock = ForwardClock(engine.module, engine.device, on_forward=slow)
+        self.report = StragglerReport(factor=factor, world=topo.world_size, device=engine.device,
+                                      hosts=hosts if len(hosts) == topo.world_size else None)
+        self.file, self.is_main, self.say = Path(faults_dir) / FILE, topo.is_main, say
+
+    @contextlib.contextmanager
+    def timing(self):
+        """Around one computation of a step (validation is not timed)."""
+        self.clock.active, t0 = True, time.perf_counter()
+        try:
+            yield
+        finally:
+            self.clock.active = False
+        self.report.add_step(time.perf_counter() - t0)
+
+    def fields(self, step: int) -> dict:
+        """At a log interval (every rank: a collective): the per-rank step times, stragglers named."""
+        figures = self.report.gather(self.clock.take())
+        if figures is None:
+            return {}
+        line = self.report.line(step, figures)
+        if line:
+            if self.is_main:
+                self.file.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.file, "a") as f:
+                    f.write(json.dumps({"step": step, **figures}) + "\n")
+            self.say(f"{line}; recorded in {self.file}")
+        return figures

@@ -10,9 +10,15 @@ the step can be told from those waiting in its collectives. The first rank to ti
 flag on the store; the others see it within a poll and dump their stacks too.
 
 The timeout: ``train.hang_timeout_s``, or 0 (auto) = max(300 s, 20 x the median of the last steps).
-The first step (compilation, the first collectives' set-up) and checkpoint saves and validation
-passes (``grace``) get at least ``parallel.collective_timeout_s``: those are slow by nature, and a
-peer lost inside them is already named by the collective timeout (``launch/lost.py``).
+Checkpoint saves and validation passes (``grace``) get at least ``parallel.collective_timeout_s``: those
+are slow by nature, and a peer lost inside them is already named by the collective timeout
+(``launch/lost.py``). The first step (compilation, the first collectives' set-up) gets nearly as long,
+but ends ``NAME_AHEAD_S`` before the collective timeout: a rank hung before its first step leaves the
+others waiting in its first collective, which gloo / NCCL end after exactly that timeout, and the
+hang must be named (stacks dumped, ranks named) before they do -- at the same deadline the two would
+race and the line could be missing (on a requeued job's first step, where nothing else has run yet).
+
+The line names the stack files that were written (each rank reports its file's path on the store).
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ AUTO_FACTOR = 20.0
 POLL_S = 0.5
 PUBLISH_S = 1.0
 GATHER_S = 10.0  # how long rank 0 waits for the other ranks' stack files before naming and exiting
+NAME_AHEAD_S = 10.0  # the first step's allowance ends this long before the collective timeout (at most 1/4 of it)
 KEY = "megafixed/hang"
 
 
@@ -44,27 +51,31 @@ def _key(what: str, rank: int) -> str:
 
 class HangWatchdog:
     def __init__(self, *, timeout_s: float, slow_phase_s: float, faults_dir: Path, rank: int, world: int,
-                 say=print, store=None, hosts: Optional[list] = None):
+                 say=print, store=None, hosts: Optional[list] = None, done: int = 0):
+        """``done``: the steps done before this run started (a resumed run's first step is ``done + 1``)."""
         self.fixed = float(timeout_s) if timeout_s and timeout_s > 0 else None
         self.slow_phase_s = float(slow_phase_s)
         self.faults_dir, self.rank, self.world, self.say = Path(faults_dir), rank, world, say
         self.store = store if world > 1 else None
         self.hosts = hosts or [socket.gethostname()] * world
-        self.entered = self.finished = 0  # log step numbers, written by the main thread only
+        self.entered = self.finished = done  # log step numbers, written by the main thread only
         self.recent: deque = deque(maxlen=50)
-        self.deadline = time.monotonic() + max(self.timeout(), self.slow_phase_s)  # the first step
+        self.deadline = time.monotonic() + self.first_step_s()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._dumped: Optional[Path] = None  # this rank's stack file, once written
 
     @classmethod
-    def for_run(cls, timeout_s: float, slow_phase_s: float, topo, faults_dir: Path, say) -> "HangWatchdog":
+    def for_run(cls, timeout_s: float, slow_phase_s: float, topo, faults_dir: Path, say, done: int = 0
+                ) -> "HangWatchdog":
         """Started at the first step (``start``): ``train.hang_timeout_s``, ``parallel.collective_timeout_s``."""
         from ..launch import rendezvous
 
         hosts = [p["host"] for p in sorted(rendezvous.peers(), key=lambda p: p["rank"])] or None
         return cls(timeout_s=timeout_s, slow_phase_s=slow_phase_s,
                    faults_dir=faults_dir, rank=topo.rank, world=topo.world_size, say=say,
-                   store=rendezvous.store(), hosts=hosts if hosts and len(hosts) == topo.world_size else None)
+                   store=rendezvous.store(), hosts=hosts if hosts and len(hosts) == topo.world_size else None,
+                   done=done)
 
     def timeout(self) -> float:
         if self.fixed is not None:
@@ -73,18 +84,30 @@ class HangWatchdog:
             return AUTO_FLOOR_S
         return max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(self.recent))
 
+    def first_step_s(self) -> float:
+        """The first step's allowance: as long as the collective timeout allows, and ahead of it."""
+        return max(self.timeout(), self.slow_phase_s - min(NAME_AHEAD_S, self.slow_phase_s / 4))
+
     # ---- the main thread
     def start(self) -> "HangWatchdog":
         """Once, at the first step (the first step's allowance counts from here)."""
         if self._thread is not None:
             return self
-        self.deadline = time.monotonic() + max(self.timeout(), self.slow_phase_s)
+        self.deadline = time.monotonic() + self.first_step_s()
         self._thread = threading.Thread(target=self._watch, name="megafixed-hang-watchdog", daemon=True)
         self._thread.start()
         return self
 
     def enter(self, step: int) -> None:
         self.entered = step
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Around one computation of (log) step ``step``: entered, then finished (its time counts)."""
+        self.enter(step)
+        t0 = time.perf_counter()
+        yield
+        self.finish(step, time.perf_counter() - t0)
 
     def finish(self, step: int, seconds: float) -> None:
         self.finished = step
@@ -150,6 +173,7 @@ class HangWatchdog:
         self.faults_dir.mkdir(parents=True, exist_ok=True)
         step = self.finished + 1
         path = self.faults_dir / f"hang.step{step:08d}.rank{self.rank:05d}.{self.hosts[self.rank]}.txt"
+        self._dumped = path
         with open(path, "w") as f:
             f.write(f"# rank {self.rank} of {self.world} on {self.hosts[self.rank]}, pid {os.getpid()}: no step "
                     f"completed within {self.timeout():g}s after step {self.finished}; this rank entered step "
@@ -179,10 +203,30 @@ class HangWatchdog:
                     out[r] = (int(a), int(b))
         return out
 
+    def _stack_files(self) -> str:
+        """Where the stacks are, as the ranks reported their files: one pattern when they share it."""
+        paths = {self.rank: self._dumped}
+        if self.store is not None:
+            for r in range(self.world):
+                with contextlib.suppress(Exception):
+                    if self.store.check([_key("dumped", r)]):
+                        paths[r] = Path(self.store.get(_key("dumped", r)).decode())
+        missing = [r for r in range(self.world) if r not in paths]
+        names = {p.name.split(".rank")[0] for p in paths.values()}
+        where = (f"Python stacks of {'every rank' if not missing else f'{len(paths)} of {self.world} ranks'} in "
+                 + (f"{self.faults_dir}/{names.pop()}.rank*.txt" if len(names) == 1 else
+                    ", ".join(str(paths[r]) for r in sorted(paths))))
+        if missing:
+            from ..launch.world import ranges
+
+            where += f" (none from rank{'s' if len(missing) > 1 else ''} {ranges(missing)})"
+        return where
+
     def _name_the_ranks(self) -> None:
         from ..launch.world import ranges
 
         progress = self._progress()
+        files = self._stack_files()
         step = max((p[0] for p in progress.values()), default=self.entered)
         behind = [r for r in range(self.world) if progress.get(r, (0, 0))[0] < step]
         where = sorted({self.hosts[r] for r in behind})
@@ -192,9 +236,8 @@ class HangWatchdog:
         else:
             who = f"every rank entered step {step} and none finished it (a collective or the device is stuck)"
         self.say(f"hang: no step completed within {self.timeout():g}s (train.hang_timeout_s) after step "
-                 f"{min((p[1] for p in progress.values()), default=self.finished)}: {who}; Python stacks of every "
-                 f"rank in {self.faults_dir}/hang.step{step:08d}.rank*.txt; exit {exit_codes.HUNG} (a Slurm job "
-                 f"requeues itself)")
+                 f"{min((p[1] for p in progress.values()), default=self.finished)}: {who}; {files}; exit "
+                 f"{exit_codes.HUNG} (a Slurm job requeues itself)")
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.set(_key("named", 0), "1")

@@ -5,8 +5,9 @@ from ...run.optim import build_optimizer
 from ..dtypes import COMPUTE_DTYPES, restore_exact_buffers
 
 
-def build(cfg, topo, layout, precision: str):
-    """A ``DeepSpeedEngine`` for this rank of the layout (``layout``: ``parallel.layout.Layout``)."""
+def build(cfg, topo, layout, precision: str, checks=None):
+    """A ``DeepSpeedEngine`` for this rank of the layout (``layout``: ``parallel.layout.Layout``);
+    ``checks``: the ``StepChecks`` its step asks (None: none)."""
     import deepspeed
 
     from ...model import GPT
@@ -50,4 +51,4 @@ def build(cfg, topo, layout, precision: str):
             engine.enable_backward_allreduce = False
             step_sync = grad_sync
     return DeepSpeedEngine(engine, optimizer, cfg=cfg, topo=topo, layout=layout, ds_config=ds_config,
-                           grad_sync=step_sync)
+                           grad_sync=step_sync, checks=checks)

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ...run.run_dir import CheckpointError
-from ..base import StepResult
+from ..base import StepChecks, StepResult
 from ..common import corrupt_checkpoint_error, misfit_checkpoint_error, one_line
 from . import step as ds_step
 
@@ -34,8 +34,10 @@ class DeepSpeedEngine:
     name = NAME
     derived_dirs = ("universal",)  # universal.UNIVERSAL_DIR: DeepSpeed's re-layout copy, made on a layout change
 
-    def __init__(self, ds_engine, optimizer, *, cfg, topo, layout, ds_config: dict, grad_sync=None):
+    def __init__(self, ds_engine, optimizer, *, cfg, topo, layout, ds_config: dict, grad_sync=None,
+                 checks: Optional[StepChecks] = None):
         self.ds = ds_engine  # deepspeed.DeepSpeedEngine or PipelineEngine
+        self.checks = checks or StepChecks()  # the guard and the loss tap its step asks
         self.optimizer = optimizer
         self.cfg, self.topo, self.layout, self.ds_config = cfg, topo, layout, ds_config
         self.grad_sync = grad_sync  # TPGradSync the step finishes at the boundary (plain engine, SP, ZeRO 0/1)
@@ -58,7 +60,7 @@ class DeepSpeedEngine:
         return ds_step.train_step(self.ds, self.optimizer, batches, self.layout.accum, dp=self.topo.dp,
                                   dp_group=self.topo.dp_group, on_nonfinite=self.cfg.train.on_nonfinite,
                                   step=step, grad_sync=self.grad_sync, vocab_size=self.cfg.model.vocab_size,
-                                  guard=getattr(self, "guard", None), faults=getattr(self, "faults", None))
+                                  guard=self.checks.guard, faults=self.checks.faults)
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         return ds_step.eval_loss(self.ds, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,

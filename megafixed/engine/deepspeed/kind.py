@@ -53,10 +53,10 @@ def _groups(plan) -> dict:
     return megatron_groups(plan)
 
 
-def _build(cfg, topo):
+def _build(cfg, topo, checks=None):
     from .build import build
 
-    return build(cfg, topo, topo.plan.batch, topo.plan.precision)
+    return build(cfg, topo, topo.plan.batch, topo.plan.precision, checks)
 
 
 def _engine_config(cfg, plan) -> dict:

@@ -78,7 +78,7 @@ def measure_step(cfg, topo, precision: str) -> dict:
     del made, before
     with tracker:
         for step in range(STEPS):
-            engine.train_step(_micro_batches(cfg, topo, tracker, step), cfg.optimizer.lr, step)
+            engine.train_step(_micro_batches(cfg, topo, tracker, step), cfg.optimizer.lr, step + 1)
     peak = tracker.get_tracker_snapshot("peak")
     device_peak = peak.get(topo.device) or max(peak.values(), key=lambda d: d.get("Total", 0))
     parts = {getattr(k, "value", str(k)): int(v) for k, v in device_peak.items() if k != "Total"}

@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..base import StepResult
+from ..base import StepChecks, StepResult
 from . import step as native_step
 
 NAME = "torch"
@@ -20,8 +20,9 @@ class NativeEngine:
     name = NAME
     derived_dirs: tuple = ()  # DCP reshards on load: no re-layout copy beside a tag
 
-    def __init__(self, model: torch.nn.Module, optimizer, *, cfg, topo):
+    def __init__(self, model: torch.nn.Module, optimizer, *, cfg, topo, checks: Optional[StepChecks] = None):
         self.model, self.optimizer, self.cfg, self.topo = model, optimizer, cfg, topo
+        self.checks = checks or StepChecks()  # the guard and the loss tap its step asks
         self.plan = topo.plan
         self._loss_context = self._pick_loss_context()
         from .checkpoint import DcpCheckpoint
@@ -51,7 +52,7 @@ class NativeEngine:
                                       grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.train.on_nonfinite,
                                       step=step, vocab_size=self.cfg.model.vocab_size, device=self.device,
                                       loss_context=self._loss_context, precision=self.plan.precision,
-                                      guard=getattr(self, "guard", None), faults=getattr(self, "faults", None))
+                                      guard=self.checks.guard, faults=self.checks.faults)
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         return native_step.eval_loss(self.model, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,

@@ -28,8 +28,8 @@ from .engine import NativeEngine
 class PipelineEngine(NativeEngine):
     """``NativeEngine`` whose model is this rank's pipeline stages (``pipeline.PipelineParts``)."""
 
-    def __init__(self, parts, stages, ids, schedule, optimizer, *, cfg, topo):
-        super().__init__(parts, optimizer, cfg=cfg, topo=topo)
+    def __init__(self, parts, stages, ids, schedule, optimizer, *, cfg, topo, checks=None):
+        super().__init__(parts, optimizer, cfg=cfg, topo=topo, checks=checks)
         self.stages, self.ids, self.schedule = stages, ids, schedule
         self.checkpoints.every_rank_reads = True  # train.init_from: each stage keeps its own weights
         self.pp_group = topo.mesh["pp"].get_group()
@@ -63,7 +63,7 @@ class PipelineEngine(NativeEngine):
         from ..loops import faults_in_loss_fn
 
         with self._loss_context(self.model), self._compute()(), \
-                faults_in_loss_fn(self.schedule, "_loss_fn", getattr(self, "faults", None), step):
+                faults_in_loss_fn(self.schedule, "_loss_fn", self.checks.faults, step):
             self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
                                losses=losses, return_outputs=False)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -77,7 +77,7 @@ class PipelineEngine(NativeEngine):
         return apply_update(self.optimizer, value, nonfinite, lr=lr, grad_clip=self.cfg.optimizer.grad_clip,
                             on_nonfinite=self.cfg.train.on_nonfinite, step=step,
                             norm=lambda params: pp_grad_norm(params, self.pp_group),
-                            guard=getattr(self, "guard", None))  # the bad-step guard, before the update
+                            guard=self.checks.guard)  # the bad-step guard, before the update
 
     @torch.no_grad()
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
@@ -126,12 +126,12 @@ def _reshard(stages) -> None:
             stage.reshard()
 
 
-def build_pipeline_engine(cfg, topo) -> PipelineEngine:
+def build_pipeline_engine(cfg, topo, checks=None) -> PipelineEngine:
     from ...run.optim import build_optimizer
     from .pipeline import build_schedule, build_stages
 
     parts, stages, ids = build_stages(cfg, topo)
     schedule = build_schedule(cfg, topo, parts, stages, ids)
     optimizer = build_optimizer(parts, cfg.optimizer)
-    return PipelineEngine(parts, stages, ids, schedule, optimizer, cfg=cfg, topo=topo)
+    return PipelineEngine(parts, stages, ids, schedule, optimizer, cfg=cfg, topo=topo, checks=checks)
 
