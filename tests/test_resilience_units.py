@@ -200,13 +200,16 @@ class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("extra", [("zero.stage=1",), ("zero.stage=0",), ("train.engine=torch",)])
 def test_the_guard_adds_no_device_read_to_a_step(tiny_shards, tmp_path, extra):
     """The same steps with and without the guard attached read the device the same number of times
-    (the guard judges the values the engine reads anyway), and the guard did judge them."""
+    (the guard judges the values the engine reads anyway), and the guard did judge them. Attached means
+    what the trainer attaches: the guard, and the re-check's bookkeeping (its loss tap noting every micro
+    batch's loss, its iterator keeping the micro batches and the RNG states)."""
     from _train_data import tiny_overrides
     from megafixed.config import load_config
     from megafixed.data.gpt_dataset import build_datasets, micro_batches
-    from megafixed.engine import build_engine, prepare_runtime_env
+    from megafixed.engine import StepChecks, build_engine, prepare_runtime_env
     from megafixed.parallel import setup_distributed
     from megafixed.run_plan import RunPlan
+    from megafixed.train.recheck import LossTap, StepReplay
 
     cfg = load_config(None, tiny_overrides(tiny_shards, tmp_path, *extra, "train.spike_window=2",
                                           "train.spike_sigma=1000"))  # judged, never a verdict
@@ -216,12 +219,15 @@ def test_the_guard_adds_no_device_read_to_a_step(tiny_shards, tmp_path, extra):
     batches = micro_batches(build_datasets(cfg.data, seed=1)["train"], 0, topo.plan.batch.micro_batch, 0, 1)
     guard = BadStepGuard.from_config(cfg.train)
     counts = {}
-    for step, attached in enumerate((None, guard, None, guard)):
-        engine.checks.guard = attached  # the StepChecks the engine was built with (none: build_engine's default)
+    tap = LossTap(None, note=True)
+    for step, attached in enumerate((None, guard, None, guard), start=1):
+        # as build_engine(cfg, topo, checks) gives them, and as the trainer's re-check pulls a step's batches
+        engine.checks = StepChecks(guard=attached, faults=tap if attached else None)
         with _ScalarReads() as reads:
-            result = engine.train_step(batches, 1e-3, step)
+            result = engine.train_step(StepReplay(batches) if attached else batches, 1e-3, step)
         counts.setdefault(attached is not None, []).append(reads.count)
         guard.accept(result.loss, result.grad_norm)
         assert result.verdict is None and result.grad_norm is not None
     assert counts[True] == counts[False] and counts[True][0] > 0, counts
     assert guard.windows["loss"].full and guard.windows["grad_norm"].full
+    assert len(tap.take()) == 2 * topo.plan.batch.accum  # the tap saw every micro batch's loss

@@ -173,7 +173,12 @@ def test_dry_run_plans_a_gpu_run_on_a_cpu_machine(shards, capsys):
     assert len(err) == 1 and "world size 6 is not divisible by parallel.tp * parallel.pp = 4*1" in err[0]
 
 
-def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_dir(shards, tmp_path):
+def test_a_run_that_fails_before_its_first_checkpoint_keeps_what_it_logged_and_says_where(shards, tmp_path):
+    """Evidence is never deleted (issue 43): the run's records of step 1 and the verdict on step 2 stay, and the
+    error's notes (its exit line) name the directory; only a run that failed before writing anything of its own
+    steps removes the directory it created (tests/test_unattended.py)."""
+    import json
+
     from megafixed.engine import NonFiniteLossError
 
     cfg = load_config(None, tiny_overrides(shards, tmp_path / "run", "train.max_steps=4", "train.eval_interval=0",
@@ -183,6 +188,9 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_dir(shards, 
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
-    with pytest.raises(NonFiniteLossError):
+    with pytest.raises(NonFiniteLossError) as err:
         train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
-    assert not (tmp_path / "run").exists()
+    run = tmp_path / "run"
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r] == [1]
+    assert json.loads((run / "faults" / "bad_steps.jsonl").read_text().splitlines()[0])["step"] == 2
+    assert not (run / "checkpoints").exists() and any(f"kept in {run}" in n for n in err.value.__notes__)

@@ -222,13 +222,14 @@ def test_the_job_script_resubmits_itself_without_the_nodes_on_exit_77(tmp_path):
 # ----------------------------------------------------------------------------------- re-check, one process
 @pytest.fixture(scope="module")
 def rechecked(tiny_shards, tmp_path_factory):
-    """{name: run_dir}: fault-free and ``nan@5:once`` on both engines; ``nan@5`` with and without the re-check."""
+    """{name: run_dir}: fault-free and ``nan@5:once`` on both engines (with dropout, so the recomputation must
+    restore the RNG to match); ``nan@5`` with and without the re-check."""
     root = tmp_path_factory.mktemp("recheck")
     runs = {}
     for engine in ("deepspeed", "torch"):
         for name, inject in (("free", None), ("once", "nan@5:once")):
             runs[f"{engine}-{name}"] = root / f"{engine}-{name}"
-            _train(tiny_shards, runs[f"{engine}-{name}"], f"train.engine={engine}", inject=inject)
+            _train(tiny_shards, runs[f"{engine}-{name}"], f"train.engine={engine}", "model.dropout=0.1", inject=inject)
     for name, flag in (("repeated", "true"), ("unchecked", "false")):
         runs[name] = root / name
         _train(tiny_shards, runs[name], "train.on_nonfinite=skip", f"train.recheck_bad_steps={flag}", inject="nan@5")
@@ -260,8 +261,7 @@ def test_a_nan_that_repeats_is_skipped_exactly_as_without_the_recheck(rechecked,
 
 
 # ----------------------------------------------------------------------------------- evidence, one process
-def test_a_crash_before_the_first_save_keeps_the_metrics_and_a_rerun_sets_them_aside(tiny_shards, rechecked,
-                                                                                      tmp_path):
+def test_a_crash_before_the_first_save_keeps_the_metrics_and_a_rerun_sets_them_aside(tiny_shards, tmp_path):
     from megafixed.engine import NonFiniteLossError
     from megafixed.errors import report
 
@@ -278,7 +278,9 @@ def test_a_crash_before_the_first_save_keeps_the_metrics_and_a_rerun_sets_them_a
     assert result.resumed_from is None and (aside / "metrics.jsonl").read_bytes() == before
     assert (aside / "faults" / "bad_steps.jsonl").exists() and (aside / "config.yaml").exists()
     assert sum("set aside" in ln and str(aside) in ln for ln in lines) == 1
-    assert _losses(run) == _losses(rechecked["deepspeed-free"])  # its own records only, from step 1
+    first = {r["step"]: r["loss"] for r in map(json.loads, before.decode().splitlines()) if "loss" in r}
+    assert sorted(_losses(run)) == list(range(1, 9))  # its own records only, from step 1
+    assert all(_losses(run)[s] == first[s] for s in first)  # steps 1-4 again, from scratch: the same bits
 
 
 # ----------------------------------------------------------------------------------- a damaged checkpoint
@@ -288,7 +290,7 @@ def test_a_resume_passes_over_a_damaged_checkpoint_and_keeps_it_aside(rechecked,
     victim = _model_file(run / "checkpoints" / TAG8)
     _flip(victim)
     lines: list[str] = []
-    result = _train(tiny_shards, run, lines=lines)  # the same command again (a restart)
+    result = _train(tiny_shards, run, "model.dropout=0.1", lines=lines)  # the same command again (a restart)
     assert result.resumed_from == TAG4 and result.step == 8
     said = [ln for ln in lines if "damaged" in ln]
     assert len(said) == 1 and str(victim) in said[0] and "sha256 differs" in said[0], said
@@ -312,12 +314,12 @@ def test_every_checkpoint_damaged_is_one_line_exit_2_and_nothing_moves(rechecked
     shutil.copytree(rechecked["deepspeed-free"], run)
     _flip(_model_file(run / "checkpoints" / TAG8))
     with pytest.raises(CheckpointError, match="is damaged") as strict:  # the strict key: the first one stops it
-        _train(tiny_shards, run, "train.max_steps=10", "train.checkpoint_fallback=false")
+        _train(tiny_shards, run, "model.dropout=0.1", "train.checkpoint_fallback=false")
     assert describe(strict.value)[0] == exit_codes.BAD_INPUT and "no checkpoint" not in str(strict.value)
     _flip(_model_file(run / "checkpoints" / TAG4))
     listing = sorted(p.name for p in (run / "checkpoints").iterdir())
     with pytest.raises(CheckpointError) as err:
-        _train(tiny_shards, run, "train.max_steps=10")
+        _train(tiny_shards, run, "model.dropout=0.1")
     code, line = describe(err.value)
     assert code == exit_codes.BAD_INPUT == 2 and "\n" not in line
     assert line.startswith(f"no checkpoint of {run} verifies: checkpoint {run / 'checkpoints' / TAG8} is damaged")

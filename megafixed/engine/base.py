@@ -48,7 +48,7 @@ class LossTap(Protocol):
         """The micro batch's loss as its backward is to see it."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepChecks:
     """What an engine's step asks besides its batches, given to the engine when it is built
     (``megafixed.engine.build_engine(cfg, topo, checks=...)``) and kept as ``Engine.checks``.

@@ -17,8 +17,9 @@ numbered as in the logs (the first optimizer step is step 1):
 Unset, ``FaultPlan.from_env`` returns None and the loop pays one ``is None`` test per step. A
 malformed value is one ``InjectError`` line naming the bad fault and the grammar, and so is a drill that
 cannot fire in this run (``FaultPlan.refusal``: a rank not below the world size, a step beyond
-``train.max_steps``, a step a resumed run has already done): a drill that silently does nothing would
-be read as a fault survived.
+``train.max_steps``, a step a resumed run has already done -- unless its checkpoint was written under the
+same drill, which a requeue goes on with): a drill that silently does nothing would be read as a fault
+survived.
 """
 from __future__ import annotations
 

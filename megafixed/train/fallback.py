@@ -67,10 +67,10 @@ def set_aside(rd, damaged: list, loaded: str, *, is_main: bool, world: int, when
         return []
     entries = [{"tag": d.tag, "why": d.why, "moved_to": d.aside, "loaded": loaded, "when": when} for d in damaged]
     if is_main:
-        from .checkpoint import write_latest
+        from ..atomic import atomic_write_text
 
         if _latest_name(rd) in {d.tag for d in damaged} | {None}:
-            write_latest(rd.checkpoints, loaded)
+            atomic_write_text(rd.latest_file, loaded + "\n")  # as the commit writes it
         for d, entry in zip(damaged, entries):
             dest, n = rd.checkpoints / d.aside, 1
             while dest.exists():  # the same step damaged twice in one run: keep both

@@ -97,17 +97,16 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, ma
     apply_thread_policy(cfg.train.threads or None, log=say)
     plan = topo.plan  # built and validated once by the command (megafixed.run_plan), before any group
     plan.check_made_from(cfg)  # the same config's plan, not a second validation
-    layout = plan.batch
     checkpointer = Checkpointer(cfg.train, topo, RunIdentity.of(cfg, plan))
     resume = checkpointer.resume_point()  # verified and checked before anything in the run dir is touched
     faults = FaultPlan.from_env(topo.rank)  # MEGAFIXED_INJECT (None: no drill; one `is None` per step)
     if faults is not None:  # a drill that cannot fire here is refused, before anything is touched
-        refusal = faults.refusal(topo.world_size, cfg.train.max_steps, tag_step(resume.tag) if resume else 0)
+        refusal = faults.refusal(topo.world_size, cfg.train.max_steps, _drill_done(resume))
         if refusal:
             raise InjectError(refusal)
     checkpointer.set_damaged_aside(resume, say)  # the damaged checkpoints the resume passed over
     if resume is None and topo.is_main:
-        set_aside_earlier_attempt(run_dir=checkpointer.run_dir.path, say=say)
+        set_aside_earlier_attempt(checkpointer.run_dir.path, say)
     sinks = [WandbLog(cfg, Path(cfg.train.run_dir))] if cfg.train.wandb and topo.is_main else []
     datasets = _datasets(cfg) if datasets is None else datasets
     guard = BadStepGuard.from_config(cfg.train)  # judges each step's reduced loss and norm, before its update
@@ -120,51 +119,77 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, ma
     if shrunk:
         say(shrunk)
     _write_run_files(cfg, topo, engine)  # only now: a refused resume must not replace the run's own files
-    from ..data.gpt_dataset import micro_batches
-
-    def batches_from(start: int):
-        return micro_batches(datasets["train"], start_sample=start, micro_batch=layout.micro_batch,
-                             dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
-    batches = batches_from(consumed)
-    schedule = LRSchedule.from_config(cfg.schedule, cfg.optimizer, cfg.train.max_steps)
-    validator = Validator(engine, datasets.get("valid"), cfg.train, topo, stop)
-    steps = StepLog(cfg.train, cfg.model, cfg.data.seq_len, topo, engine, resume_step=done, sinks=sinks, say=say)
     faults_dir = checkpointer.run_dir.faults_dir
+    steps = StepLog(cfg.train, cfg.model, cfg.data.seq_len, topo, engine, resume_step=done, sinks=sinks, say=say)
     skips = SkipSteps(list(cfg.data.skip_steps), faults_dir)  # data.skip_steps and the rollbacks' windows
     guarded = GuardedSteps(guard, tap, cfg.train, topo, engine=engine, checkpointer=checkpointer, skips=skips,
                            steps=steps, say=say)
     guarded.load_state_dict((client or {}).get("bad_steps"))
-    watchdog = HangWatchdog.for_run(cfg.train.hang_timeout_s, cfg.parallel.collective_timeout_s, topo, faults_dir, say,
-                                    done=done)
-    stragglers = Stragglers(engine, topo, factor=cfg.train.straggler_factor, faults_dir=faults_dir, say=say,
-                            slow=faults.slow_down if faults is not None and faults.slow else None)
+    run = _Run(engine=engine, checkpointer=checkpointer, steps=steps, skips=skips, guarded=guarded, faults=faults,
+               validator=Validator(engine, datasets.get("valid"), cfg.train, topo, stop),
+               schedule=LRSchedule.from_config(cfg.schedule, cfg.optimizer, cfg.train.max_steps),
+               watchdog=HangWatchdog.for_run(cfg.train.hang_timeout_s, cfg.parallel.collective_timeout_s, topo,
+                                             faults_dir, say, done=done),
+               stragglers=Stragglers(engine, topo, factor=cfg.train.straggler_factor, faults_dir=faults_dir, say=say,
+                                     slow=faults.slow_down if faults is not None and faults.slow else None))
     say(_start_line(cfg, plan))
     _say_drills(faults, skips, checkpointer, say)
+    return _loop(cfg, topo, run, datasets["train"], done=done, consumed=consumed, resume=resume, stop=stop,
+                 made=made, say=say)
+
+
+@dataclass
+class _Run:
+    """The parts the loop asks, each with its own state."""
+    engine: object
+    checkpointer: Checkpointer
+    steps: StepLog  # the metrics records and progress lines
+    skips: SkipSteps  # steps whose data is consumed without training
+    guarded: GuardedSteps  # the bad-step guard with its re-check and rollback
+    faults: Optional[FaultPlan]  # the drill (MEGAFIXED_INJECT)
+    validator: Validator
+    schedule: LRSchedule
+    watchdog: HangWatchdog
+    stragglers: Stragglers
+
+
+def _loop(cfg: Config, topo, run: _Run, train_data, *, done: int, consumed: int, resume, stop: StopRequest,
+          made: RunFiles, say) -> TrainResult:
+    """Step, validate, log, save, stop -- from ``done`` steps and ``consumed`` samples to train.max_steps."""
+    from ..data.gpt_dataset import micro_batches
+
+    layout, engine, checkpointer, steps, guarded, watchdog = (topo.plan.batch, run.engine, run.checkpointer,
+                                                              run.steps, run.guarded, run.watchdog)
+
+    def batches_from(start: int):
+        return micro_batches(train_data, start_sample=start, micro_batch=layout.micro_batch, dp_rank=topo.dp_rank,
+                             dp_size=topo.dp, num_workers=cfg.data.num_workers)
 
     def run_state() -> dict:  # what a checkpoint holds besides the engine's state and the position
-        return {"schedule": schedule.state_dict(), "config": cfg.to_dict(), "bad_steps": guarded.state_dict()}
+        return {"schedule": run.schedule.state_dict(), "config": cfg.to_dict(), "bad_steps": guarded.state_dict()}
 
     def compute(step: int, lr: float, data):
         """One computation of ``step`` (a re-check of a bad step computes it again, on the same data)."""
         watchdog.start()  # once: the first step's allowance counts from here
-        if faults is not None:
-            faults.before_step(step)  # an injected exit or hang happens here: this rank never enters the step
-        with steps.timing(), watchdog.step(step), stragglers.timing():
+        if run.faults is not None:
+            run.faults.before_step(step)  # an injected exit or hang happens here: this rank never enters the step
+        with steps.timing(), watchdog.step(step), run.stragglers.timing():
             return engine.train_step(data, lr, step)
 
+    batches = batches_from(consumed)
     last_loss = last_val = None
     stopped, first_done = False, done
     try:
-        if done == 0 and validator.should_validate(0):
-            val0 = validator.run()  # the curve's starting point (~ln vocab); consumes no RNG
+        if done == 0 and run.validator.should_validate(0):
+            val0 = run.validator.run()  # the curve's starting point (~ln vocab); consumes no RNG
             stopped = val0 is None  # a stop arrived during the pass: nothing to save yet
             if val0 is not None:
                 steps.initial_validation(val0)
         if topo.is_main:
             made.first_step()  # what is in a new run directory now is the trainer's own
         while done < cfg.train.max_steps and not stopped:
-            step, lr = done + 1, schedule.lr_at(done)  # step: as numbered in the logs
-            if skips.consume(step, batches, layout.accum):  # data.skip_steps / a rollback's window: no forward
+            step, lr = done + 1, run.schedule.lr_at(done)  # step: as numbered in the logs
+            if run.skips.consume(step, batches, layout.accum):  # data.skip_steps / a rollback's window: no forward
                 watchdog.touch(step)
                 result = None
             else:
@@ -177,9 +202,9 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, ma
                 last_loss = result.loss
             done, consumed = step, consumed + layout.global_batch
             with watchdog.grace():
-                val = validator.run() if validator.should_validate(done) else None
+                val = run.validator.run() if run.validator.should_validate(done) else None
             last_val = val if val is not None else last_val
-            steps.record(done, lr, result, val, consumed, extra=stragglers.fields)
+            steps.record(done, lr, result, val, consumed, extra=run.stragglers.fields)
             stopped = stop.should_stop() or bool(guarded.leaving)  # (the guard decides alike on every rank)
             with watchdog.grace():
                 if checkpointer.save(engine, done, consumed, run_state, force=stopped):
@@ -200,6 +225,17 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, ma
                        resumed_from=resume and resume.tag, last_loss=last_loss, last_val_loss=last_val,
                        checkpoint=checkpointer.latest, stopped=stopped, history=steps.history,
                        leaving=list(guarded.leaving))
+
+
+def _drill_done(resume) -> int:
+    """The steps a drill can no longer reach: those the resumed checkpoint has done -- unless it was written
+    under the same drill (a requeue of it goes on: its earlier faults have had their turn)."""
+    if resume is None:
+        return 0
+    from ..run.run_record import read_run_record
+
+    same = (read_run_record(resume.tag_dir) or {}).get("fault_injection") == os.environ.get(ENV)
+    return 0 if same else tag_step(resume.tag)
 
 
 def _say_drills(faults, skips, checkpointer, say) -> None:

@@ -32,12 +32,13 @@ class DeepSpeedEngine:
     """One rank's DeepSpeed engine (plain or pipeline) behind the engine seam."""
 
     name = NAME
+    checks = StepChecks()  # what its step asks (none, unless build_engine was given them)
     derived_dirs = ("universal",)  # universal.UNIVERSAL_DIR: DeepSpeed's re-layout copy, made on a layout change
 
     def __init__(self, ds_engine, optimizer, *, cfg, topo, layout, ds_config: dict, grad_sync=None,
                  checks: Optional[StepChecks] = None):
         self.ds = ds_engine  # deepspeed.DeepSpeedEngine or PipelineEngine
-        self.checks = checks or StepChecks()  # the guard and the loss tap its step asks
+        self.checks = checks or self.checks  # the guard and the loss tap its step asks
         self.optimizer = optimizer
         self.cfg, self.topo, self.layout, self.ds_config = cfg, topo, layout, ds_config
         self.grad_sync = grad_sync  # TPGradSync the step finishes at the boundary (plain engine, SP, ZeRO 0/1)

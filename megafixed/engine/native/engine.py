@@ -18,11 +18,12 @@ NAME = "torch"
 class NativeEngine:
     """One rank's torch-native engine behind the engine seam."""
     name = NAME
+    checks = StepChecks()  # what its step asks (none, unless build_engine was given them)
     derived_dirs: tuple = ()  # DCP reshards on load: no re-layout copy beside a tag
 
     def __init__(self, model: torch.nn.Module, optimizer, *, cfg, topo, checks: Optional[StepChecks] = None):
         self.model, self.optimizer, self.cfg, self.topo = model, optimizer, cfg, topo
-        self.checks = checks or StepChecks()  # the guard and the loss tap its step asks
+        self.checks = checks or self.checks  # the guard and the loss tap its step asks
         self.plan = topo.plan
         self._loss_context = self._pick_loss_context()
         from .checkpoint import DcpCheckpoint
