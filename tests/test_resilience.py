@@ -169,6 +169,10 @@ def test_dp2_slow_rank_is_named_with_its_host(dp2_drill):
     named = [r for r in rec if r["stragglers"]]
     assert len(named) >= len(rec) - 1 and all([s["rank"] for s in r["stragglers"]] == [1] for r in named)
     assert all(r["rank_compute_s"][1] > 1.5 * r["rank_compute_s"][0] for r in named)
+    # the line points at the faults/ file, written before it (metrics.jsonl is truncated by a resume; it is not)
+    assert f"(train.straggler_factor); recorded in {run / 'faults' / 'stragglers.jsonl'}" in text
+    kept = [json.loads(line) for line in (run / "faults" / "stragglers.jsonl").read_text().splitlines()]
+    assert kept[0]["step"] == 2 and [s["rank"] for s in kept[0]["stragglers"]] == [1]
 
 
 @pytest.mark.multiprocess

@@ -471,6 +471,32 @@ def test_a_hang_exits_76_names_the_rank_and_its_host_and_requeues_up_to_the_limi
     assert latest(run_dir).name == "step_00000002" and max(losses(run_dir)) == 3
 
 
+def test_transient_faults_on_a_node_resubmit_the_job_without_it_and_it_finishes_elsewhere(cluster, inputs, reference,
+                                                                                         tmp_path):
+    """``nan@3:once:rank=1`` with ``train.max_transient_faults=1``: rank 1's NaN is gone when step 3 is computed
+    again (a transient fault), so the run trains on, names rank 1 and its node, saves and exits 77; the job script
+    submits itself again with that node excluded, and the new job resumes on the two other nodes and finishes with
+    the one-process losses."""
+    run_dir = tmp_path / "transient"
+    cluster.wait_idle(60)
+    job = submit(cluster, inputs, run_dir, "train.max_transient_faults=1", per_node=1, partition=ALL,
+                 env={"MEGAFIXED_INJECT": "nan@3:once:rank=1"})
+    info = finished(cluster, job, run_dir, state="FAILED")
+    log = job_log(run_dir, job)
+    bad = cluster.task_nodes(job)[1]
+    assert info["ExitCode"] == f"{exit_codes.EXCLUDE_NODE}:0", log[-4000:]
+    assert "transient fault at step 3: the loss is nan (non-finite)" in log and f"rank 1 on {bad}." in log, log[-4000:]
+    assert (run_dir / "faults" / "exclude_nodes.txt").read_text() == f"{bad}\n"
+    found = re.search(rf"megafixed: transient faults on {bad}; resubmitted as job (\d+) without them", log)
+    assert found, log[-4000:]
+    after = found.group(1)
+    info = finished(cluster, after, run_dir)
+    assert info["ExcNodeList"] == bad and bad not in set(cluster.task_nodes(after).values()), info
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000003'} (step 3," in job_log(run_dir, after)
+    assert_same_losses(losses(run_dir), reference, "dp 2: a transient fault, then on two other nodes")
+    cluster.wait_idle(60)
+
+
 def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_with_the_same_losses(
         cluster, inputs, shrink_reference_run, tmp_path):
     """3 nodes x 1 rank (dp 3, ``--nodes 2-3``); node1 (the head: rank 0, the batch shell, the run lock) loses its

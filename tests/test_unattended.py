@@ -127,6 +127,22 @@ def test_once_faults_hit_the_first_computation_only_and_drills_that_cannot_fire_
     assert "'slow:rank=1:factor=3' cannot" not in line and plan.refusal(world=6, max_steps=99, done=0) is None
 
 
+def test_a_requeue_of_the_same_drill_goes_on_past_its_done_steps(tmp_path, monkeypatch):
+    """A resumed checkpoint written under the same ``MEGAFIXED_INJECT`` is that drill's own requeue: its earlier
+    faults have had their turn, so only a new drill is refused for steps already done."""
+    from megafixed.train.checkpoint import ResumePoint
+    from megafixed.train.trainer import _drill_done
+
+    tag_dir = tmp_path / "checkpoints" / "step_00000006"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "run.json").write_text(json.dumps({"config": {}, "fault_injection": "nan@3:once"}))
+    point = ResumePoint(tag=tag_dir.name, tag_dir=tag_dir)
+    monkeypatch.setenv(faults.ENV, "nan@3:once")
+    assert _drill_done(point) == 0 and _drill_done(None) == 0
+    monkeypatch.setenv(faults.ENV, "nan@3")
+    assert _drill_done(point) == 6
+
+
 def test_a_failed_run_removes_only_its_own_start_and_a_fresh_start_sets_an_attempt_aside(tmp_path):
     from megafixed.train.evidence import RunFiles, set_aside_earlier_attempt
 
@@ -347,6 +363,9 @@ def test_a_rollback_passes_over_a_damaged_checkpoint(tiny_shards, tmp_path, monk
     _train(tiny_shards, rolled, *roll, inject="spike@7:factor=1000", lines=lines)  # it repeats: rolled back
     said = [ln for ln in lines if "damaged" in ln]
     assert len(said) == 1 and "step_00000006" in said[0] and "step_00000004 instead" in said[0], lines
+    (bad,) = [ln for ln in lines if ln.startswith("bad step 7:")]  # it points at the file it was written to
+    assert bad.endswith(f"recorded in {rolled / 'faults' / 'bad_steps.jsonl'}") and _faults(rolled)[0]["step"] == 7
+    assert "again, computed a second time from the same state (not transient); action rollback" in bad
     assert (rolled / "checkpoints" / "step_00000006.damaged-corrupt").is_dir()
     window = json.loads((rolled / "faults" / "skipped_steps.json").read_text())["windows"]
     assert [(w["first"], w["last"]) for w in window] == [(5, 7)]  # from the checkpoint it could load

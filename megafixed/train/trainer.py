@@ -178,7 +178,7 @@ def _loop(cfg: Config, topo, run: _Run, train_data, *, done: int, consumed: int,
 
     batches = batches_from(consumed)
     last_loss = last_val = None
-    stopped, first_done = False, done
+    stopped, first_done, leaving = False, done, []
     try:
         if done == 0 and run.validator.should_validate(0):
             val0 = run.validator.run()  # the curve's starting point (~ln vocab); consumes no RNG
@@ -205,13 +205,14 @@ def _loop(cfg: Config, topo, run: _Run, train_data, *, done: int, consumed: int,
                 val = run.validator.run() if run.validator.should_validate(done) else None
             last_val = val if val is not None else last_val
             steps.record(done, lr, result, val, consumed, extra=run.stragglers.fields)
-            stopped = stop.should_stop() or bool(guarded.leaving)  # (the guard decides alike on every rank)
+            leaving = guarded.leaving if done < cfg.train.max_steps else []  # (a finished run has nothing to move)
+            stopped = stop.should_stop() or bool(leaving)  # (the guard decides alike on every rank)
             with watchdog.grace():
                 if checkpointer.save(engine, done, consumed, run_state, force=stopped):
                     steps.not_charged()  # do not charge the save to tokens/s
         with watchdog.grace():
             checkpointer.wait(engine)  # the run ends with `latest` on its last checkpoint (async saves complete)
-        if guarded.leaving:
+        if leaving:
             say(guarded.leave_line(checkpointer.ckpt_dir / checkpointer.latest))
         elif stopped and done > first_done:  # (a stop during the step-0 validation saved nothing)
             say(f"stopped at step {done} ({stop.reason}); checkpoint {checkpointer.ckpt_dir / checkpointer.latest} "
@@ -224,7 +225,7 @@ def _loop(cfg: Config, topo, run: _Run, train_data, *, done: int, consumed: int,
     return TrainResult(run_dir=str(Path(cfg.train.run_dir)), step=done, consumed_samples=consumed,
                        resumed_from=resume and resume.tag, last_loss=last_loss, last_val_loss=last_val,
                        checkpoint=checkpointer.latest, stopped=stopped, history=steps.history,
-                       leaving=list(guarded.leaving))
+                       leaving=leaving)
 
 
 def _drill_done(resume) -> int:
