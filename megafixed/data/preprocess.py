@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -100,6 +101,10 @@ _STATE: dict = {}
 
 def _init_worker(tok_desc: dict, json_keys: list, strict: bool, append_eod: bool, dtype: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; workers are the parallelism
+    # Ctrl-C reaches the whole process group, but stopping is the parent's (it terminates the pool). A worker
+    # that died of the KeyboardInterrupt could leave the pool's task-queue lock taken (a signal landing between
+    # the lock's acquire and its ``with`` block), and the parent's terminate() would wait on that lock forever.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = load_tokenizer(tok_desc)
     _STATE.update(encoder=ReferenceEncoder(tok), eod_id=tok.eod_id, keys=list(json_keys), strict=strict,
                   append_eod=append_eod, dtype=np.dtype(dtype))
