@@ -38,6 +38,8 @@ import sys
 import threading
 from typing import Mapping, Optional
 
+from .atomic import atomic_write_text
+
 ENV = "MEGAFIXED_PAUSE"
 POINTS = {"preprocess.batch": ("group",), "train.step": ("rank",), "bench.row": ()}  # point -> its own keys
 GRAMMAR = ("POINT@N[:KEY=VALUE...][:file=PATH] with POINT one of preprocess.batch (key group), train.step "
@@ -68,9 +70,8 @@ class Pause:
         # thread the kernel delivered it to; the Python handler itself then runs here, in the main thread.
         previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False) if main else None
         try:
-            if self.file:
-                with open(self.file, "w") as fh:
-                    fh.write(f"{os.getpid()} {socket.gethostname()} {self.spelled}\n")
+            if self.file:  # whole or absent: a test that sees it may read it at once
+                atomic_write_text(self.file, f"{os.getpid()} {socket.gethostname()} {self.spelled}\n")
             how = f"remove {self.file} or send a signal" if self.file else "send a signal"
             print(f"paused at {self.spelled} ({ENV}; pid {os.getpid()} on {socket.gethostname()}): {how} to go on",
                   file=sys.stderr, flush=True)
