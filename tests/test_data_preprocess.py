@@ -196,13 +196,13 @@ def test_ctrl_c_leaves_no_complete_looking_pair(data, tmp_path):
     big.write_bytes(open(jsonl, "rb").read() * 150)  # long enough to be interrupted mid-way
     out = tmp_path / "out"
     out.mkdir()
-    paused = tmp_path / "paused"  # the run stops after its 12th batch (of 27) until the signal
+    paused = tmp_path / "paused"  # the run stops after its 4th batch (2 shards done, a 3rd open) until the signal
     tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "preprocess_data.py")
     proc = subprocess.Popen([sys.executable, tool, "--input", str(big), "--tokenizer", tok, "--output-prefix",
                              str(out / "x"), "--workers", "2", "--shard-size-mb", "0.2", "--no-progress",
-                             "--backend", "reference"],
+                             "--backend", "reference"],  # its pool of workers: Ctrl-C must end them too
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, **pause_env("preprocess.batch@12", paused)},
+                            env={**os.environ, **pause_env("preprocess.batch@4", paused)},
                             # A suite started as a background job (`pytest ... &` from a script) inherits SIGINT
                             # ignored, as POSIX shells set it for asynchronous commands, and so would this child,
                             # which would then rightly run to the end. Ctrl-C at a terminal meets the default.
