@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from .. import pause as pauses
 from ..atomic import atomic_write_text
 from ..config import Config, save_config
 from ..engine import StepChecks, build_engine
@@ -179,6 +180,7 @@ def _loop(cfg: Config, topo, run: _Run, train_data, *, done: int, consumed: int,
     batches = batches_from(consumed)
     last_loss = last_val = None
     stopped, first_done, leaving = False, done, []
+    pause = pauses.armed("train.step", rank=topo.rank)  # MEGAFIXED_PAUSE: a test catches the run between steps
     try:
         if done == 0 and run.validator.should_validate(0):
             val0 = run.validator.run()  # the curve's starting point (~ln vocab); consumes no RNG
@@ -189,6 +191,8 @@ def _loop(cfg: Config, topo, run: _Run, train_data, *, done: int, consumed: int,
             made.first_step()  # what is in a new run directory now is the trainer's own
         while done < cfg.train.max_steps and not stopped:
             step, lr = done + 1, run.schedule.lr_at(done)  # step: as numbered in the logs
+            if pause is not None:  # before step: the metrics and checkpoint of the one before are written
+                pause.reached(step)
             if run.skips.consume(step, batches, layout.accum):  # data.skip_steps / a rollback's window: no forward
                 watchdog.touch(step)
                 result = None
