@@ -488,7 +488,7 @@ def test_transient_faults_on_a_node_resubmit_the_job_without_it_and_it_finishes_
     submits itself again with that node excluded, and the new job resumes on the two other nodes and finishes with
     the one-process losses."""
     run_dir = tmp_path / "transient"
-    cluster.wait_idle(60)
+    cluster.wait_idle()
     job = submit(cluster, inputs, run_dir, "train.max_transient_faults=1", per_node=1, partition=ALL,
                  env={"MEGAFIXED_INJECT": "nan@3:once:rank=1"})
     info = finished(cluster, job, run_dir, state="FAILED")
@@ -504,7 +504,7 @@ def test_transient_faults_on_a_node_resubmit_the_job_without_it_and_it_finishes_
     assert info["ExcNodeList"] == bad and bad not in set(cluster.task_nodes(after).values()), info
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000003'} (step 3," in job_log(run_dir, after)
     assert_same_losses(losses(run_dir), reference, "dp 2: a transient fault, then on two other nodes")
-    cluster.wait_idle(60)
+    cluster.wait_idle()
 
 
 def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_with_the_same_losses(
