@@ -52,6 +52,7 @@ def _assert_same_run(got: dict, ref: dict, what: str, grad_norm: bool = True) ->
 
 # ----------------------------------------------------------------------------- single process
 RICH = ["model.mlp=swiglu", "model.bias=true", "model.norm=layernorm", "model.n_kv_heads=2"]
+CLIPPED = ["optimizer.grad_clip=0.05"]  # every step clipped (the norms are 0.7-1.6): the norm must be right
 
 
 def _run_cases(launch, tmp: Path, cases: dict) -> dict:
@@ -75,7 +76,7 @@ def reference(tmp_path_factory):
         assert proc.returncode == 0, proc.stderr[-6000:]
 
     runs = _run_cases(one_process, tmp, {"plain": {"save": str(tmp / "ckpt"), "load": str(tmp / "ckpt")},
-                                         "rich": {"overrides": RICH}, "guarded": {"guard": True}})
+                                         "rich": {"overrides": RICH}, "guarded": {"guard": True, "overrides": CLIPPED}})
     weights = {name: gather_state_dict(tmp / "ckpt" / name) for name in INPUTS}
     return {"results": runs["plain"], "rich": runs["rich"], "guarded": runs["guarded"], "ckpt": tmp / "ckpt",
             "weights": weights}
@@ -220,7 +221,8 @@ def eight_procs(reference, torchrun, tmp_path_factory):
     """TP2 x PP2 x DP2 with ZeRO-1 on 8 ranks, the trainer's guard attached (its inputs recorded on
     every rank) and a validation pass after the steps; one launch (under the big-launch lock)."""
     tmp = tmp_path_factory.mktemp("eight_procs")
-    cases = {"tp2xpp2xdp2": {"overrides": ["parallel.tp=2", "parallel.pp=2", "train.micro_batch=1"], "guard": True}}
+    cases = {"tp2xpp2xdp2": {"overrides": ["parallel.tp=2", "parallel.pp=2", "train.micro_batch=1", *CLIPPED],
+                             "guard": True}}
     return _run_cases(lambda args: torchrun(8, args), tmp, cases)
 
 
@@ -231,6 +233,7 @@ def test_tp2_pp2_dp2_with_zero1_on_8_ranks_matches_one_process_and_its_guard_inp
         layout = (got[name]["tp"], got[name]["pp"], got[name]["dp"])
         assert layout == (2, 2, 2), f"tp2xpp2xdp2/{name}: ran as {layout}"
         _assert_same_run(got[name], ref[name], f"tp2xpp2xdp2/{name}")
+        assert min(ref[name]["grad_norm"]) > 0.05, ref[name]["grad_norm"]  # clipped at every step
         assert _close(got[name]["val"], ref[name]["val"]), (name, got[name]["val"], ref[name]["val"])
         # the guard was asked the loss and the norm of every step, with the same bits on all 8 ranks
         assert [(s, w) for s, w, _ in got[name]["judged"]] == [(s, w) for s in (1, 2, 3) for w in ("loss", "grad_norm")]
