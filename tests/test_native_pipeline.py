@@ -64,6 +64,51 @@ def test_each_schedule_constraint_is_refused_in_one_line_by_the_plan(overrides, 
     assert needle in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+@pytest.mark.parametrize("keys,named", [
+    (["parallel.pp_schedule=GPipe"], "parallel.pp_schedule=GPipe"),
+    (["parallel.vpp=2"], "parallel.vpp=2"),
+    (["parallel.pp_schedule=Interleaved1F1B", "parallel.vpp=2"],
+     "parallel.pp_schedule=Interleaved1F1B, parallel.vpp=2"),
+])
+def test_a_pipeline_schedule_without_a_pipeline_is_refused_in_one_line(engine, keys, named, capsys):
+    from megafixed.cli import main
+
+    code = main(["train", "/dev/null", "--dry-run", "--world-size", "2", *TINY, f"train.engine={engine}",
+                 "data.mock=true", *keys])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert f"{named} configures pipeline parallelism, but parallel.pp=1 runs no pipeline" in lines[0], lines[0]
+    # the schedule's default name in any case is no schedule of its own
+    assert RunPlan.build(load_config(None, [*TINY, "parallel.pp_schedule=1f1b"]), 2, gpu=False).pp == 1
+
+
+def test_init_from_refuses_source_keys_no_pipeline_stage_holds_as_it_does_without_pp(tmp_path):
+    """Under PP every rank reads the source and keeps its stage's part; a key that no stage holds
+    is refused with the same line as without PP, not dropped."""
+    import torch
+
+    from megafixed.engine.native.checkpoint import DcpCheckpoint
+    from megafixed.model.gpt import GPT
+    from megafixed.run.optim import build_optimizer
+
+    cfg = load_config(None, TINY)
+    model = GPT(cfg.model, seed=1)
+    ckpt = DcpCheckpoint(model, build_optimizer(model, cfg.optimizer))
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.every_rank_reads = True  # what PipelineEngine sets
+    ckpt.load_weights(lambda: source, tmp_path)  # the same keys: loads
+    source["blocks.7.attn.wq.weight"] = torch.zeros(64, 64)  # a block this 2-layer model has not
+    said = {}
+    for every in (True, False):
+        ckpt.every_rank_reads = every
+        with pytest.raises(ConfigError) as info:
+            ckpt.load_weights(lambda: source, tmp_path)
+        said[every] = str(info.value)
+    assert said[True] == said[False] and "extra ['blocks.7.attn.wq.weight']" in said[True], said
+    assert "\n" not in said[True]
+
+
 def test_the_deepspeed_engine_keeps_its_1f1b_and_refuses_other_schedules_by_name():
     cfg = load_config(None, [*TINY, "train.engine=deepspeed", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
                              "parallel.vpp=2"])

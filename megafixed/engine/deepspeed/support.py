@@ -19,6 +19,9 @@ def check_supported(cfg, plan) -> None:
         # would make `train.compile=true` a lie.
         raise ConfigError(f"train.compile=true is not supported with pipeline parallelism (parallel.pp="
                           f"{pp}); set train.compile=false, or parallel.pp=1")
+    from ...config_checks import check_pipeline_keys_need_pp
+
+    check_pipeline_keys_need_pp(cfg, pp)
     schedule, vpp = str(cfg.parallel.pp_schedule), cfg.parallel.vpp
     if pp > 1 and (schedule.lower() != "1f1b" or vpp != 1):
         # Its pipeline engine has one schedule (1F1B, one stage per rank); running it under another

@@ -25,7 +25,8 @@ schedule drives their gradient sync: one reduce-scatter per step, after the last
 The numerics are one process's: each microbatch's loss is the sum of its token losses divided by
 this rank's token count per step (``microbatch_loss`` below; the schedule's own ``scale_grads`` is off),
 FSDP2 averages over the data-parallel ranks, so the gradient is the mean over the global batch;
-the gradient norm is summed over the pp group (each rank holds other parameters) before clipping.
+the gradient norm is one all-reduce over the whole job (each pp rank holds other parameters) before
+clipping.
 """
 from __future__ import annotations
 
@@ -205,14 +206,29 @@ def _keep_forward_actions(schedule) -> None:
 
 # ----------------------------------------------------------------------------------- numerics
 def pp_grad_norm(parameters, pp_group) -> torch.Tensor:
-    """The whole model's gradient L2 norm: this rank's (over its DP/TP meshes) squared, summed over
-    the pipeline ranks (each holds other parameters), square-rooted."""
+    """The whole model's gradient L2 norm under PP: ``step.grad_norm``'s one all-reduce over the
+    whole job sums the pipeline ranks' distinct parameters too; ``pp_group`` is that job when the
+    stages hold plain tensors (no TP, no DP)."""
     from .step import grad_norm
 
-    squares = grad_norm(parameters).double() ** 2
-    squares = squares.to(next(iter(parameters)).device) if parameters else squares
-    dist.all_reduce(squares, group=pp_group)
-    return squares.sqrt()
+    return grad_norm(parameters, group=pp_group)
+
+
+def pp_loss_mean(local: torch.Tensor, topo) -> tuple[float, bool]:
+    """The step's global-batch loss and its non-finite flag from this rank's summed microbatch
+    losses (zero off the last stage), in ONE all-reduce over the whole job, so that every rank --
+    every stage, TP and DP peer -- holds the same bits for the bad-step guard (a pp all-reduce
+    followed by a DP one per tensor-parallel column would be hops through different communicators).
+    The last stage's ``tp`` peers hold equal copies: the sum is divided by ``dp * tp``."""
+    stats = torch.stack([torch.nan_to_num(local, nan=0.0, posinf=0.0, neginf=0.0),
+                         (~torch.isfinite(local)).double()]).double()
+    from .mesh import job_group
+
+    group = job_group(topo.mesh)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, group=group)
+    nonfinite = bool(stats[1] > 0)
+    return (float("nan") if nonfinite else float(stats[0]) / (topo.dp * topo.tp)), nonfinite
 
 
 def finite_or_none(x: float):

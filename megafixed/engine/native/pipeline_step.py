@@ -3,9 +3,9 @@
 The step hands the library's schedule this rank's ``accum`` micro batches as one batch (the
 schedule splits it back into the same micro batches): the first stage gets the token ids, the last
 the labels, and ``losses`` collects each microbatch's scaled loss on the last stage. The reported
-loss is their sum (the step's per-token mean) sent over the pp group, then averaged over DP with
-the non-finite flag every rank agrees on; the gradient norm is the pp-summed one
-(``pipeline.pp_grad_norm``) and clipping, the learning rate and AdamW are step.py's.
+loss is their sum (the step's per-token mean), averaged over DP with the non-finite flag in one
+all-reduce over the whole job (``pipeline.pp_loss_mean``); the gradient norm is step.py's one
+all-reduce too (``pipeline.pp_grad_norm``), and clipping, the learning rate and AdamW are step.py's.
 
 Validation is a schedule's own forward-only pass (``schedule.eval``, as torchtitan's validator
 runs it) with each microbatch's loss over all of the pass's tokens, so that the losses add up to the
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..base import StepResult
-from ..batches import dp_mean, dp_mean_and_flag, split_tokens
+from ..batches import dp_mean, split_tokens
 from .engine import NativeEngine
 
 
@@ -86,9 +86,9 @@ class PipelineEngine(NativeEngine):
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         if losses:
             local += torch.stack([loss.detach().double() for loss in losses]).sum()
-        dist.all_reduce(local, group=self.pp_group)  # NaN on the last stage reaches every stage
-        value, nonfinite = dp_mean_and_flag(local, self.topo.dp_group, self.topo.dp)
-        from .pipeline import pp_grad_norm
+        from .pipeline import pp_grad_norm, pp_loss_mean
+
+        value, nonfinite = pp_loss_mean(local, self.topo)  # one all-reduce over the job: the same bits everywhere
         from .step import apply_update
 
         return apply_update(self.optimizer, value, nonfinite, lr=lr, grad_clip=self.cfg.optimizer.grad_clip,

@@ -7,6 +7,9 @@ from ...parallel.layout import LayoutError
 
 
 def check_supported(cfg, plan) -> None:
+    from ...config_checks import check_pipeline_keys_need_pp
+
+    check_pipeline_keys_need_pp(cfg, plan.pp)
     if plan.pp > 1:  # torch.distributed.pipelining: the schedule's constraints, by name (schedules.py)
         from .schedules import check_pipeline
 
