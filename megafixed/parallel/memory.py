@@ -46,6 +46,13 @@ micro batches in flight, so it holds activations for ``pp * L/pp = L`` layers (t
 that PP does not shrink activation memory). The last stage adds the loss's working set
 (``loss_phase_bytes``: three fp32 logit-sized tensors, ``12*s*b*V/t``, in its backward).
 
+Where the peak sits: a step's gradients are dropped at its end (``zero_grad(set_to_none=True)``), so
+with one micro batch per step (accum 1) none exists at the loss backward, where the activations
+peak; they appear as each group's backward reduces it, while the activations are freed. The row is
+then the larger of the loss backward without gradients and the backward's end with all of them
+(``Estimate.grads_in_backward`` / ``reduction``, the engine planner's ``reduction_phase``). From the
+second micro batch on, every gradient (or FSDP2's partial sum of it) is held through the backward.
+
 The estimates are checked against measured tensor bytes on CPU in ``tests/test_parallel_plan.py``,
 DeepSpeed's whole step peak against its real 2-rank step in ``tests/test_deepspeed_memory.py``.
 """
@@ -316,9 +323,10 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         p, g, o = model_state_bytes(n_params, layout, precision)
         p += layout.planner.working_param_bytes(m, layout, n_params, precision, e)  # e.g. FSDP2's gathered copies
         est = Estimate(layout, p, g, o, act, n_params)
-        phases = getattr(layout.planner, "reduction_phase", None)  # e.g. DeepSpeed's buckets and copies
+        phases = getattr(layout.planner, "reduction_phase", None)  # DeepSpeed's buckets and copies; FSDP2's accum 1
         if phases is not None:
-            buffers, est.grads_in_backward, est.reduction = phases(m, layout, n_params, precision)
+            # the last backward's layer: what is live beside the gradients as the backward ends
+            buffers, est.grads_in_backward, est.reduction = phases(m, layout, n_params, precision, layer)
             est.grads += buffers
         if best is None or est.total > best.total:
             best = est
