@@ -104,7 +104,7 @@ def test_pick_prints_the_rows_overrides_and_refuses_what_it_cannot_run(tmp_path,
 
 
 def test_submit_layout_best_dry_run_applies_row_one(tmp_path, capsys, monkeypatch):
-    from megafixed.commands.plan_rank import best_layout
+    from megafixed.commands.plan_best import best_layout
 
     monkeypatch.chdir(tmp_path)
     cfg = _config(tmp_path)

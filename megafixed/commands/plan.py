@@ -64,8 +64,8 @@ def run(args) -> int:
 
     planner = engine_kind(cfg.train.engine).hook("planner")  # the engine's sharding arithmetic and column
     zname, zw = planner.COLUMN
-    from .plan_fake import add_fake, columns, header, measure_rows, row_note
-    from .plan_rank import config_precision, overrides_of, pick, plan_rows
+    from .plan_fake import add_fake, measure_rows
+    from .plan_rank import config_precision, overrides_of, pick
 
     estimates, extras = plan_rows(cfg, args.gpus, budget, args.precision, args)  # in rank order (plan_rank)
     if args.pick is not None:
@@ -113,6 +113,28 @@ def run(args) -> int:
           f"reserve of {RESERVE_BYTES / GiB:.0f} GiB (CUDA context, NCCL buffers, fragmentation: what --fake cannot "
           f"see). GiB per GPU on the most loaded stage"
           + planner.grads_note(args.precision) + ":")
+    _print_rows(args, planner, estimates, rows, extras, budget)
+    if len(shown) > args.top:
+        print(f"  ... {len(shown) - args.top} more (--top N)")
+    if not fitting:
+        print("no layout fits: turn on train.activation_checkpointing, lower data.seq_len, or add GPUs")
+    if saving:
+        lay = ref_layout
+        verb = "would save" if interface_of(m).has_table else "saves"
+        print(f"fixed codes vs a learned {m.vocab_size} x {m.d_model} table {verb}, per GPU of the first "
+              f"stage (TP {lay.tp}, DP {lay.dp}, {zname} {_sharding(lay)}): "
+              f"{saving['params'] / 1e6:.1f}M params = "
+              f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "
+              f"{saving['optimizer_bytes'] / GiB:.3f} GiB optimizer state = {saving['total_bytes'] / GiB:.3f} GiB")
+    return 0 if fitting else 1
+
+
+def _print_rows(args, planner, estimates: list, rows: list, extras: dict, budget: float) -> None:
+    """The ranked table's note, header and ``rows`` (numbered by their rank among ``estimates``)."""
+    from ..parallel.memory import GiB
+    from .plan_fake import columns, header, row_note
+
+    zname, zw = planner.COLUMN
     print(f"rows ranked by step>=s, the step-time lower bound (the fitting rows, fastest first; equal bounds: less "
           f"memory first; rows it cannot judge after them): dense matmuls at the {args.gpu_type} peak (pipeline "
           f"bubble included) plus TP's collectives (they sit between dependent matmuls), against all collectives at "
@@ -134,19 +156,18 @@ def run(args) -> int:
               f"{e.total / GiB:8.2f}  "
               f"{'yes' if e.total <= budget else 'no':>4} |" + columns(extras[id(e)]) + bubble
               + row_note(extras[id(e)]))
-    if len(shown) > args.top:
-        print(f"  ... {len(shown) - args.top} more (--top N)")
-    if not fitting:
-        print("no layout fits: turn on train.activation_checkpointing, lower data.seq_len, or add GPUs")
-    if saving:
-        lay = ref_layout
-        verb = "would save" if interface_of(m).has_table else "saves"
-        print(f"fixed codes vs a learned {m.vocab_size} x {m.d_model} table {verb}, per GPU of the first "
-              f"stage (TP {lay.tp}, DP {lay.dp}, {zname} {_sharding(lay)}): "
-              f"{saving['params'] / 1e6:.1f}M params = "
-              f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "
-              f"{saving['optimizer_bytes'] / GiB:.3f} GiB optimizer state = {saving['total_bytes'] / GiB:.3f} GiB")
-    return 0 if fitting else 1
+
+
+def plan_rows(cfg, gpus: int, budget: float, precision: str, links) -> tuple[list, dict]:
+    """(every layout's estimate in rank order, {id(estimate): its row extras}): what the table lists."""
+    from ..parallel.memory import estimate
+    from .plan_fake import row_extras
+    from .plan_rank import ranked
+
+    estimates = [estimate(cfg.model, cfg.data.seq_len, lay, precision)
+                 for lay in feasible_layouts(cfg, gpus, precision=precision)]
+    extras = {id(e): row_extras(cfg, e, links, None, precision) for e in estimates}
+    return ranked(estimates, extras, budget), extras
 
 
 def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list:

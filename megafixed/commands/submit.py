@@ -52,7 +52,8 @@ def add_arguments(p):
     p.add_argument("--gpu-mem", default="80GB", help="with --layout best: memory per GPU (default 80GB)")
     p.add_argument("--gpu-type", default="H100 80GB HBM3",
                    help="with --layout best: the GPU the plan's step-time bound is for (default H100 80GB HBM3)")
-    p.add_argument("--inter", default="ib-ndr400", help="with --layout best: the link between nodes (default ib-ndr400)")
+    p.add_argument("--inter", default="ib-ndr400",
+                   help="with --layout best: the link between nodes (default ib-ndr400)")
 
 
 def run(args) -> int:
@@ -71,7 +72,7 @@ def run(args) -> int:
     world = args.nodes * args.gpus_per_node
     choice = None
     if args.layout == "best":  # the plan's first row, as overrides after the given ones
-        from .plan_rank import best_layout
+        from .plan_best import best_layout
 
         choice = best_layout(args.config, list(args.overrides), world, gpu_mem=args.gpu_mem, gpu_type=args.gpu_type,
                              gpus_per_node=args.gpus_per_node, inter=args.inter)

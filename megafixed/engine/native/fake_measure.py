@@ -100,20 +100,23 @@ def measure_step(cfg, topo, fake: bool = False) -> dict:
     # the step's micro batches, as the data loader hands them: [mb, seq + 1] token ids
     batches = [torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=gen) for _ in range(accum)]
     axes = _axis_groups(topo.mesh)
-    comm = None
+    comm, steps = None, []
     try:
         with tracker, patches("step", pp=topo.pp):
             for i in range(STEPS):
                 comm = CommBytesMode(axes) if i == STEPS - 1 else contextlib.nullcontext()
                 with comm:
-                    engine.train_step(iter(batches), cfg.optimizer.lr, i)
+                    steps.append(engine.train_step(iter(batches), cfg.optimizer.lr, i))
     finally:
         tracker._megafixed_reset.remove()
     peak = tracker.get_tracker_snapshot("peak")
     device_peak = max(peak.values(), key=lambda d: d.get("Total", 0)) if peak else {}
     parts = {str(k): int(v) for k, v in device_peak.items() if str(k) != "Total"}
-    return {"peak_bytes": int(device_peak.get("Total", 0)), "parts": parts, "comm": comm.summary(),
-            "comm_by_axis": comm.by_axis()}
+    out = {"peak_bytes": int(device_peak.get("Total", 0)), "parts": parts, "comm": comm.summary(),
+           "comm_by_axis": comm.by_axis()}
+    if not fake:  # a real run's numbers (a fake step's are its stand-ins: host_values)
+        out["steps"] = [{"loss": r.loss, "grad_norm": r.grad_norm} for r in steps]
+    return out
 
 
 def _axis_groups(mesh) -> dict:
