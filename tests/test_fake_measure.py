@@ -200,6 +200,28 @@ def test_fake_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
     assert len(lines) == 1 and "not measurable under fake tensors" in lines[0]
 
 
+def test_each_torch_patch_holds_only_for_its_phase_and_names_its_torch_version(monkeypatch):
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from megafixed.engine.native import fake_patches as fp
+
+    originals = {"to_empty": nn.Module.to_empty, "mesh": DeviceMesh.__init__}
+    with fp.fake_patches("build"):
+        assert nn.Module.to_empty is not originals["to_empty"] and DeviceMesh.__init__ is not originals["mesh"]
+    with fp.fake_patches("step"):  # the build's to_empty patch is not the step's
+        assert nn.Module.to_empty is originals["to_empty"] and DeviceMesh.__init__ is not originals["mesh"]
+    with pytest.raises(RuntimeError, match="boom"), fp.fake_patches("build"):
+        raise RuntimeError("boom")  # restored on an error too
+    assert nn.Module.to_empty is originals["to_empty"] and DeviceMesh.__init__ is originals["mesh"]
+    # a torch that moved a patched internal: the row is refused, naming it and the version the patch is for
+    gone = fp.Patch("a moved internal", ("step",), lambda: (nn.Module, "no_such_attribute"), lambda o: o)
+    monkeypatch.setattr(fp, "PATCHES", (gone,))
+    with pytest.raises(fp.FakePatchError, match=r"written against torch 2\.13\.0; torch .* has no Module\."
+                                                r"no_such_attribute"), fp.fake_patches("step"):
+        pass
+
+
 def test_fake_refuses_pipelines_with_several_stages_per_rank():
     from megafixed.commands.plan_fake import refusal
     from megafixed.parallel.memory import Layout

@@ -167,3 +167,25 @@ def test_the_collective_counter_calls_sends_and_receives_p2p():
         assert packet in ops and kind_of(str(packet)) == "p2p", name
     assert kind_of("c10d.allreduce_") == "all_reduce" and kind_of("_c10d_functional.reduce_scatter_tensor") == \
         "reduce_scatter"
+
+
+def test_the_plan_says_what_zero_reduces_per_micro_batch_with_the_configs_figures(tmp_path, capsys):
+    from dataclasses import replace
+
+    from megafixed.config import load_config
+    from megafixed.parallel.memory import Layout, tp_param_counts
+    from megafixed.parallel.traffic import traffic
+
+    cfg = _config(tmp_path, "deepspeed")
+    capsys.readouterr()
+    cli_main(["plan", str(cfg), "--gpus", "8", "--top", "1"])
+    note = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ZeRO per micro batch:"))
+    m = load_config(str(cfg)).model
+    per = tp_param_counts(m).total * 2 / 1e9  # bf16 gradients, per rank
+    assert f"{per:.1f} GB per micro batch, {2 * per:.1f} GB per step at 2 micro batches" in note
+    # the traffic model agrees: ZeRO-2 and -3 reduce-scatter every micro batch, ZeRO-1 once per step (fp16:
+    # in bf16 DeepSpeed's ZeRO-1 all-reduces instead, also once)
+    for zero, grows in ((1, False), (2, True), (3, True)):
+        one = Layout(dp=8, zero=zero, micro_batch=2, accum=1, engine="deepspeed")
+        got = [traffic(m, 256, replace(one, accum=a), "fp16").bytes[("dp", "reduce_scatter")] for a in (1, 4)]
+        assert got[1] == (4 * got[0] if grows else got[0]), zero
