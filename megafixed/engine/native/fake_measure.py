@@ -17,7 +17,7 @@ runs (``fake_patches``).
 Under pipeline parallelism (one stage per rank) the engine's schedule runs, its sends and receives
 the fake group's no-ops; ``fake_worker`` measures the first and the last stage's ranks.
 
-``measure_step`` takes any process group and any tensors, so the same function run really on two
+``measure_step`` takes any process group and any tensors, so the same function run really on four
 gloo processes is the check that the fake run is right (tests/test_fake_measure.py).
 """
 from __future__ import annotations
