@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 # An in-process test's 1-rank world leaves these in os.environ (DeepSpeed reads them); a child that
@@ -17,13 +16,23 @@ def launch_free_env(**extra: str) -> dict:
 
 def signal_after_logged_steps(cmd: list, cwd, metrics: Path, sig: int, steps: int = 3,
                               timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (a lone `megafixed train`), send it ``sig`` once ``metrics`` holds ``steps`` records,
+    """Run ``cmd`` (a lone `megafixed train`), send it ``sig`` once it has logged ``steps`` steps (to
+    ``metrics``) and paused before the next (``MEGAFIXED_PAUSE``: it cannot finish first, however fast),
     and return how it ended (its return code, stdout and stderr)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=launch_free_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.time() + timeout
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
-        time.sleep(0.2)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    from _pause import ended, pause_env, wait_paused
+
+    paused = metrics.parent.with_name(metrics.parent.name + ".paused")
+    log = paused.with_suffix(".err")  # a file, not a pipe: nobody reads a pipe while the run goes on
+    with open(log, "w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=launch_free_env(**pause_env(f"train.step@{steps + 1}", paused)),
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            wait_paused(paused, ended(proc, log), timeout=timeout)
+            proc.send_signal(sig)
+            out, _ = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err.read())

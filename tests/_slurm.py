@@ -73,8 +73,8 @@ class Cluster:
         return dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
 
     def wait_for(self, job_id: str, states: set, timeout: float = 240) -> dict:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+        deadline = time.monotonic() + timeout  # a bound for a hang: the states waited for are ones a job stays in
+        while time.monotonic() < deadline:
             info = self.job_state(job_id)
             if info.get("JobState") in states:
                 return info
@@ -115,9 +115,9 @@ def _munge_works() -> bool:
         return False
 
 
-def _pid(path: Path, timeout: float = 10) -> int | None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def _pid(path: Path, timeout: float = 120) -> int | None:
+    deadline = time.monotonic() + timeout  # a bound for a hang: a loaded machine starts a daemon slowly
+    while time.monotonic() < deadline:
         if path.exists() and path.read_text().strip():
             return int(path.read_text().split()[0])
         time.sleep(0.1)
@@ -168,11 +168,11 @@ def start_cluster(root: Path) -> Cluster | str:
             cluster.stop()
             return f"{name} did not start ({out.stderr.strip()[-300:]}; log {root}/{name}.log)"
         cluster.started.append((name, pid))
-    deadline = time.time() + 30
-    while time.time() < deadline:
+    deadline = time.monotonic() + 120  # a bound for a hang, not a speed
+    while time.monotonic() < deadline:
         state = cluster.run("sinfo", "-h", "-o", "%t", check=False).stdout.strip()
         if state == "idle":
             return cluster
         time.sleep(0.5)
     cluster.stop()
-    return f"the Slurm node did not become idle in 30 s (sinfo says {state!r}); logs in {root}"
+    return f"the Slurm node did not become idle in 120 s (sinfo says {state!r}); logs in {root}"

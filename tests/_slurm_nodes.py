@@ -82,14 +82,13 @@ MinJobAge=3600
 """
 
 # Runs before every task. A flag file per node and job name makes that node's tasks stall (the task
-# does not start while the flag exists, at most 120 s) or run another megafixed (PYTHONPATH). Each task's
-# node is recorded.
+# does not start while the flag exists: until its test removes it, or the job's time limit) or run another
+# megafixed (PYTHONPATH). Each task's node is recorded.
 PROLOG = """#!/bin/sh
 flag={root}/$(hostname)-$SLURM_JOB_NAME
 # where each task ran, for the tests that check a layout (task_nodes)
 echo "$SLURM_JOB_ID $SLURM_PROCID $(hostname)" >> {root}/tasks.log
-i=0
-while [ -e $flag.stall ] && [ $i -lt 240 ]; do sleep 0.5; i=$((i + 1)); done
+while [ -e $flag.stall ]; do sleep 0.5; done
 # PYTHONSAFEPATH: `python -m` would otherwise import the working directory's megafixed first
 if [ -e $flag.pythonpath ]; then echo "export PYTHONPATH=$(cat $flag.pythonpath)"; echo "export PYTHONSAFEPATH=1"; fi
 exit 0
@@ -129,7 +128,7 @@ class NodesCluster(Cluster):
 
     # --- faults a test injects ---
     def stall(self, node: str, job_name: str, on: bool = True) -> None:
-        """The tasks of job ``job_name`` on ``node`` do not start (while on; 120 s at most)."""
+        """The tasks of job ``job_name`` on ``node`` do not start while on (the job's time limit bounds it)."""
         flag = self.root / f"{node}-{job_name}.stall"
         flag.touch() if on else flag.unlink(missing_ok=True)
 
@@ -172,11 +171,11 @@ class NodesCluster(Cluster):
                 pids.append(int(proc.name))
         return pids
 
-    def wait_idle(self, timeout: float = 60, nodes: list[str] | None = None) -> None:
-        """Until ``nodes`` (default: all) are idle, i.e. up and running no job."""
+    def wait_idle(self, timeout: float = 120, nodes: list[str] | None = None) -> None:
+        """Until ``nodes`` (default: all) are idle, i.e. up and running no job (``timeout``: a bound for a hang)."""
         names = ",".join(nodes or self.nodes)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             states = self.run("sinfo", "-h", "-N", "-n", names, "-o", "%t", check=False).stdout.split()
             if states and all(s == "idle" for s in states):
                 return
@@ -196,7 +195,8 @@ class NodesCluster(Cluster):
         # Anything still running inside our namespaces (a stalled prolog, a straggling rank) goes too, until none
         # is left: a slurmstepd forked while the pass runs (a job starting at teardown) would otherwise outlive its
         # deleted namespace, its ranks would keep running, and the next cluster's job of the same id would see them.
-        for _ in range(20):
+        deadline = time.monotonic() + 60  # a bound for a hang: a loaded machine reaps slowly
+        while time.monotonic() < deadline:
             pids = [pid for ns in our_namespaces() for pid in _ip("netns", "pids", ns, check=False).stdout.split()]
             if not pids:
                 break
@@ -311,7 +311,7 @@ def start_cluster(root: Path, n_nodes: int = 2, partitions: dict[str, list[str]]
             return f"{name} did not start ({out.stderr.strip()[-300:]}; log {root}/{name}.log)"
         cluster.started.append((name, pid))
     try:
-        cluster.wait_idle(60)
+        cluster.wait_idle()
     except AssertionError as exc:
         cluster.stop()
         return f"the test nodes did not become idle ({exc}); logs in {root}"

@@ -78,9 +78,16 @@ def test_a_forked_worker_keeps_the_default_signal_action():
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
         stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM), interrupt=True)
-        proc = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+        ctx = mp.get_context("fork")
+        running = ctx.Event()
+
+        def worker():
+            running.set()
+            time.sleep(60)
+
+        proc = ctx.Process(target=worker)
         proc.start()
-        time.sleep(0.5)
+        assert running.wait(60)  # the child runs (its handlers inherited), not still being forked
         os.kill(proc.pid, signal.SIGTERM)
         proc.join(timeout=30)
         assert proc.exitcode == -signal.SIGTERM and not stop.requested

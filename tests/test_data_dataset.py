@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -129,11 +128,12 @@ def test_blending_ratios_and_cache(tmp_path):
     caches = [f for f in os.listdir(tmp_path) if f.endswith(".blend.json")]
     assert len(caches) == 1
     cache = tmp_path / caches[0]
-    stamp = os.stat(cache).st_mtime_ns
+    stamp = 10**18  # an mtime no write sets (2001-09-09): a rewrite shows however coarse the clock is
+    os.utime(cache, ns=(stamp, stamp))
     build_datasets(cfg, seed=0)  # cached: the index is not rebuilt
     assert os.stat(cache).st_mtime_ns == stamp
-    time.sleep(0.01)
-    os.utime(bin_path(str(tmp_path / "b")))  # the shard changed: the cached index is stale
+    b = os.stat(bin_path(str(tmp_path / "b")))
+    os.utime(bin_path(str(tmp_path / "b")), ns=(b.st_atime_ns, b.st_mtime_ns + 10**9))  # the shard changed
     ds2 = build_datasets(cfg, seed=0)["train"]
     assert os.stat(cache).st_mtime_ns != stamp
     np.testing.assert_array_equal(ds2[17], ds[17])

@@ -188,28 +188,27 @@ def test_ctrl_c_leaves_no_complete_looking_pair(data, tmp_path):
     import signal
     import subprocess
     import sys
-    import time
+
+    from _pause import ended, pause_env, wait_paused
 
     root, jsonl, tok = data
     big = tmp_path / "big.jsonl"
     big.write_bytes(open(jsonl, "rb").read() * 150)  # long enough to be interrupted mid-way
     out = tmp_path / "out"
     out.mkdir()
+    paused = tmp_path / "paused"  # the run stops after its 4th batch (2 shards done, a 3rd open) until the signal
     tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "preprocess_data.py")
     proc = subprocess.Popen([sys.executable, tool, "--input", str(big), "--tokenizer", tok, "--output-prefix",
                              str(out / "x"), "--workers", "2", "--shard-size-mb", "0.2", "--no-progress",
-                             # the reference backend: gigatoken finishes this input before the signal lands
-                             "--backend", "reference"],
+                             "--backend", "reference"],  # its pool of workers: Ctrl-C must end them too
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **pause_env("preprocess.batch@4", paused)},
                             # A suite started as a background job (`pytest ... &` from a script) inherits SIGINT
                             # ignored, as POSIX shells set it for asynchronous commands, and so would this child,
                             # which would then rightly run to the end. Ctrl-C at a terminal meets the default.
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 120
-    while not any(".partial-" in f for f in os.listdir(out)) or len(os.listdir(out)) < 4:
-        assert proc.poll() is None, proc.communicate()  # must still be running when we interrupt it
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_paused(paused, ended(proc))
+    assert any(".partial-" in f for f in os.listdir(out)) and len(os.listdir(out)) >= 4, os.listdir(out)
     os.killpg(proc.pid, signal.SIGINT)
     proc.communicate(timeout=60)
     assert proc.returncode != 0

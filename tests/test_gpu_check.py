@@ -145,22 +145,18 @@ def test_gpu_check_installs_offline_passes_its_preflight_and_exits_3_without_cud
 
 
 def test_a_sweep_stopped_by_sigterm_leaves_the_rows_measured_so_far(tmp_path):
-    out = tmp_path / "k.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    from _pause import ended, pause_env, wait_paused
+
+    out, paused = tmp_path / "k.json", tmp_path / "paused"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **pause_env("bench.row@3", paused)}  # it stops after its 3rd row
     proc = subprocess.Popen([sys.executable, "-m", "megafixed.cli", "bench", "kernels", "--device", "cpu",
                              "--mode", "forward", "--tokens", "64,128,256,512,1k,2k,4k,8k", "--width", "64,128,256",
                              "--providers", "megafixed-canonical,torch-embedding", "--min-time", "0.05",
                              "--threads", "1", "--json", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    rows = []
-    while time.monotonic() < deadline and proc.poll() is None:
-        if out.exists():
-            rows = json.loads(out.read_text())["rows"]
-            if len(rows) >= 3:
-                break
-        time.sleep(0.05)
-    assert proc.poll() is None, f"the sweep ended before it could be stopped: {proc.stderr.read()[-2000:]}"
+    wait_paused(paused, lambda: ended(proc)() and f"the sweep ended before it could be stopped: "
+                                                 f"{proc.stderr.read()[-2000:]}")
+    rows = json.loads(out.read_text())["rows"]
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGTERM

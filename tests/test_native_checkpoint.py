@@ -22,7 +22,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 
 from _env import launch_free_env
 from _metrics import assert_matches, assert_rows_match, logged_step, read_metrics
+from _pause import ended, pause_env, wait_paused
 from _train_data import reference_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,9 +62,9 @@ def _env() -> dict:
     return launch_free_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def _popen(nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(_train_cmd(nproc, overrides), cwd=ROOT, env=_env(), stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+def _popen(nproc: int, overrides: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(_train_cmd(nproc, overrides), cwd=ROOT, env={**_env(), **(env or {})},
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _tree(pid: int) -> list[int]:
@@ -173,19 +173,15 @@ def test_kill9_between_saves_then_rerun_is_bit_identical_and_sync_saves_equal_as
                                                                                      tmp_path):
     run_dir = tmp_path / "run"
     overrides = _overrides(shards, run_dir, "train.async_save=false")
-    victim = _popen(2, overrides, tmp_path / "victim.log")
+    # rank 0 stops before step SAVE + 2 (a step past a complete checkpoint, before the next one is), rank 1
+    # waits for it in that step, until both are killed there
+    paused = tmp_path / "victim.paused"
+    victim = _popen(2, overrides, tmp_path / "victim.log", pause_env(f"train.step@{SAVE + 2}:rank=0", paused))
     latest = run_dir / "checkpoints" / "latest"
-    killed_at = saved = None
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline and victim.poll() is None:
-        if latest.exists():
-            saved = int(latest.read_text().strip().split("_")[1])
-            step = logged_step(run_dir)
-            if step > saved:  # a few steps past a complete checkpoint, before the next one is
-                _kill9(victim)
-                killed_at = step
-                break
-        time.sleep(0.01)
+    wait_paused(paused, ended(victim, tmp_path / "victim.log"))
+    saved = int(latest.read_text().strip().split("_")[1])
+    killed_at = logged_step(run_dir)
+    _kill9(victim)
     victim.wait()
     assert killed_at is not None, "the run ended before it could be killed: " + \
         (tmp_path / "victim.log").read_text()[-3000:]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -231,20 +230,19 @@ def _assert_continues(run_dir, ref_dir, first: int):
 def test_a_pp2_run_killed_between_saves_reruns_bit_identically(tiny_shards, pp2_reference, tmp_path):
     from test_native_checkpoint import _kill9, _popen, _run
 
+    from _pause import ended, pause_env, wait_paused
+
     run_dir = tmp_path / "run"
     overrides = _overrides(tiny_shards, run_dir, *PP2)
-    victim = _popen(2, overrides, tmp_path / "victim.log")
+    # stage 0 (rank 0) stops before step SAVE + 2 (past a complete checkpoint, before the next one), stage 1
+    # waits for it, until both are killed there
+    paused = tmp_path / "victim.paused"
+    victim = _popen(2, overrides, tmp_path / "victim.log", pause_env(f"train.step@{SAVE + 2}:rank=0", paused))
     latest = run_dir / "checkpoints" / "latest"
-    killed_at = saved = None
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline and victim.poll() is None:
-        if latest.exists():
-            saved = int(latest.read_text().strip().split("_")[1])
-            if logged_step(run_dir) > saved:  # past a complete checkpoint, before the next one
-                _kill9(victim)
-                killed_at = logged_step(run_dir)
-                break
-        time.sleep(0.005)
+    wait_paused(paused, ended(victim, tmp_path / "victim.log"))
+    saved = int(latest.read_text().strip().split("_")[1])
+    killed_at = logged_step(run_dir)
+    _kill9(victim)
     victim.wait()
     assert killed_at is not None, "the run ended before it could be killed: " + \
         (tmp_path / "victim.log").read_text()[-3000:]

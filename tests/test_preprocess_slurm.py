@@ -14,13 +14,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from _pause import pause_env, wait_paused
 from _slurm import start_cluster
 from megafixed.data import BUNDLED_CORPUS
 from megafixed.data.gpt_dataset import build_datasets
@@ -43,9 +43,9 @@ def cluster(tmp_path_factory):
     found.stop()
 
 
-def _submit(cluster, args) -> tuple[str, str | None, str]:
-    out = subprocess.run([sys.executable, "-m", "megafixed.cli", "preprocess", *args], cwd=ROOT, env=cluster.env,
-                         capture_output=True, text=True, timeout=120)
+def _submit(cluster, args, env=None) -> tuple[str, str | None, str]:
+    out = subprocess.run([sys.executable, "-m", "megafixed.cli", "preprocess", *args], cwd=ROOT,
+                         env={**cluster.env, **(env or {})}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr + out.stdout
     m = re.search(r"submitted array job (\d+|\(none[^)]*\)) and manifest job (\d+)", out.stdout)
     assert m, out.stdout
@@ -72,13 +72,16 @@ def test_array_with_a_killed_task_then_rerun_equals_one_process(cluster, tmp_pat
     args = ["--input", str(inputs / "p*.jsonl"), "--tokenizer", tok, "--output-prefix", str(prefix),
             "--submit", "--nodes", "3", "--time", "00:10:00", "--shard-size-mb", "2"]
 
-    array, manifest_job, said = _submit(cluster, args)
+    # group 2 stops after its first batch, written to its temporary shards, until its task is cancelled
+    paused = tmp_path / "group2.paused"
+    array, manifest_job, said = _submit(cluster, args, pause_env("preprocess.batch@1:group=2", paused))
     assert "to run: [0, 1, 2]" in said
-    deadline = time.time() + 180
-    while not glob.glob(f"{prefix}_g00002.partial-*"):  # group 2 has begun writing: kill it mid-way
-        assert time.time() < deadline, cluster.logs()
-        assert cluster.job_state(f"{array}_2").get("JobState") not in ("COMPLETED", "FAILED"), "finished too soon"
-        time.sleep(0.05)
+
+    def gone():
+        state = cluster.job_state(f"{array}_2").get("JobState")
+        return f"finished too soon ({state})\n{cluster.logs()}" if state in ("COMPLETED", "FAILED") else None
+    wait_paused(paused, gone)
+    assert glob.glob(f"{prefix}_g00002.partial-*")  # group 2 has begun writing: kill it mid-way
     cluster.run("scancel", f"{array}_2")
     info = cluster.wait_for(manifest_job, {"COMPLETED", "FAILED"})
     assert info["JobState"] == "FAILED"  # it refuses with a group missing, and names it

@@ -129,10 +129,11 @@ def test_watchdog_dumps_stacks_and_exits_hung(tmp_path):
         w = HangWatchdog(timeout_s=1.0, slow_phase_s=1.0, faults_dir={str(tmp_path)!r}, rank=0, world=1).start()
         w.enter(1); w.finish(1, 0.01); w.enter(2)
         def stuck_in_a_step():
-            time.sleep(30)
+            while True:  # stuck for good: only the watchdog ends it, however long it takes to notice
+                time.sleep(1)
         stuck_in_a_step()
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == exit_codes.HUNG, proc.stderr
     (stack,) = tmp_path.glob("hang.step00000002.rank00000.*.txt")
     assert "stuck_in_a_step" in stack.read_text()  # the main thread's frame, dumped from the watchdog's

@@ -309,33 +309,113 @@ def test_under_slurm_a_lock_of_an_earlier_incarnation_or_an_ended_job_is_stale_a
                 _lock(lock.parent).acquire()
 
 
+def _slurm_job_on(monkeypatch, tmp_path, nodes: list[str], job="77", restart="0") -> Path:
+    """This process as a task of Slurm job ``job`` on ``nodes[0]``; a stand-in ``scontrol`` expands the job's
+    node list (records what it was asked); returns the file of its calls."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / "scontrol.calls"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n" + "".join(f"echo {n}\n" for n in nodes))
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", restart)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[2-3]")
+    monkeypatch.setenv("SLURMD_NODENAME", nodes[0])
+    return calls
+
+
+def test_under_slurm_a_lock_of_this_job_on_a_node_it_no_longer_has_is_stale_at_once(tmp_path, monkeypatch):
+    """A lost head node: the job went on (same incarnation) on node2 + node3; its lock on node1 cannot be held."""
+    from megafixed.run.run_lock import RunDirectoryBusy
+
+    calls = _slurm_job_on(monkeypatch, tmp_path, ["node2", "node3"])
+    lock = tmp_path / "run" / ".megafixed.lock"
+    lock.parent.mkdir()
+    held = {"host": "node1", "pid": 4242, "start": "9", "since": "x", "slurm_job_id": "77", "slurm_restart": 0,
+            "slurm_node": "node1"}
+    lock.write_text(json.dumps(held))  # a fresh heartbeat: only the node list tells
+    with _lock(lock.parent) as taken:
+        assert taken.took_over == ("host node1, pid 4242, Slurm job 77, since x: its node node1 is not one of "
+                                   "Slurm job 77's nodes (node2, node3)")
+        assert (taken.info["slurm_job_id"], taken.info["slurm_node"]) == ("77", "node2")
+    assert calls.read_text().splitlines() == ["show hostnames node[2-3]"]  # Slurm's own expansion of the list
+    # a lock of this job on one of its nodes is respected (a second srun of the job, a live rank 0 there)
+    lock.write_text(json.dumps({**held, "host": "node3", "slurm_node": "node3"}))
+    with pytest.raises(RunDirectoryBusy, match=r"host node3, pid 4242, Slurm job 77, since x"):
+        _lock(lock.parent).acquire()
+    # a record without slurm_node (an older megafixed) is judged by its hostname, qualified or not
+    for host, stale in (("node1.cluster.example", True), ("node3.cluster.example", False)):
+        lock.write_text(json.dumps({k: v for k, v in {**held, "host": host}.items() if k != "slurm_node"}))
+        if stale:
+            with _lock(lock.parent):
+                pass
+        else:
+            with pytest.raises(RunDirectoryBusy, match=host):
+                _lock(lock.parent).acquire()
+    # another job's lock on a node this job does not have says nothing of that job: squeue decides
+    squeue = tmp_path / "bin" / "squeue"
+    squeue.write_text("#!/bin/sh\necho RUNNING\n")
+    squeue.chmod(0o755)
+    lock.write_text(json.dumps({**held, "slurm_job_id": "76"}))
+    with pytest.raises(RunDirectoryBusy, match="Slurm job 76"):
+        _lock(lock.parent).acquire()
+
+
+def test_the_trainer_says_it_took_over_the_lock_of_a_node_the_job_no_longer_has(tmp_path, monkeypatch):
+    """The one line the trainer prints for a lock it took over, through its real ``train`` (the training itself,
+    which the lock only wraps, stands aside)."""
+    from types import SimpleNamespace
+
+    from megafixed.train import trainer
+
+    _slurm_job_on(monkeypatch, tmp_path, ["node2", "node3"], restart="1")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".megafixed.lock").write_text(json.dumps({"host": "node1", "pid": 4242, "start": "9", "since": "x",
+                                                     "slurm_job_id": "77", "slurm_restart": 1,
+                                                     "slurm_node": "node1"}))
+    seen = []
+    monkeypatch.setattr(trainer, "_train", lambda cfg, topo, **kw: seen.append(json.loads(
+        (run / ".megafixed.lock").read_text())) or "trained")
+    lines = []
+    cfg = SimpleNamespace(train=SimpleNamespace(run_dir=str(run)))
+    assert trainer.train(cfg, SimpleNamespace(is_main=True), log=lines.append) == "trained"
+    assert lines == [f"took over the run directory lock {run / '.megafixed.lock'} of a trainer that is gone (host "
+                     f"node1, pid 4242, Slurm job 77, since x: its node node1 is not one of Slurm job 77's nodes "
+                     f"(node2, node3))"]
+    assert seen[0]["pid"] == os.getpid() and seen[0]["slurm_node"] == "node2"  # ours while it trained
+    assert not (run / ".megafixed.lock").exists()  # released at the end
+
+
 def test_the_holder_heartbeat_keeps_its_lock_fresh(tmp_path):
     lock = tmp_path / ".megafixed.lock"
     with _lock(tmp_path, heartbeat_s=0.05):
         old = time.time() - 3600
         os.utime(lock, (old, old))
-        deadline = time.time() + 10
-        while time.time() < deadline and time.time() - lock.stat().st_mtime > 60:
+        deadline = time.monotonic() + 300  # a bound for a hang: the next beat refreshes it, however late it runs
+        while time.monotonic() < deadline and time.time() - lock.stat().st_mtime > 60:
             time.sleep(0.05)
         assert time.time() - lock.stat().st_mtime < 60
 
 
 @pytest.mark.multiprocess
 def test_a_second_trainer_on_a_running_run_dir_is_refused_and_the_first_keeps_its_metrics(ws, tmp_path):
+    from _pause import ended, pause_env, wait_paused
+
     run = tmp_path / "run"
-    cmd = _cmd(ws["shards"], run, "train.max_steps=100000", "train.save_interval=100000")
+    cmd = _cmd(ws["shards"], run, "train.max_steps=100", "train.save_interval=1000")
     log = open(tmp_path / "first.err", "w+")  # a file, not a pipe: a full pipe would stall the trainer
-    first = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=log, text=True)
+    paused = tmp_path / "first.paused"  # the first stops before step 3 (2 steps logged) until its TERM
+    first = subprocess.Popen(cmd, cwd=ROOT, env={**_env(), **pause_env("train.step@3", paused)},
+                             stdout=subprocess.DEVNULL, stderr=log, text=True)
 
     def first_err():
         log.flush()
         return (tmp_path / "first.err").read_text()[-3000:]
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and not ((run / "metrics.jsonl").exists() and
-                                              len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
-            assert first.poll() is None, first_err()
-            time.sleep(0.1)
+        wait_paused(paused, ended(first, tmp_path / "first.err"))
         second = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
         line = _one_error(second.stderr)
         assert second.returncode == 2, second.stderr

@@ -5,13 +5,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from _env import launch_free_env
 from _metrics import logged_step, read_metrics
+from _pause import ended, pause_env, wait_paused
 from _train_data import tiny_overrides, write_shards
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,19 +44,16 @@ def test_kill9_between_saves_then_resume_is_bit_identical(tmp_path):
     # Uninterrupted reference, started concurrently with the run we are going to kill.
     ref_log = open(tmp_path / "ref.log", "w")  # a file, not a pipe: a full pipe would stall the run
     ref = subprocess.Popen(cli(ref_dir, prefix), cwd=ROOT, env=env(), stdout=ref_log, stderr=subprocess.STDOUT)
-    victim = subprocess.Popen(cli(killed_dir, prefix), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    # it stops before step SAVE + 4 (a checkpoint exists and the run is a few steps past it, before the next
+    # save) until it is killed there
+    paused = tmp_path / "victim.paused"
+    victim = subprocess.Popen(cli(killed_dir, prefix), cwd=ROOT, env={**env(), **pause_env(f"train.step@{SAVE + 4}",
+                                                                                          paused)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = killed_dir / "checkpoints" / "latest"
-    killed_at = None
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and victim.poll() is None:
-        step = logged_step(killed_dir)
-        # a checkpoint exists and the run is a few steps past it, before the next save
-        if latest.exists() and step % SAVE >= 3:
-            victim.send_signal(signal.SIGKILL)
-            killed_at = step
-            break
-        time.sleep(0.01)
+    wait_paused(paused, ended(victim))
+    killed_at = logged_step(killed_dir)
+    victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert killed_at is not None, "the run finished or stalled before it could be killed between saves"
     assert victim.returncode == -signal.SIGKILL

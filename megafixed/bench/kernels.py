@@ -448,10 +448,15 @@ def run(args) -> int:
         claim_output(outs, overwrite=args.overwrite, what="benchmark output")
         for p in outs:
             p.parent.mkdir(parents=True, exist_ok=True)
+    from .. import pause as pauses
     from ..atomic import atomic_write_text
+
+    pause = pauses.armed("bench.row")  # MEGAFIXED_PAUSE: a test stops the sweep at a row of its choosing
 
     def save_partial(result: dict) -> None:  # every row: a sweep killed at its limit keeps its rows
         atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
+        if pause is not None:
+            pause.reached(len(result["rows"]))
 
     try:
         result = sweep(spec["device"], spec["tokens"], spec["widths"], spec["dtypes"], spec["modes"],

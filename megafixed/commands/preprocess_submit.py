@@ -154,7 +154,8 @@ def _run_group(plan_file: str, index: int) -> int:
             inputs=paths, output_prefix=out_prefix, tokenizer=o["tokenizer"], json_keys=o["json_keys"],
             workers=o["workers"], append_eod=o["append_eod"], shard_size_mb=o["shard_size_mb"], strict=o["strict"],
             text_split=o["text_split"], code_bits=o["code_bits"], batch_records=o["batch_records"],
-            chunk_mb=o["chunk_mb"], backend=o["backend"], verify_chars=o["verify_chars"], progress=False))
+            chunk_mb=o["chunk_mb"], backend=o["backend"], verify_chars=o["verify_chars"], progress=False,
+            group=index))
 
     rec = pg.run_group(plan, index, run)
     print(f"group {index}: {rec['documents']} documents, {rec['tokens']} tokens in {len(rec['shards'])} shard(s)")

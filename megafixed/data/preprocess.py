@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -28,6 +29,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import pause as pauses
 from ..atomic import atomic_write_text
 from ..plural import count
 from . import fast_backend
@@ -57,6 +59,7 @@ class PreprocessOptions:
     verify_chars: int = 65536  # characters of input the start-up check compares the backends on
     progress: bool = True
     extra_meta: dict = field(default_factory=dict)  # stored in every shard's .meta.json
+    group: Optional[int] = None  # the input-file group of a ``--submit`` array task (MEGAFIXED_PAUSE's group=)
 
 
 @dataclass
@@ -100,6 +103,10 @@ _STATE: dict = {}
 
 def _init_worker(tok_desc: dict, json_keys: list, strict: bool, append_eod: bool, dtype: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; workers are the parallelism
+    # Ctrl-C reaches the whole process group, but stopping is the parent's (it terminates the pool). A worker
+    # that died of the KeyboardInterrupt could leave the pool's task-queue lock taken (a signal landing between
+    # the lock's acquire and its ``with`` block), and the parent's terminate() would wait on that lock forever.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = load_tokenizer(tok_desc)
     _STATE.update(encoder=ReferenceEncoder(tok), eod_id=tok.eod_id, keys=list(json_keys), strict=strict,
                   append_eod=append_eod, dtype=np.dtype(dtype))
@@ -380,6 +387,7 @@ def _run(opts: PreprocessOptions, paths: list, keys: list, tok, encoder, note: s
     batch_records = opts.batch_records or (16384 if encoder.name != "reference" else 256)
     batches = iter_batches(paths, keys, batch_records, batch_bytes=int(opts.chunk_mb * (1 << 20)),
                            text_split=opts.text_split)
+    pause, written = pauses.armed("preprocess.batch", group=opts.group), [0]  # MEGAFIXED_PAUSE: tests, drills
 
     def consume(result) -> None:
         per_key, nbad, examples, blank, nbytes = result
@@ -396,6 +404,9 @@ def _run(opts: PreprocessOptions, paths: list, keys: list, tok, encoder, note: s
             dt = max(time.perf_counter() - t0, 1e-9)
             bar.update(len(next(iter(per_key.values()))[1]))
             bar.set_postfix_str(f"{report.tokens / dt:,.0f} tok/s, {report.input_bytes / dt / 1e6:.1f} MB/s")
+        written[0] += 1
+        if pause is not None:  # this batch is in the temporary shards: stop here until a signal or a release
+            pause.reached(written[0])
 
     try:
         _tokenize_all(batches, consume, encoder, tok, keys, opts, dtype, workers)

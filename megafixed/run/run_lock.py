@@ -17,10 +17,13 @@ Lustre, GPFS) and leaves a file a person can read. What we rely on:
   as NTP keeps them; the mtime is set by the file server). A kill -9'd trainer on another node
   therefore blocks its run directory for up to ``STALE_S``; the refusal says so and names the file
   to delete by hand.
-* **Under Slurm** the record also names the job (``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``): Slurm runs one
-  incarnation of a job at a time, so a lock left by an earlier incarnation of *this* job (a requeue after
-  a hard kill, possibly on another node) is stale at once, and one held by another job is stale as soon as
-  ``squeue`` no longer lists that job as running -- no 10-minute wait on a cluster.
+* **Under Slurm** the record also names the job and the node (``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``,
+  ``SLURMD_NODENAME``): Slurm runs one incarnation of a job at a time, so a lock left by an earlier
+  incarnation of *this* job (a requeue after a hard kill, possibly on another node) is stale at once; so is
+  one of this job whose node is not among the job's nodes now (``SLURM_JOB_NODELIST``, expanded by
+  ``scontrol show hostnames``: a lost head node the job went on without), since a job's processes run only
+  on its own nodes; and one held by another job is stale as soon as ``squeue`` no longer lists that job as
+  running -- no 10-minute wait on a cluster. A lock of this job on one of its live nodes is respected.
 * **Breaking a stale lock** renames it to a unique name first (atomic: of two processes that both
   judged it stale only one rename succeeds on the same file), re-reads what was renamed and puts
   it back if it was not the stale holder after all.
@@ -72,7 +75,38 @@ def _alive(pid: int, start: Optional[str]) -> bool:
 
 def _slurm_job() -> dict:
     job = os.environ.get("SLURM_JOB_ID")
-    return {"slurm_job_id": job, "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0)} if job else {}
+    if not job:
+        return {}
+    return {"slurm_job_id": job, "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            "slurm_node": os.environ.get("SLURMD_NODENAME")}
+
+
+def _slurm_job_nodes() -> Optional[list[str]]:
+    """This job's nodes (``SLURM_JOB_NODELIST`` expanded by Slurm itself), or None where that cannot be told.
+    (``launch/head.py`` expands node lists for the rendezvous; run/ sits beneath launch/, hence its own call.)"""
+    import shutil
+    import subprocess
+
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist or shutil.which("scontrol") is None:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.split() if out.returncode == 0 and out.stdout.split() else None
+
+
+def _node_gone(held: dict) -> Optional[str]:
+    """Why the node of ``held`` (a lock of this job) cannot run its holder: it is not one of the job's nodes."""
+    nodes = _slurm_job_nodes()
+    node = held.get("slurm_node") or held.get("host")
+    if not nodes or not node:
+        return None
+    short = {n.split(".")[0] for n in nodes}  # a record from before slurm_node has the hostname, maybe qualified
+    if node in nodes or node.split(".")[0] in short:
+        return None
+    return f"its node {node} is not one of Slurm job {held['slurm_job_id']}'s nodes ({', '.join(nodes)})"
 
 
 def _slurm_job_running(job: str) -> Optional[bool]:
@@ -184,6 +218,10 @@ class RunLock:
             earlier = int(held.get("slurm_restart", 0)) < int(mine.get("slurm_restart", 0))
             if mine.get("slurm_job_id") == job and earlier:
                 return f"left by an earlier run of Slurm job {job}"
+            if mine.get("slurm_job_id") == job and held.get("host") != socket.gethostname():
+                gone = _node_gone(held)
+                if gone:
+                    return gone
             if mine.get("slurm_job_id") != job and _slurm_job_running(job) is False:
                 return f"Slurm job {job} is no longer running"
         if held.get("host") == socket.gethostname():

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from .. import pause as pauses
 from ..atomic import atomic_write_text
 from ..config import Config, save_config
 from ..engine import build_engine
@@ -110,6 +111,7 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
 
     last_loss = last_val = None
     stopped, first_step = False, step
+    pause = pauses.armed("train.step", rank=topo.rank)  # MEGAFIXED_PAUSE: a test catches the run between steps
     try:
         if step == 0 and validator.should_validate(0):
             val0 = validator.run()  # the curve's starting point (~ln vocab); consumes no RNG
@@ -117,6 +119,8 @@ def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, sa
             if val0 is not None:
                 steps.initial_validation(val0)
         while step < cfg.train.max_steps and not stopped:
+            if pause is not None:  # before step + 1: step's metrics and checkpoint are written
+                pause.reached(step + 1)
             lr = schedule.lr_at(step)
             if res.skip_step(step, batches, layout.accum):  # data.skip_steps / a rollback's window
                 result = None

@@ -33,7 +33,6 @@ import contextlib
 import hashlib
 import os
 import threading
-import time
 from typing import Callable, Optional
 
 import torch
@@ -62,8 +61,8 @@ class _HashingFile:
         self.fh.flush()
 
 
-# Test hook: a save of this tag stalls after its first file, so a test can kill -9 the process
-# mid-save (tests/test_ckpt_integrity.py). Unset in real runs.
+# Test hook: a save of this tag stalls after its first file until the process is killed, so a test can
+# kill -9 it mid-save however fast the machine (tests/test_ckpt_integrity.py). Unset in real runs.
 SLOW_TAG_ENV = "MEGAFIXED_TEST_SLOW_SAVE"
 
 
@@ -76,7 +75,7 @@ def write_file(obj, path: str, zipfile: bool = True) -> dict:
         os.fsync(fh.fileno())
     slow = os.environ.get(SLOW_TAG_ENV)
     if slow and os.path.basename(os.path.dirname(path)) == slow:
-        time.sleep(120)
+        threading.Event().wait()  # never set: no time limit for the test to race
     return {"size": out.n, "sha256": out.h.hexdigest()}
 
 
