@@ -179,9 +179,21 @@ def layer_param_sizes(m, tp: int = 1) -> list[list[int]]:
     return _SIZES[key]
 
 
+_BOUNDS: dict[tuple, list] = {}
+
+
 def stage_bounds(m, layout: Layout, partition: str = "parameters") -> list[int]:
     """Layer boundaries of the pipeline stages, computed by DeepSpeed's own partitioner with the
-    same weights ``PipelineModule`` uses (so the plan matches the real split)."""
+    same weights ``PipelineModule`` uses (so the plan matches the real split). Cached: the plan asks
+    for the same split for every row of one (TP, PP) (its memory and its traffic), and DeepSpeed's
+    balanced partitioner takes tens of milliseconds a call."""
+    key = (repr(m), layout.tp, layout.pp, partition, layout.engine)
+    if key not in _BOUNDS:
+        _BOUNDS[key] = _stage_bounds(m, layout, partition)
+    return list(_BOUNDS[key])
+
+
+def _stage_bounds(m, layout: Layout, partition: str) -> list[int]:
     from ..engines import engine_kind
 
     def engine_stage_bounds(weights, parts, method):  # the layout's engine's partitioner (DeepSpeed's)
