@@ -156,6 +156,17 @@ def test_a_zero_bubble_stage_holds_its_activations_until_the_weight_gradient():
         assert any(released_at[("W", s)] > released_at[("I", s)] for s in stages) == lags, schedule
 
 
+def test_what_a_stage_holds_at_its_first_backward_before_any_gradient_exists():
+    """GPipe runs every forward before the first backward: its stages hold all m microbatches then, with
+    no gradient yet, and one fewer at the later backwards beside the gradients; 1F1B's stage i holds
+    pp - i at each (its warm-up, then one in, one out)."""
+    from megafixed.parallel.bubble import bubble
+
+    assert bubble("GPipe", 2, 4).held_at_backward == {0: (4, 3), 1: (4, 3)}
+    assert bubble("1F1B", 2, 4).held_at_backward == {0: (2, 2), 1: (1, 1)}
+    assert bubble("1F1B", 4, 8).held_at_backward == {i: (4 - i, 4 - i) for i in range(4)}
+
+
 def test_the_collective_counter_calls_sends_and_receives_p2p():
     import torch
 
