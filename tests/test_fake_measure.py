@@ -240,11 +240,11 @@ FULL = {  # the 1.7B paper config at 64 ranks (global batch 512: 8 sequences per
     "replicate_accum8": dict(AC, dp_replicate=64, micro_batch=1),
     "hsdp_8x8_accum4": dict(AC, dp_replicate=8, micro_batch=2),
     "fsdp_accum2": dict(AC, micro_batch=4),
-    "fsdp_accum1_no_ac": dict(BASE, micro_batch=8),
+    "fsdp_accum4_no_ac": dict(BASE, micro_batch=2),
     "tp2_sp": dict(AC, tp=2, sequence_parallel=True, micro_batch=4),
     "tp2": dict(AC, tp=2, micro_batch=4),
     "pp2_1f1b": dict(AC, pp=2, micro_batch=2),
-    "pp2_gpipe": dict(AC, pp=2, micro_batch=2, schedule="GPipe"),
+    "pp2_gpipe": dict(AC, pp=2, micro_batch=8, schedule="GPipe"),  # every forward first: its first backward's peak
 }
 SHALLOW = ["model.n_layers=4"]  # the 1.7B widths, 4 blocks: a fake step in seconds
 
