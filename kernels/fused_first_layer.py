@@ -16,8 +16,7 @@ autograd's); :func:`code_qkv` computes the product from ids (Triton kernel on CU
 matmul with the bits-wide code elsewhere), and :func:`add_code` is the first residual add with
 the code generated in the kernel's epilogue (``x1 = x0 + y`` without writing ``x0``).
 
-Only RMSNorm folds this way (LayerNorm subtracts a per-token mean that depends on the code), and
-only a plain (non-TP, non-PP) model uses it: see ``megafixed.parallel.layout._check_fused_first_layer``.
+Only RMSNorm folds this way (LayerNorm subtracts a per-token mean that depends on the code).
 """
 from __future__ import annotations
 
@@ -93,9 +92,15 @@ _ADD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ----------------------------------------------------------------------------------- math in torch
+@torch.compiler.assume_constant_result  # a Python float fixed by its arguments: no graph break under compile
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` as an fp32 tensor holds it, rounded to ``dtype`` (as ``encode`` rounds the code's scale)."""
+    return float(torch.tensor(value, dtype=torch.float32).to(dtype))
+
+
 def code_value(code: FixedCode, dtype: torch.dtype) -> float:
     """``s``: the magnitude of the code's entries as the activation dtype holds them."""
-    return abs(float((torch.tensor(1.0, dtype=torch.float32) * code.scale).to(dtype)))
+    return abs(_rounded(code.scale, dtype))
 
 
 def norm_alpha(code: FixedCode, eps: float, dtype: torch.dtype) -> float:
@@ -166,8 +171,7 @@ def add_code_kernel(y: torch.Tensor, ids: torch.Tensor, code: FixedCode,
     n = ids.numel()
     if n == 0:
         return out
-    pos = float((torch.tensor(1.0) * code.scale).to(code_dtype).float())
-    neg = float((torch.tensor(-1.0) * code.scale).to(code_dtype).float())
+    pos, neg = _rounded(code.scale, code_dtype), _rounded(-code.scale, code_dtype)
     block_w = min(512, triton.next_power_of_2(width))
     block_t = max(16, min(128, 8192 // block_w))
     grid = (triton.cdiv(n, block_t), triton.cdiv(width, block_w))
@@ -235,16 +239,19 @@ def add_code(y: torch.Tensor, ids: torch.Tensor, code: FixedCode, force_kernel: 
 
 
 def first_layer_qkv(ids: torch.Tensor, code: FixedCode, norm_weight: torch.Tensor, norm_eps: float,
-                    weights: list, biases: list, force_kernel: bool = False) -> list:
+                    weights: list, biases: list, force_kernel: bool = False, local=None) -> list:
     """``[q, k, v]`` of the first block, equal to ``w(rmsnorm(code(ids)))`` for each ``w``.
 
     One fused product for all three projections (their folded weights concatenated), split after.
+    ``local`` (optional) maps each folded ``[out, bits]`` weight to the tensor the product reads:
+    the model passes its tensor-parallel rows there (``megafixed.model.fused``), so that each weight
+    is folded with its own sharding before the three are concatenated.
     """
     alpha = norm_alpha(code, norm_eps, weights[0].dtype)
-    w = torch.cat(list(weights), dim=0)
-    folded = fold(w * norm_weight[None, :].to(w.dtype), code.bits)
+    local = local or (lambda t: t)
+    folded = torch.cat([local(fold(w * norm_weight[None, :].to(w.dtype), code.bits)) for w in weights], dim=0)
     out = code_qkv(ids, code, folded, alpha, force_kernel=force_kernel)
-    parts = list(out.split([x.shape[0] for x in weights], dim=-1))
+    parts = list(out.split([local(w).shape[0] for w in weights], dim=-1))
     return [p if b is None else p + b for p, b in zip(parts, biases)]
 
 

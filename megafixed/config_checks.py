@@ -167,3 +167,17 @@ def check_ranges(cfg) -> None:
     if _number(o.min_lr) and _number(o.lr) and o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} exceeds optimizer.lr={o.lr}; the schedule decays from lr "
                           f"down to min_lr, so set min_lr <= lr")
+
+
+def check_pipeline_keys_need_pp(cfg, pp: int) -> None:
+    """A pipeline schedule or stages-per-rank set without a pipeline (``pp == 1``) would be ignored
+    silently, so the run would not be what was asked: refuse it by name (both engines' rule, asked
+    by their ``check_supported`` for the layout the run plan resolved)."""
+    par = cfg.parallel
+    schedule, vpp = str(par.pp_schedule), par.vpp
+    if pp == 1 and (schedule.lower() != "1f1b" or vpp != 1):
+        set_keys = ", ".join(k for k, default in ((f"parallel.pp_schedule={schedule}", schedule.lower() == "1f1b"),
+                                                  (f"parallel.vpp={vpp}", vpp == 1)) if not default)
+        raise ConfigError(f"{set_keys} configures pipeline parallelism, but parallel.pp=1 runs no pipeline; set "
+                          f"parallel.pp >= 2, or leave parallel.pp_schedule (1F1B) and parallel.vpp (1) at their "
+                          f"defaults")

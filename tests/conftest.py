@@ -23,14 +23,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def run_torchrun(nproc: int, args: list[str], cwd: str | os.PathLike | None = None,
                  timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Launch ``python -m torch.distributed.run --nproc-per-node N <args>`` on loopback (gloo)."""
-    import socket
+    """Launch ``python -m torch.distributed.run --nproc-per-node N <args>`` on loopback (gloo); from 6
+    ranks on under the machine's one big-launch lock (``_launch.big_lock``)."""
+    from _launch import torchrun_cmd
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={port}", *args]
+    cmd = torchrun_cmd(nproc, args)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd or ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -5,7 +5,7 @@ Each CMD is one command line (a string, split on spaces) for ``megafixed.cli.mai
 interpreter is seconds), so each child's ``sys.modules`` is what that command added to the CLI and torch.
 The child records ``sys.modules`` when the command leaves: by returning, by ``SystemExit`` (``--help``)
 or by ``os._exit`` (``megafixed train``'s way out). OUT.json maps each CMD to
-``{"code": exit code, "modules": [...]}``.
+``{"code": exit code, "modules": [...], "env_added": [variables the command set]}``.
 """
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ import sys
 def _child(cmd: str, write_fd: int) -> None:
     real_exit = os._exit
 
+    before = set(os.environ)
+
     def record(code) -> None:
-        os.write(write_fd, json.dumps({"code": int(code or 0), "modules": sorted(sys.modules)}).encode())
+        os.write(write_fd, json.dumps({"code": int(code or 0), "modules": sorted(sys.modules),
+                                       "env_added": sorted(set(os.environ) - before)}).encode())
         os.close(write_fd)
 
     def record_and_exit(code):

@@ -10,7 +10,9 @@ batch. Rank 0 writes ``{"loss": [...], "grad_norm": [...]}`` as JSON.
 
 ``--cases`` runs several layouts in ONE world (one launch instead of one per layout: each launch
 costs every rank its torch/DeepSpeed/megatron imports, most of a tiny test's time). CASES.json is
-``{case: {"overrides": [...], "zero": "1,2", "save": DIR, "load": DIR}}``; between cases megatron's
+``{case: {"overrides": [...], "zero": "1,2", "save": DIR, "load": DIR, "guard": true}}`` (``guard``: the
+trainer's bad-step guard attached, every rank's copy of its inputs recorded, and a validation pass
+after the steps); between cases megatron's
 parallel_state is reset, so ``setup_distributed`` builds the case's own TP/PP/DP groups, exactly as
 in a fresh launch (DeepSpeed's engine takes its mpu anew per engine). OUT.json maps each case to
 what a single-case run writes.
@@ -44,13 +46,50 @@ class CountingSync:
         self.all_reduces += 1
 
 
-def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: int) -> dict:
+class RecordingGuard:
+    """The trainer's bad-step guard (never full: it judges nothing bad in a few steps), recording the
+    bits of every value it is asked to judge -- the reduced loss and the global norm, as the engine's
+    step hands them over -- so the ranks' copies can be compared."""
+
+    def __init__(self):
+        from megafixed.run.bad_steps import BadStepGuard
+
+        self.guard, self.judged = BadStepGuard(), []
+
+    def judge(self, step, what, value):
+        import struct
+
+        self.judged.append([step, what, "none" if value is None else struct.pack("<d", float(value)).hex()])
+        return self.guard.judge(step, what, value)
+
+
+def validation_loss(engine, cfg, topo) -> float:
+    """The engine's validation pass over one held-out global batch (its DP share), as the trainer runs it."""
+    x, y = global_batch(cfg.train.seed + 99, 0, cfg.train.global_batch, cfg.data.seq_len, cfg.model.vocab_size)
+    per_rank, micro = cfg.train.global_batch // topo.dp, cfg.train.micro_batch
+    tokens = torch.cat([x, y[:, -1:]], dim=1)[topo.dp_rank * per_rank:(topo.dp_rank + 1) * per_rank]
+    return engine.eval_loss(iter([tokens[i:i + micro] for i in range(0, per_rank, micro)]), per_rank // micro)
+
+
+def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: int, guard: bool = False) -> dict:
     from megafixed.engine import build_engine
 
     # topo.plan is the first case's plan: batch and precision are the same for every input and ZeRO
     # stage of a case; the engine takes the stage from cfg.
     engine = build_engine(cfg, topo)
     sync = engine.grad_sync = CountingSync(engine.grad_sync) if engine.grad_sync is not None else None
+    agreements = []
+    if guard:
+        engine.guard = RecordingGuard()
+        from megafixed.engine.deepspeed import step as ds_step
+
+        real_agree = ds_step.rank0s_values
+
+        def counted(values, device):  # the one tiny all-reduce a guarded step adds
+            agreements.append(len(values))
+            return real_agree(values, device)
+
+        ds_step.rank0s_values = counted
     if load:  # weights only: how a checkpoint converted to another layout is loaded
         engine.ds.load_checkpoint(load, load_module_only=True, load_optimizer_states=False,
                                   load_lr_scheduler_states=False)
@@ -67,8 +106,15 @@ def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: in
         norms.append(float("nan") if result.grad_norm is None else result.grad_norm)
     if save:
         engine.ds.save_checkpoint(save, tag="ckpt")
-    return {"loss": losses, "grad_norm": norms, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp,
-            "grad_syncs": sync.all_reduces if sync else None, **measured_state(engine.ds)}
+    out = {"loss": losses, "grad_norm": norms, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp,
+           "grad_syncs": sync.all_reduces if sync else None, **measured_state(engine.ds)}
+    if guard:  # every rank's copy of the guard's inputs, and the validation loss
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, engine.guard.judged)
+        out.update(val=validation_loss(engine, cfg, topo), judged=every[0], ranks=len(every),
+                   same_bits_on_every_rank=all(j == every[0] for j in every), agreements=agreements)
+        ds_step.rank0s_values = real_agree
+    return out
 
 
 def measured_state(engine) -> dict:
@@ -85,7 +131,7 @@ def measured_state(engine) -> dict:
 
 
 def run_case(args_overrides: list[str], inputs: str, steps: int, zero: str | None, save: str | None,
-             load: str | None, load_step: int) -> dict:
+             load: str | None, load_step: int, guard: bool = False) -> dict:
     """One layout: every input kind (and ZeRO stage), then the optional converted-checkpoint load."""
     from megafixed.config import load_config
     from megafixed.parallel import setup_distributed
@@ -100,7 +146,8 @@ def run_case(args_overrides: list[str], inputs: str, steps: int, zero: str | Non
             cfg = load_config(None, [*args_overrides, *extra])
             topo = topo or setup_distributed(RunPlan.for_launch(cfg))
             key = name if stage is None else f"{name}/zero{stage}"
-            results[key] = run_one(cfg, topo, steps, save and os.path.join(save, name), None, 0) if steps else {}
+            results[key] = run_one(cfg, topo, steps, save and os.path.join(save, name), None, 0,
+                                   guard) if steps else {}
         if load:
             loaded = run_one(cfg, topo, 1, None, os.path.join(load, name), load_step)
             results[key]["loaded_loss"] = loaded["loss"][0]
@@ -139,7 +186,7 @@ def main(argv=None) -> int:
             reset_model_parallel()
             results[case] = run_case([*args.overrides, *spec.get("overrides", [])], spec.get("inputs", args.inputs),
                                      args.steps, spec.get("zero"), spec.get("save"), spec.get("load"),
-                                     args.load_step)
+                                     args.load_step, spec.get("guard", False))
             torch.distributed.barrier()  # every rank done with this layout before the next one's groups
     else:
         results = run_case(args.overrides, args.inputs, args.steps, args.zero, args.save, args.load, args.load_step)

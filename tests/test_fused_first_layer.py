@@ -86,6 +86,37 @@ def test_fused_model_matches_unfused_outputs_and_gradients(kind, bias, d):
         assert torch.allclose(gf[name].grad, p.grad, rtol=1e-4, atol=1e-6), name
 
 
+def test_the_fused_block_saves_neither_the_code_nor_its_norm_for_backward():
+    """What docs/parallelism.md counts for the paper config: the unfused block 0 keeps ``x0 = code(ids)``
+    (the norm's input) and the normed ``x0`` (the q/k/v input) for its backward, ``[B, T, d]`` each;
+    the fused one keeps the ``bits``-wide signs instead (``[B*T, bits]``, the product's input)."""
+    from megafixed.model import GPT
+
+    cfg = _model_cfg(input="gf2")
+    B, T = 3, 16
+    ids = torch.randint(0, 300, (B, T), generator=torch.Generator().manual_seed(0))
+    saved = {}
+    for fused in (False, True):
+        model = GPT(ModelConfig(**{**cfg.__dict__, "fused_first_layer": fused}), seed=3)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages: dict = {}  # saved activations (not the parameters), each storage once
+
+        def pack(t, weights=weights, storages=storages):
+            if t.untyped_storage().data_ptr() not in weights:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        cos, sin = model.rotary(T, ids.device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if fused:
+                model.blocks[0](None, cos, sin, ids=ids, code_input=model.input)
+            else:
+                model.blocks[0](model.input(ids), cos, sin)
+        saved[fused] = sum(storages.values())
+    width, signs = B * T * cfg.d_model * 4, B * T * cfg.code_bits * 4  # fp32
+    assert saved[False] - saved[True] >= 2 * width - signs, saved
+
+
 def test_fused_model_with_activation_checkpointing_and_checkpoint_interchange():
     from megafixed.model import GPT
 
@@ -122,19 +153,61 @@ def test_residual_dtype_under_autocast_is_the_same_fused_and_unfused(kind):
 
 def test_configs_and_layouts_the_fused_layer_cannot_serve_are_refused():
     from megafixed.config import Config
-    from megafixed.parallel.layout import LayoutError, validate_layout
+    from megafixed.parallel.layout import LayoutError
+    from megafixed.run_plan import RunPlan
 
     with pytest.raises(ConfigError, match="model.fused_first_layer=true needs a fixed code"):
         _model_cfg(input="learned", fused_first_layer=True).validate()
     with pytest.raises(ConfigError, match="model.norm=rmsnorm"):
         _model_cfg(input="gf2", norm="layernorm", fused_first_layer=True).validate()
-    cfg = Config(model=_model_cfg(input="gf2", n_kv_heads=2, fused_first_layer=True))
-    cfg.train.global_batch, cfg.train.micro_batch = 4, 2
-    assert validate_layout(cfg, 2).dp == 2  # data parallelism is fine
+    cfg = Config(model=_model_cfg(input="gf2", n_kv_heads=2, n_layers=4, fused_first_layer=True))
+    cfg.train.global_batch, cfg.train.micro_batch = 8, 2
+    assert RunPlan.build(cfg, 2, gpu=False).dp == 2  # data parallelism is fine on both engines
     for tp, pp in ((2, 1), (1, 2)):
         cfg.parallel.tp, cfg.parallel.pp = tp, pp
-        with pytest.raises(LayoutError, match="fused_first_layer=true is implemented for the plain model only"):
-            validate_layout(cfg, 2)
+        cfg.train.engine = "deepspeed"  # its TP layers are megatron-core's, its pipeline runs no GPT.forward
+        with pytest.raises(LayoutError, match="fused_first_layer=true runs under train.engine=deepspeed for the "
+                                              "plain model only") as info:
+            RunPlan.build(cfg, 2, gpu=False)
+        assert "\n" not in str(info.value) and "train.engine=torch" in str(info.value)
+        cfg.train.engine = "torch"  # at every layout (tests/test_native_pipeline.py trains them)
+        assert (RunPlan.build(cfg, 4, gpu=False).tp, RunPlan.build(cfg, 4, gpu=False).pp) == (tp, pp)
+    # ... where the first pipeline stage holds block 0 beside the input, since the fused layer runs in
+    # block 0 from the ids (2 blocks + input + head over 4 stages: the first holds the input alone)
+    cfg.parallel.pp_schedule, cfg.parallel.vpp, cfg.model.n_layers = "Interleaved1F1B", 2, 2
+    with pytest.raises(LayoutError, match=r"the first pipeline stage holds the input alone .* lower "
+                                          r"parallel\.pp_input_head_layers or parallel\.vpp") as info:
+        RunPlan.build(cfg, 2, gpu=False)
+    assert "\n" not in str(info.value)
+    cfg.parallel.pp_schedule, cfg.parallel.vpp = "1F1B", 1
+    assert RunPlan.build(cfg, 2, gpu=False).pp == 2
+
+
+def test_the_fused_block_compiles_into_one_graph_with_the_eager_numbers():
+    """``train.compile``: Dynamo captures the fused first block whole (one graph per block: no graph
+    break, e.g. at the norm's code scale read as a Python float), with the eager numbers. The graphs
+    run as captured (a counting backend); Inductor's code generation is the compiled-blocks run's
+    (tests/test_native_engine.py)."""
+    from megafixed.model import GPT
+
+    graphs = []
+
+    def counting(graph, _example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    cfg = _model_cfg(input="gf2", fused_first_layer=True)
+    eager, compiled = GPT(cfg, seed=3), GPT(cfg, seed=3)
+    for block in compiled.blocks:
+        block.compile(backend=counting)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    want, got = eager(ids, ids), compiled(ids, ids)
+    assert len(graphs) == len(compiled.blocks), [g.code for g in graphs]
+    want.backward()
+    got.backward()
+    assert torch.equal(got, want)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(b.grad, a.grad), name
 
 
 # ============================================================================ Triton, interpreted

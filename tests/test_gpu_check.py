@@ -204,3 +204,47 @@ def test_the_summary_names_cut_and_timed_out_stages_and_partial_benchmarks(tmp_p
     merged = json.loads((out / "gpu_check.json").read_text())
     assert [s["result"] for s in merged["stages"]] == ["ok", "timeout", "cut"]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md"]
+
+
+def test_the_resume_stage_also_resumes_the_torch_engine_exactly_within_the_stage_budget(tmp_path, monkeypatch):
+    """The stage's wiring, on CPU (the stage itself needs CUDA): an uninterrupted run and a stopped-and-
+    resumed one for DeepSpeed (sync, async) and for the torch engine (DCP), each resumed curve compared
+    with its own engine's reference to the bit, a difference or a missed resume named; the script runs
+    it under a limit that fits the check's budget."""
+    from megafixed.bench import gpu_stages
+
+    calls = []
+
+    class Result:
+        def __init__(self, resumed):
+            self.resumed_from = resumed
+
+    def fake_train(overrides, *, mock=True):
+        keys = dict(o.split("=", 1) for o in overrides)
+        calls.append(keys)
+        steps, cut = int(keys["train.max_steps"]), int(keys["train.save_interval"])
+        run = Path(keys["train.run_dir"]).name
+        start = cut if not run.startswith("reference") and steps > cut else 0  # the second half resumes at cut
+        curve = {k: 10.0 - k / 100 for k in range(start + 1, steps + 1)}
+        if run == "torch" and start and broken:  # the torch engine's resume lost something
+            curve[steps] += 1e-3
+        return curve, Result(f"step_{start:08d}" if start else None)
+
+    monkeypatch.setattr(gpu_stages, "_train", fake_train)
+    broken = False
+    res = gpu_stages.resume(tmp_path)
+    assert res["failures"] == [] and res["summary"]["ok"], res["failures"]
+    engines = [(c["train.engine"], Path(c["train.run_dir"]).name, c["train.max_steps"]) for c in calls]
+    assert engines == [("deepspeed", "reference_sync", "16"), ("deepspeed", "sync", "8"), ("deepspeed", "sync", "16"),
+                       ("deepspeed", "async", "8"), ("deepspeed", "async", "16"),
+                       ("torch", "reference_torch", "8"), ("torch", "torch", "4"), ("torch", "torch", "8")]
+    assert all(c["train.async_save"] == "false" for c in calls if Path(c["train.run_dir"]).name == "torch")
+    assert res["summary"]["runs"]["torch"] == {"engine": "torch", "steps": 8, "resumed_at": 4, "exact": True}
+    calls.clear()
+    broken = True
+    res = gpu_stages.resume(tmp_path)
+    assert res["failures"] == ["torch: the resumed loss curve differs from the uninterrupted one at steps [8]"]
+    script = (ROOT / "tools/gpu_check.sh").read_text()
+    limit = int(re.search(r"^stage resume (\d+) ", script, re.M).group(1))
+    budget = int(re.search(r'BUDGET="\$\{GPU_CHECK_BUDGET_S:-(\d+)\}"', script).group(1))
+    assert limit <= 80 and budget == 280  # the torch engine's runs fit the stage's limit and the check's budget

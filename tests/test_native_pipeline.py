@@ -5,7 +5,11 @@ FSDP2 with gradient accumulation, each against one process (fp32, gloo, clipping
   the in-process single-process reference: PP2 with 1F1B, Interleaved1F1B (vpp 2) and
   ZBVZeroBubble; DP2 with 4 micro batches per rank; PP2 x DP2 (FSDP2, checkpointed blocks);
   PP2 x TP2 with SP (GPipe); HSDP 2 x 2 with 2 micro batches per rank: losses, gradient norms and
-  validation within 1e-5, every gradient after step 1 within 1e-5 of the largest;
+  validation (of the step's micro-batch count and of another) within 1e-5, every gradient after
+  step 1 within 1e-5 of the largest;
+- in the same launches, ``model.fused_first_layer=true`` at DP2 (FSDP2, also compiled), PP2, HSDP
+  2 x 2, TP2 x DP2 with SP, PP2 x TP2 and PP2 x DP2, each within 1e-5 of one process and of the
+  same layout unfused;
 - through ``megafixed train``: a PP2 run killed with SIGKILL between saves and rerun logs the
   uninterrupted PP2 run's numbers bit for bit; that run's step-2 checkpoint resumed on one
   process (PP1) and a PP1 checkpoint resumed at PP2 with another schedule continue within 1e-5;
@@ -60,6 +64,51 @@ def test_each_schedule_constraint_is_refused_in_one_line_by_the_plan(overrides, 
     assert needle in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+@pytest.mark.parametrize("keys,named", [
+    (["parallel.pp_schedule=GPipe"], "parallel.pp_schedule=GPipe"),
+    (["parallel.vpp=2"], "parallel.vpp=2"),
+    (["parallel.pp_schedule=Interleaved1F1B", "parallel.vpp=2"],
+     "parallel.pp_schedule=Interleaved1F1B, parallel.vpp=2"),
+])
+def test_a_pipeline_schedule_without_a_pipeline_is_refused_in_one_line(engine, keys, named, capsys):
+    from megafixed.cli import main
+
+    code = main(["train", "/dev/null", "--dry-run", "--world-size", "2", *TINY, f"train.engine={engine}",
+                 "data.mock=true", *keys])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert f"{named} configures pipeline parallelism, but parallel.pp=1 runs no pipeline" in lines[0], lines[0]
+    # the schedule's default name in any case is no schedule of its own
+    assert RunPlan.build(load_config(None, [*TINY, "parallel.pp_schedule=1f1b"]), 2, gpu=False).pp == 1
+
+
+def test_init_from_refuses_source_keys_no_pipeline_stage_holds_as_it_does_without_pp(tmp_path):
+    """Under PP every rank reads the source and keeps its stage's part; a key that no stage holds
+    is refused with the same line as without PP, not dropped."""
+    import torch
+
+    from megafixed.engine.native.checkpoint import DcpCheckpoint
+    from megafixed.model.gpt import GPT
+    from megafixed.run.optim import build_optimizer
+
+    cfg = load_config(None, TINY)
+    model = GPT(cfg.model, seed=1)
+    ckpt = DcpCheckpoint(model, build_optimizer(model, cfg.optimizer))
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.every_rank_reads = True  # what PipelineEngine sets
+    ckpt.load_weights(lambda: source, tmp_path)  # the same keys: loads
+    source["blocks.7.attn.wq.weight"] = torch.zeros(64, 64)  # a block this 2-layer model has not
+    said = {}
+    for every in (True, False):
+        ckpt.every_rank_reads = every
+        with pytest.raises(ConfigError) as info:
+            ckpt.load_weights(lambda: source, tmp_path)
+        said[every] = str(info.value)
+    assert said[True] == said[False] and "extra ['blocks.7.attn.wq.weight']" in said[True], said
+    assert "\n" not in said[True]
+
+
 def test_the_deepspeed_engine_keeps_its_1f1b_and_refuses_other_schedules_by_name():
     cfg = load_config(None, [*TINY, "train.engine=deepspeed", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
                              "parallel.vpp=2"])
@@ -94,7 +143,7 @@ def test_the_split_counts_input_and_head_as_layers_and_keeps_global_names():
     names = {n for n, _ in parts.named_parameters()}
     assert names == {n for n, _ in gpt.named_parameters() if n.split(".")[:2] in (["blocks", str(b)]
                                                                                for b in (1, 2, 3, 4))}
-    assert {n for n, _ in StageModule(gpt, spans[3], 1).named_parameters()} == \
+    assert {n for n, _ in StageModule(gpt, spans[3]).named_parameters()} == \
         {n for n, _ in gpt.named_parameters() if n.startswith(("blocks.5.", "head."))}
 
 
@@ -174,25 +223,74 @@ def _assert_like_one_process(results: dict, cases: list[str]) -> None:
         assert all(n > 0.05 for n in r["ref_grad_norm"])  # optimizer.grad_clip=0.05: every step was clipped
         assert r["grad_rel_diff"] < RTOL, f"{name}: gradients after step 1 differ by {r['grad_rel_diff']:.2e}"
         assert math.isclose(r["val"], r["ref_val"], rel_tol=RTOL), (name, r["val"], r["ref_val"])
+        # a validation pass of another micro-batch count than the step's (train.eval_iters is any number)
+        assert math.isclose(r["val_odd"], r["ref_val_odd"], rel_tol=RTOL), (name, r["val_odd"], r["ref_val_odd"])
 
 
 TWO_RANKS = ["pp2_1f1b", "pp2_interleaved", "pp2_zbv", "dp2_accum4"]
 FOUR_RANKS = ["pp2_dp2", "pp2_tp2_sp", "hsdp2x2_accum2"]
+# model.fused_first_layer=true (GF(2) code), each case beside its unfused twin at the same layout
+FUSED_TWO_RANKS = ["dp2_fused", "pp2_fused", "dp2_fused_compiled"]
+FUSED_FOUR_RANKS = ["hsdp2x2_fused", "tp2_dp2_sp_fused", "pp2_tp2_fused", "pp2_dp2_fused"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(torchrun, tmp_path_factory) -> dict:
+    """Every 2-rank case of this file in one launch."""
+    return _worker(torchrun, tmp_path_factory.mktemp("two_ranks"), 2, TWO_RANKS + FUSED_TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(torchrun, tmp_path_factory) -> dict:
+    """Every 4-rank case of this file in one launch."""
+    return _worker(torchrun, tmp_path_factory.mktemp("four_ranks"), 4, FOUR_RANKS + FUSED_FOUR_RANKS)
+
+
+def _only(results: dict, cases: list[str]) -> dict:
+    return {k: v for k, v in results.items() if k in cases}
 
 
 @pytest.mark.multiprocess
-def test_pipeline_schedules_and_fsdp2_accumulation_on_two_ranks_equal_one_process(torchrun, tmp_path):
-    results = _worker(torchrun, tmp_path, 2, TWO_RANKS)
+def test_pipeline_schedules_and_fsdp2_accumulation_on_two_ranks_equal_one_process(two_ranks):
+    results = _only(two_ranks, TWO_RANKS)
     _assert_like_one_process(results, TWO_RANKS)
     assert "micro 1 x accum 4 x dp 2" in results["dp2_accum4"]["describe"]
 
 
 @pytest.mark.multiprocess
-def test_pipeline_with_fsdp2_and_with_tp_and_hsdp_accumulation_on_four_ranks_equal_one_process(torchrun, tmp_path):
-    results = _worker(torchrun, tmp_path, 4, FOUR_RANKS)
+def test_pipeline_with_fsdp2_and_with_tp_and_hsdp_accumulation_on_four_ranks_equal_one_process(four_ranks):
+    results = _only(four_ranks, FOUR_RANKS)
     _assert_like_one_process(results, FOUR_RANKS)
     assert "tp 1 x pp 2 x dp 2" in results["pp2_dp2"]["describe"]
     assert "tp 2 x pp 2 x dp 1" in results["pp2_tp2_sp"]["describe"]
+
+
+def _assert_fused_like_unfused(results: dict, cases: list[str]) -> None:
+    """Each fused case equals one process (unfused) and its unfused twin at the same layout, and the
+    fused block really ran (on the ranks that hold block 0) where the twin never did."""
+    results = _only(results, cases)
+    _assert_like_one_process(results, cases)
+    for name, r in results.items():
+        twin = r["unfused"]
+        for key in ("loss", "grad_norm"):
+            for step, (a, b) in enumerate(zip(r[key], twin[key]), 1):
+                assert math.isclose(a, b, rel_tol=RTOL), f"{name} ({r['describe']}): step {step} {key} {a} vs {b}"
+        assert math.isclose(r["val"], twin["val"], rel_tol=RTOL), (name, r["val"], twin["val"])
+        assert twin["grad_rel_diff"] < RTOL, f"{name}: gradients differ from unfused by {twin['grad_rel_diff']:.2e}"
+        assert twin["fused_path_taken"] > 0 and twin["unfused_took_it"] == 0, (name, twin)
+
+
+@pytest.mark.multiprocess
+def test_the_fused_first_layer_under_fsdp2_compile_and_in_the_first_pipeline_stage_equals_unfused(two_ranks):
+    _assert_fused_like_unfused(two_ranks, FUSED_TWO_RANKS)
+    assert "tp 1 x pp 2 x dp 1" in two_ranks["pp2_fused"]["describe"]
+
+
+@pytest.mark.multiprocess
+def test_the_fused_first_layer_under_hsdp_tp_sp_and_pp_with_fsdp2_equals_unfused(four_ranks):
+    _assert_fused_like_unfused(four_ranks, FUSED_FOUR_RANKS)
+    assert "tp 2 x pp 1 x dp 2" in four_ranks["tp2_dp2_sp_fused"]["describe"]
+    assert "micro 1 x accum 2 x dp 4" in four_ranks["hsdp2x2_fused"]["describe"]
 
 
 # ----------------------------------------------------------------------------------- checkpoints, kill -9

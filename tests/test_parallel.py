@@ -52,6 +52,7 @@ def _assert_same_run(got: dict, ref: dict, what: str, grad_norm: bool = True) ->
 
 # ----------------------------------------------------------------------------- single process
 RICH = ["model.mlp=swiglu", "model.bias=true", "model.norm=layernorm", "model.n_kv_heads=2"]
+CLIPPED = ["optimizer.grad_clip=0.05"]  # every step clipped (the norms are 0.7-1.6): the norm must be right
 
 
 def _run_cases(launch, tmp: Path, cases: dict) -> dict:
@@ -75,9 +76,10 @@ def reference(tmp_path_factory):
         assert proc.returncode == 0, proc.stderr[-6000:]
 
     runs = _run_cases(one_process, tmp, {"plain": {"save": str(tmp / "ckpt"), "load": str(tmp / "ckpt")},
-                                         "rich": {"overrides": RICH}})
+                                         "rich": {"overrides": RICH}, "guarded": {"guard": True, "overrides": CLIPPED}})
     weights = {name: gather_state_dict(tmp / "ckpt" / name) for name in INPUTS}
-    return {"results": runs["plain"], "rich": runs["rich"], "ckpt": tmp / "ckpt", "weights": weights}
+    return {"results": runs["plain"], "rich": runs["rich"], "guarded": runs["guarded"], "ckpt": tmp / "ckpt",
+            "weights": weights}
 
 
 def _converted(reference, tmp: Path, tp: int, pp: int) -> Path:
@@ -212,6 +214,33 @@ def test_tp2_pp2_matches_one_process_and_converts(reference, four_procs):
         _assert_same_run(got[name], ref, f"tp2xpp2/{name}")
         assert _close(got[name]["loaded_loss"], ref["loaded_loss"]), f"tp2xpp2/{name}: converted load"
     _assert_weights_equal(four_procs["tmp"] / "tp2xpp2" / "ckpt", reference, "tp2xpp2")  # TP2*PP2 -> TP1*PP1
+
+
+@pytest.fixture(scope="module")
+def eight_procs(reference, torchrun, tmp_path_factory):
+    """TP2 x PP2 x DP2 with ZeRO-1 on 8 ranks, the trainer's guard attached (its inputs recorded on
+    every rank) and a validation pass after the steps; one launch (under the big-launch lock)."""
+    tmp = tmp_path_factory.mktemp("eight_procs")
+    cases = {"tp2xpp2xdp2": {"overrides": ["parallel.tp=2", "parallel.pp=2", "train.micro_batch=1", *CLIPPED],
+                             "guard": True}}
+    return _run_cases(lambda args: torchrun(8, args), tmp, cases)
+
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_dp2_with_zero1_on_8_ranks_matches_one_process_and_its_guard_inputs_agree(reference, eight_procs):
+    got, ref = eight_procs["tp2xpp2xdp2"], reference["guarded"]
+    for name in INPUTS:
+        layout = (got[name]["tp"], got[name]["pp"], got[name]["dp"])
+        assert layout == (2, 2, 2), f"tp2xpp2xdp2/{name}: ran as {layout}"
+        _assert_same_run(got[name], ref[name], f"tp2xpp2xdp2/{name}")
+        assert min(ref[name]["grad_norm"]) > 0.05, ref[name]["grad_norm"]  # clipped at every step
+        assert _close(got[name]["val"], ref[name]["val"]), (name, got[name]["val"], ref[name]["val"])
+        # the guard was asked the loss and the norm of every step, with the same bits on all 8 ranks
+        assert [(s, w) for s, w, _ in got[name]["judged"]] == [(s, w) for s in (1, 2, 3) for w in ("loss", "grad_norm")]
+        assert got[name]["ranks"] == 8 and got[name]["same_bits_on_every_rank"], name
+        # ZeRO's norm and the pipeline's loss take DeepSpeed's hops through several communicators: the
+        # guard's two inputs are made rank 0's by one tiny all-reduce per step, and by nothing more
+        assert got[name]["agreements"] == [2, 2, 2], got[name]["agreements"]
 
 
 # ----------------------------------------------------------------------------- no processes

@@ -29,10 +29,10 @@ TINY = ("model.vocab_size=256 model.d_model=64 model.n_layers=2 model.n_heads=4 
         "train.micro_batch=4 train.eval_interval=0 train.tensorboard=false schedule.warmup_steps=0")
 
 
-def probe(tmp_path: Path, cmds: list[str]) -> dict:
+def probe(tmp_path: Path, cmds: list[str], env: dict | None = None) -> dict:
     out = tmp_path / "modules.json"
     proc = subprocess.run([sys.executable, str(PROBE), str(out), *cmds], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -66,6 +66,25 @@ def test_training_imports_only_its_engine(tmp_path):
     # DeepSpeed's probe of every op: neither is needed (model/empty.py, engine/deepspeed/ops.py).
     assert loaded(results[ds]["modules"], ("sympy", "distutils.ccompiler")) == []
     assert loaded(results[native]["modules"], ENGINES + ("wandb", "lm_eval", "transformers")) == []
+
+
+def test_the_torch_engines_plan_and_accelerator_never_touch_deepspeed(tmp_path):
+    """`megafixed plan` prepares the run's engine's environment only, and the torch engine's answer to
+    ``accelerator_name`` is torch's: neither imports DeepSpeed or sets its variables (the DeepSpeed
+    engine's plan does, which shows the probe sees them)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")}
+    torch_plan, ds_plan = (f"plan /dev/null --gpus 8 {TINY} train.engine={name}" for name in ("torch", "deepspeed"))
+    results = probe(tmp_path, [torch_plan, ds_plan], env=env)
+    assert results[torch_plan]["code"] in (0, 1) and results[ds_plan]["code"] in (0, 1), results
+    assert loaded(results[torch_plan]["modules"], ENGINES) == []
+    assert not {"DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR"} & set(results[torch_plan]["env_added"])
+    assert {"DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR"} <= set(results[ds_plan]["env_added"])
+    code = ("import sys; from megafixed.engine import accelerator_name; print(accelerator_name('torch'), "
+            "sorted(m for m in sys.modules if m.startswith(('deepspeed', 'megatron'))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split(None, 1) == ["cpu", "[]\n"], proc.stdout + proc.stderr[-2000:]
 
 
 MEGATRON_CHECK = """
@@ -236,3 +255,48 @@ def test_bench_startup_writes_ratios_against_import_torch_measured_in_the_same_r
         startup.run(p.parse_args(["--cases", "nope"]))
     with pytest.raises(ConfigError, match="--rounds 0"):
         startup.run(p.parse_args(["--rounds", "0"]))
+
+
+FAKE_RUN = r"""
+import sys, time
+world = int(sys.argv[1])
+print(f"megafixed: rank 0 of {world} on host: rendezvous at 127.0.0.1:1 (waits up to 120s, MEGAFIXED_RDZV_TIMEOUT)")
+for line in ("cpu threads: 1 intra-op", "training gf2 interface: 4 steps", "step 1/4 | loss 5.5",
+             "warning (%d of %d ranks): lib.py:3: UserWarning: once" % (world // 2, world), "step 2/4 | loss 5.4",
+             "done: 4 steps"):
+    time.sleep(0.01 * world)
+    print(line, flush=True)
+"""
+
+
+def test_bench_startup_by_world_size_times_each_phase_from_its_log_line(tmp_path, monkeypatch, capsys):
+    """``--world``'s arithmetic and report on a stand-in run (the real one is a benchmark, docs/benchmarks.md):
+    the phases split the wall time at rank 0's lines, the log's length and warning lines are counted, and
+    the ratios are against the smallest world of the same run."""
+    import argparse
+
+    from megafixed.bench import startup, startup_world
+    from megafixed.config import ConfigError
+
+    assert startup_world.layout(32, "3d") == (2, 2, 8) and startup_world.layout(2, "3d") == (1, 1, 2)
+    cmd = startup_world.command(8, "3d", tmp_path / "run", 12345)
+    assert cmd[cmd.index("-m") + 1] == "torch.distributed.run" and "--nproc-per-node=8" in cmd
+    assert {"parallel.tp=2", "parallel.pp=2", "train.global_batch=4", "train.engine=torch"} <= set(cmd)
+    monkeypatch.setattr(startup_world, "command",
+                        lambda world, kind, run_dir, port: [sys.executable, "-c", FAKE_RUN, str(world)])
+    p = argparse.ArgumentParser()
+    startup.add_arguments(p)
+    out = tmp_path / "w.json"
+    assert startup.run(p.parse_args(["--world", "8,2", "--rounds", "1", "--json", str(out)])) == 0
+    r = json.loads(out.read_text())
+    assert r["baseline_world"] == 2 and list(r["worlds"]) == ["2", "8"]
+    eight = r["worlds"]["8"]
+    assert set(eight["phases_s"]) == {"imports", "rendezvous", "build", "first_step", "rest", "exit"}
+    assert sum(eight["phases_s"].values()) == pytest.approx(eight["wall_s"], abs=0.01)
+    assert eight["phases_s"]["rest"] > eight["phases_s"]["build"] > 0  # three lines' sleeps against one
+    assert (eight["log_lines"], eight["warning_lines"], eight["per_rank_lines"]) == (7, 1, 0)
+    assert eight["ratio_to_smallest"]["world"] == 4.0 and r["worlds"]["2"]["ratio_to_smallest"]["wall"] == 1.0
+    assert "world" in capsys.readouterr().out
+    for bad in ("1,2", "two"):
+        with pytest.raises(ConfigError, match="--world"):
+            startup.run(p.parse_args(["--world", bad]))

@@ -113,7 +113,7 @@ stage engine_bf16 40 "${GC[@]}" engine "$RES/engine_bf16.json"
 stage train_canonical 60 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1.7b-canonical.yaml data.mock=true \
     train.precision=bf16 train.activation_checkpointing=false train.compile=false train.micro_batch=4 \
     train.global_batch=8 "train.run_dir=$WORK/run_canonical" --steps 8 --warmup-steps 2 --json "$RES/train_canonical.json"
-stage resume 60 "${GC[@]}" resume "$RES/resume.json" "$WORK/resume"
+stage resume 80 "${GC[@]}" resume "$RES/resume.json" "$WORK/resume"
 stage kernels_forward 30 "${MF[@]}" bench kernels --device cuda --mode forward --dtype bfloat16,float32 \
     --tokens 16k,256k,1m --width 2048,8192 --warmup 5 --rep 20 --json "$RES/kernels_forward.json" \
     --csv "$RES/kernels_forward.csv" --plot "$RES/kernels_forward.png"

@@ -6,8 +6,10 @@ Each writes one JSON (``summary`` says what was compared and what came out) and 
   (losses must agree to bf16 accuracy) and a gf2 model; every loss finite (mock tokens are uniform, so
   the loss stays near ln V: no learning is asked for);
 * ``resume OUT.json DIR``: on the bundled corpus, an uninterrupted run against one stopped at a checkpoint
-  and resumed, with a sync and with an async checkpoint: the resumed loss curve must equal the
-  uninterrupted one exactly (same kernels, same order, same data); DIR keeps the runs (eval/generate use one);
+  and resumed, with a sync and with an async checkpoint, then the same for the torch engine (DCP, a
+  shorter run: its three runs cost about one of DeepSpeed's, so the stage keeps its time): every resumed
+  loss curve must equal its uninterrupted one exactly (same kernels, same order, same data); DIR keeps
+  the runs (eval/generate use one);
 * ``memcheck OUT.json``: ``compute-sanitizer --tool memcheck`` on the three Triton kernels (token codes,
   the fused residual add, the fused QKV product) at a ragged shape; skipped, saying why, where the tool is
   missing or the machine refuses it;
@@ -70,26 +72,41 @@ def engine() -> dict:
                         "ok": not failures, "failures": failures}}
 
 
+# (name, engine overrides, steps, the step it is stopped at, async save): DeepSpeed sync and async, and the
+# torch engine (DCP), shorter so that the stage keeps its time
+RESUMES = (("sync", ["train.engine=deepspeed"], 16, 8, False),
+           ("async", ["train.engine=deepspeed"], 16, 8, True),
+           ("torch", ["train.engine=torch"], 8, 4, False))
+
+
 def resume(root: Path) -> dict:
-    steps, cut = 16, 8
-    # decay_steps fixed: otherwise the schedule follows train.max_steps, and the first half would differ
-    common = [f"train.precision={PRECISION}", f"train.save_interval={cut}", "model.fused_first_layer=true",
-              f"schedule.decay_steps={steps}", "schedule.warmup_steps=4"]
-    ref, _ = _train(common + [f"train.max_steps={steps}", f"train.run_dir={root}/reference"], mock=False)
-    out, failures = {"reference": ref}, []
-    for mode in ("sync", "async"):
-        run = [*common, f"train.async_save={'true' if mode == 'async' else 'false'}", f"train.run_dir={root}/{mode}"]
+    out, failures, refs = {}, [], {}
+    for mode, engine_keys, steps, cut, async_save in RESUMES:
+        # decay_steps fixed: otherwise the schedule follows train.max_steps, and the first half would differ
+        common = [*engine_keys, f"train.precision={PRECISION}", f"train.save_interval={cut}",
+                  "model.fused_first_layer=true", f"schedule.decay_steps={steps}", "schedule.warmup_steps=4"]
+        key = (tuple(engine_keys), steps)
+        if key not in refs:  # one uninterrupted run per engine and length
+            refs[key], _ = _train(common + [f"train.max_steps={steps}", f"train.run_dir={root}/reference_{mode}"],
+                                  mock=False)
+            out[f"reference_{mode}"] = refs[key]
+        ref = refs[key]
+        run = [*common, f"train.async_save={'true' if async_save else 'false'}", f"train.run_dir={root}/{mode}"]
         first, _ = _train(run + [f"train.max_steps={cut}"], mock=False)
         second, result = _train(run + [f"train.max_steps={steps}"], mock=False)
         curve = {**first, **second}
         diff = [k for k in range(1, steps + 1) if curve.get(k) != ref.get(k)]
-        out[mode] = {"resumed_from": result.resumed_from, "losses": curve, "steps_differing": diff}
+        out[mode] = {"engine": engine_keys[0].split("=", 1)[1], "resumed_from": result.resumed_from, "losses": curve,
+                     "steps_differing": diff, "steps": steps, "resumed_at": cut}
         if result.resumed_from is None:
             failures.append(f"{mode}: the second run did not resume")
         if diff:
             failures.append(f"{mode}: the resumed loss curve differs from the uninterrupted one at steps {diff[:5]}")
     return {"bench": "resume", **out, "failures": failures,
-            "summary": {"ok": not failures, "failures": failures, "steps": steps, "resumed_at": cut}}
+            "summary": {"ok": not failures, "failures": failures,
+                        "runs": {m: {"engine": out[m]["engine"], "steps": out[m]["steps"], "resumed_at":
+                                     out[m]["resumed_at"], "exact": not out[m]["steps_differing"]}
+                                 for m, *_ in RESUMES}}}
 
 
 MEMCHECK_SCRIPT = """

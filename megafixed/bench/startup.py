@@ -13,13 +13,17 @@ Cases alternate in ``--rounds`` rounds (default 3) so that every case sees the s
 case is the median wall time and the median CPU time (user + system of the process tree, from
 ``resource.getrusage(RUSAGE_CHILDREN)``), and each one's ratio to the baseline's median. The CPU ratio
 is the steadier figure on a shared machine. The JSON also records the load average before and after.
+
+``--world 2,8,16,32`` measures how start-up scales instead (``world.py``): a 4-step torch-engine run
+of the tiny model at each world size on this one machine (gloo), timed phase by phase -- imports,
+rendezvous, build, first step, the rest -- from the moment each phase's log line arrives, with the
+log's length, against the smallest world measured in the same run.
 """
 from __future__ import annotations
 
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,13 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-HELP = "start-up cost of a 1-step training run per engine (and TP2 under torchrun), as ratios to `import torch`"
+from .startup_common import TINY, _env, _free_port
+
+HELP = ("start-up cost of a 1-step training run per engine (and TP2 under torchrun), as ratios to `import torch`; "
+        "--world 2,8,16,32: rendezvous, build and first step by world size")
 
 BASELINE = "import_torch"
-TINY = ("model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.code_bits=8",
-        "model.max_seq_len=32", "data.seq_len=32", "data.mock=true", "train.max_steps=1", "train.global_batch=8",
-        "train.micro_batch=4", "train.log_interval=1", "train.eval_interval=0",
-        "train.tensorboard=false", "schedule.warmup_steps=0")
 CASES = {  # name -> (ranks, train overrides); ranks 0: the baseline
     BASELINE: (0, ()),
     "deepspeed": (1, ("train.engine=deepspeed",)),
@@ -44,17 +47,16 @@ CASES = {  # name -> (ranks, train overrides); ranks 0: the baseline
 
 
 def add_arguments(p):
+    p.add_argument("--world", default=None, metavar="LIST",
+                   help="comma-separated world sizes (e.g. 2,8,16,32): time rendezvous, build and the first step of a "
+                        "4-step torch-engine run at each (CPU, gloo, this machine) instead of the cases")
+    p.add_argument("--layout", choices=("3d", "dp"), default="3d",
+                   help="with --world: 3d = tp 2 x pp 2 x dp world/4 from 4 ranks on (dp below), dp = dp world")
     p.add_argument("--cases", default=",".join(CASES), metavar="LIST",
                    help=f"comma-separated cases (default: all: {', '.join(CASES)}); {BASELINE} is always measured")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are taken (default 3)")
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(case: str, run_dir: Path) -> list[str]:
@@ -67,15 +69,6 @@ def command(case: str, run_dir: Path) -> list[str]:
         return [sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
             f"--master-port={_free_port()}", *train]
-
-
-def _env() -> dict:
-    # A lone launch: no rendezvous variables from a caller's world; one thread per rank, as the tests run.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                             "LOCAL_RANK")}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    return env
 
 
 def time_once(case: str, workdir: Path, index: int) -> tuple[float, float]:
@@ -126,6 +119,10 @@ def run(args) -> int:
     from ..config import ConfigError
     from ..outputs import claim_output
 
+    if args.world is not None:
+        from .startup_world import run_worlds
+
+        return run_worlds(args)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:

@@ -50,11 +50,13 @@ def _sharding(lay) -> str:
 def run(args) -> int:
     from ..engine import prepare_runtime_env
 
-    prepare_runtime_env()  # DeepSpeed's partitioner is imported below: quiet, CPU-safe
+    cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
+    # the run's engine's environment only (DeepSpeed's partitioner sizes its pipeline rows: quiet,
+    # CPU-safe); the torch engine's plan touches nothing of DeepSpeed's
+    prepare_runtime_env(cfg.train.engine)
     from ..model.interfaces import interface_of
     from ..parallel.memory import RESERVE_BYTES, GiB, fixed_code_saving, tp_param_counts
 
-    cfg = load_config(args.config, args.overrides)  # a ConfigError is reported by cli.main
     gpu_mem = parse_bytes(args.gpu_mem)
     if args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: the number of GPUs to plan for must be >= 1")
@@ -204,6 +206,8 @@ def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision) -> bool:
 
     c = copy.deepcopy(cfg)
     c.parallel.tp, c.parallel.pp = tp, pp
+    if pp == 1:  # the config's pipeline schedule is for its pp > 1 rows; a run at pp 1 refuses one
+        c.parallel.pp_schedule, c.parallel.vpp = "1F1B", 1
     planner.set_sharding(c, option)
     c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
     c.train.precision = precision or c.train.precision

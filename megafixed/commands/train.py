@@ -163,6 +163,9 @@ def _barrier() -> None:
 def _flush_and_exit(code: int) -> NoReturn:
     """Leave without running DeepSpeed's atexit teardown, which has been seen to SIGABRT after a
     finished run; everything we own (metrics, checkpoints, `latest`) is already flushed and closed."""
+    from ..launch.warnings_once import flush
+
+    flush()  # rank 0: the library warnings not yet printed, once each with their rank counts
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -60,11 +60,16 @@ def prepare_runtime_env(engine: Optional[str] = None) -> None:
         kind.call("prepare_runtime_env")
 
 
-def accelerator_name() -> str:
-    """The device kind the default engine's library picked ("cuda", "cpu", ...)."""
-    from .deepspeed.env import accelerator_name as name
+def accelerator_name(engine: Optional[str] = None) -> str:
+    """The device kind ``engine``'s library picked ("cuda", "cpu", ...; None: the default engine's),
+    asked of that engine alone: the torch engine's answer imports nothing of DeepSpeed's."""
+    import importlib
 
-    return name()
+    hook = engine_kind(engine).extra["accelerator_name"]
+    if isinstance(hook, str):
+        module, _, attr = hook.partition(":")
+        hook = getattr(importlib.import_module(module), attr)
+    return hook()
 
 
 def checkpoint_format(tag_dir: Path):

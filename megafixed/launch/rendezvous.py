@@ -313,7 +313,11 @@ def init_process_group(world: World, backend: str, collective_timeout_s: float =
         port_n = int(port)
     except (TypeError, ValueError):
         raise LaunchError(f"MASTER_PORT={port!r} is not a port number") from None
+    from . import warnings_once
+
+    warnings_once.install(world.rank, world.size)  # a warning every rank raises: printed once, by rank 0
     store = meet(world, addr, port_n)
+    warnings_once.attach(store)
     if backend == "gloo" and world.size > 1:
         from .head import pin_gloo_interface
 

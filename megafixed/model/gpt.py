@@ -85,13 +85,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, qkv=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         """``cache`` (generation only): this layer's key/value cache (``megafixed.model.generate``);
-        ``cos``/``sin`` then start at the cache's position. ``qkv``: projections computed elsewhere
-        (the fused first layer makes them from token ids, ``megafixed.model.fused``); ``x`` is unused."""
-        q, k, v = (self.wq(x), self.wk(x), self.wv(x)) if qkv is None else qkv
-        # B and T from q, not x: under sequence parallelism x holds T/tp positions and the
-        # projections return all T.
+        ``cos``/``sin`` then start at the cache's position."""
+        return self.attend(self.wq(x), self.wk(x), self.wv(x), cos, sin, cache)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache=None) -> torch.Tensor:
+        """Attention from the projections on: RoPE, SDPA, the output projection. Its own method so that
+        the fused first layer (``megafixed.model.fused``), which makes q/k/v from token ids, runs the rest."""
+        # B and T from q, not from the block's input: under sequence parallelism that holds T/tp
+        # positions and the projections return all T.
         B, T = q.shape[:2]
         q = apply_rope(q.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
         k = apply_rope(k.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
@@ -135,7 +139,16 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, cache=None, *,
+                ids: Optional[torch.Tensor] = None, code_input: Optional[nn.Module] = None) -> torch.Tensor:
+        """``ids`` with ``code_input`` (the model's fixed-code input module) in place of ``x = code_input(ids)``:
+        the fused first layer (``megafixed.model.fused``). It runs here, in the block's own forward, so
+        that whatever wraps a block wraps it too: FSDP2's all-gather of the block's parameters before
+        its forward, activation checkpointing, ``torch.compile``."""
+        if ids is not None:
+            from .fused import fused_first_block
+
+            return fused_first_block(self, code_input, ids, cos, sin)
         x = x + self.drop(self.attn(self.norm1(x), cos, sin, cache))
         return x + self.drop(self.mlp(self.norm2(x)))
 
@@ -251,35 +264,45 @@ class GPT(nn.Module):
         if not any(p.is_meta for p in self.parameters()):
             init_parameters(self, cfg, seed)  # on the meta device the parallel layer does it per shard
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, cache=None):
+    def forward(self, ids: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, cache=None, *,
+                hidden: Optional[torch.Tensor] = None, layers: Optional[range] = None, head: bool = True):
         """Logits ``[B, T, V]``, or the mean next-token loss when ``targets`` is given.
 
         ``cache``: a ``megafixed.model.generate.KVCache`` for incremental decoding; ``ids`` are then
-        the positions after the ones it holds."""
-        start = cache.length if cache is not None else 0
-        cos, sin = self.rotary(start + ids.shape[1], ids.device)
-        cos, sin = cos[start:], sin[start:]
-        fused = self.fused_first_layer and cache is None
-        x = self._fused_first_block(ids, cos, sin) if fused else self.input(ids)
-        for i, block in enumerate(self.blocks):
-            if fused and i == 0:
-                continue  # done above, from the ids
-            if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+        the positions after the ones it holds.
+
+        A part of the model, as a pipeline stage runs it (``megafixed.engine.native.pipeline``):
+        ``hidden`` starts from these hidden states instead of from ``ids`` (a stage after the
+        first), ``layers`` runs only the blocks with these indices (default all), and ``head=False``
+        stops after them, returning the hidden states."""
+        layers = range(len(self.blocks)) if layers is None else layers
+        if hidden is None:
+            start = cache.length if cache is not None else 0
+            cos, sin = self.rotary(start + ids.shape[1], ids.device)
+            cos, sin = cos[start:], sin[start:]
+        else:
+            # Under sequence parallelism hidden states hold T/tp positions; every attention cuts the
+            # tables to its own query length (all T), so it is handed the whole table.
+            cos, sin = self.rotary(self.cfg.max_seq_len, hidden.device)
+        # The fused first layer makes block 0's input from the ids inside that block (Block.forward).
+        fused = hidden is None and cache is None and self.fused_first_layer and 0 in layers
+        if hidden is not None:
+            x = hidden
+        else:
+            x = None if fused else self.input(ids)
+        for i in layers:
+            block = self.blocks[i]
+            kwargs = dict(ids=ids, code_input=self.input) if fused and i == 0 else {}
+            if self.activation_checkpointing and block.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False, **kwargs)
             else:
-                x = block(x, cos, sin, cache.layers[i] if cache is not None else None)
+                x = block(x, cos, sin, cache.layers[i] if cache is not None else None, **kwargs)
+        if not head:
+            return x
         logits = self.head(x)
         if targets is None:
             return logits
         return self.loss_fn(logits, targets)
-
-    def _fused_first_block(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        from .fused import fused_first_block
-
-        args = (self.blocks[0], self.input.code, ids, cos, sin, self.input.out_dtype)
-        if self.activation_checkpointing and self.training:
-            return torch.utils.checkpoint.checkpoint(fused_first_block, *args, use_reentrant=False)
-        return fused_first_block(*args)
 
     @property
     def interface(self) -> InputInterface:

@@ -8,6 +8,8 @@ would scramble every token the model ever learned).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -52,11 +54,18 @@ class FixedCodeInput(nn.Module):
         self.code_shift = torch.tensor(self.code.shift, dtype=torch.int64, device=dev)
         self.code_scale = torch.tensor(self.code.scale, dtype=torch.float64, device=dev)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The codes of ``ids``; with ``residual``, ``residual + codes`` without writing the codes (the
+        fused first layer's residual add, ``megafixed.model.fused``). Both go through this forward so
+        that a hook on the module (sequence parallelism's position split) serves both."""
         # No range check here: it would cost a device-to-host sync on every micro batch. Ids are
         # checked where data enters (shards at preparation, every batch on the host before the
         # copy to the device: ``megafixed.engine.batches.check_token_ids``).
         # Imported lazily: the dispatch pulls in Triton only when a CUDA tensor needs it.
+        if residual is not None:
+            from ..kernels.fused_first_layer import add_code
+
+            return add_code(residual, ids, self.code, code_dtype=self.out_dtype)
         from ..kernels import token_codes
         return token_codes(ids, self.code, self.d_model, dtype=self.out_dtype, validate=False)
 

@@ -104,15 +104,6 @@ def _check_sequence_parallel(cfg, tp: int) -> None:
                           f"parallel.sequence_parallel=true (each rank then owns its positions) or model.dropout=0")
 
 
-def _check_fused_first_layer(cfg, tp: int, pp: int) -> None:
-    # The fused first layer reads the first block's full q/k/v weights and runs inside GPT.forward;
-    # TP shards those weights into megatron-core layers and PP runs stages without GPT.forward.
-    if getattr(cfg.model, "fused_first_layer", False) and (tp > 1 or pp > 1):
-        raise LayoutError(f"model.fused_first_layer=true is implemented for the plain model only (parallel.tp=1, "
-                          f"parallel.pp=1; data parallelism and ZeRO are fine), got tp={tp}, pp={pp}; set "
-                          f"model.fused_first_layer=false")
-
-
 def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLayout:
     """Raise ``LayoutError`` for a layout that cannot work; return its batch layout (with dp).
 
@@ -123,7 +114,6 @@ def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLa
     tp, pp = axes["tp"], axes["pp"]
     _check_model_split(cfg, tp, pp)
     _check_sequence_parallel(cfg, tp)
-    _check_fused_first_layer(cfg, tp, pp)
     return batch_layout(cfg.train, dp)
 
 

@@ -55,8 +55,10 @@ class DeepSpeedEngine:
     def train_step(self, batches: Iterator[torch.Tensor], lr: float, step: int) -> StepResult:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        return ds_step.train_step(self.ds, self.optimizer, batches, self.layout.accum, dp=self.topo.dp,
-                                  dp_group=self.topo.dp_group, on_nonfinite=self.cfg.train.on_nonfinite,
+        # The loss mean over the whole job in one all-reduce (TP peers add equal copies; a pipeline engine
+        # aggregates its own): every rank holds the same bits for the bad-step guard.
+        return ds_step.train_step(self.ds, self.optimizer, batches, self.layout.accum, dp=self.topo.world_size,
+                                  dp_group=None, on_nonfinite=self.cfg.train.on_nonfinite,
                                   step=step, grad_sync=self.grad_sync, vocab_size=self.cfg.model.vocab_size,
                                   guard=getattr(self, "guard", None), faults=getattr(self, "faults", None))
 

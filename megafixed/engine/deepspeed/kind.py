@@ -80,4 +80,5 @@ KIND = register(EngineKind(
     planner=f"{_PKG}.planner",
     prepare_runtime_env=f"{_PKG}.env:prepare_runtime_env",
     stage_bounds=f"{_PKG}.pipeline:partition",
+    extra={"accelerator_name": f"{_PKG}.env:accelerator_name"},  # the one DeepSpeed picked at import
 ))

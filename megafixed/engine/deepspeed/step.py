@@ -34,6 +34,30 @@ def is_pipeline_engine(engine) -> bool:
     return isinstance(engine, PipelineEngine)
 
 
+def rank0s_values(values: list, device) -> list:
+    """``values`` (floats or None) as rank 0 holds them, on every rank, in ONE tiny all-reduce over the
+    job (the others add zeros, which leave rank 0's bits as they are).
+
+    The bad-step guard needs its inputs bit-identical on every rank (its verdicts take no collective of
+    their own). ZeRO's norm is DeepSpeed's: an all-reduce over DP, then one over the model-parallel
+    group, and the pipeline's loss a DP all-reduce per tensor-parallel column before the pipe broadcast:
+    hops through different communicators, which no library promises give every rank the same bits. So
+    with a guard the step pays this one collective of a few float64s (the torch engine needs none: its
+    loss and norm are one all-reduce each over the whole job)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    mine = dist.get_rank() == 0
+    flat = [float(v) if (mine and v is not None) else 0.0 for v in values]
+    flat += [1.0 if (mine and v is None) else 0.0 for v in values]
+    t = torch.tensor(flat, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    got = t.tolist()
+    n = len(values)
+    return [None if got[n + i] else got[i] for i in range(n)]
+
+
 def _stage0_grad_norm(engine) -> Optional[float]:
     """ZeRO 1-3 report the pre-clip norm; without ZeRO (fp32) DeepSpeed keeps none, so compute it."""
     from .grad_norm import global_grad_norm  # counts TP-replicated params once
@@ -76,7 +100,8 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
         verdict = norm_verdict(guard, step, grad_norm)
     elif verdict is None and guard is not None:
         def judge_zero_norm() -> bool:  # inside ZeRO's step: its norm is computed, the update not yet run
-            judged["norm"] = _zero_grad_norm(engine)  # the one read of it: also the logged norm below
+            # the one read of it (also the logged norm below), rank 0's bits on every rank
+            judged["norm"] = rank0s_values([_zero_grad_norm(engine)], engine.device)[0]
             judged["verdict"] = norm_verdict(guard, step, judged["norm"])
             return judged["verdict"] is not None
         optimizer.before_update = judge_zero_norm
@@ -108,13 +133,15 @@ def _pipeline_train_step(engine, optimizer, batches, accum: int, *, on_nonfinite
     judged: dict = {}
 
     def judge_before_update() -> bool:
-        value = judged["loss"] = float(engine._aggregate_total_loss())  # on every rank: a collective
+        value = float(engine._aggregate_total_loss())  # on every rank: a collective
+        # ZeRO-1 and the bf16 optimizer hold the update's pre-clip norm here. fp32 without ZeRO has none:
+        # DeepSpeed clipped before calling the optimizer and kept no norm, so the loss alone is judged.
+        value, norm = rank0s_values([value, _zero_grad_norm(engine)], engine.device)  # the same bits everywhere
+        judged["loss"] = value
         nonfinite = not math.isfinite(value)
         verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
         if verdict is None:
-            # ZeRO-1 and the bf16 optimizer hold the update's pre-clip norm here. fp32 without ZeRO has none:
-            # DeepSpeed clipped before calling the optimizer and kept no norm, so the loss alone is judged.
-            judged["norm"] = _zero_grad_norm(engine)
+            judged["norm"] = norm
             verdict = norm_verdict(guard, step, judged["norm"])
         judged["verdict"] = verdict
         return verdict is not None

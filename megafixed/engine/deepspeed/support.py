@@ -19,6 +19,9 @@ def check_supported(cfg, plan) -> None:
         # would make `train.compile=true` a lie.
         raise ConfigError(f"train.compile=true is not supported with pipeline parallelism (parallel.pp="
                           f"{pp}); set train.compile=false, or parallel.pp=1")
+    from ...config_checks import check_pipeline_keys_need_pp
+
+    check_pipeline_keys_need_pp(cfg, pp)
     schedule, vpp = str(cfg.parallel.pp_schedule), cfg.parallel.vpp
     if pp > 1 and (schedule.lower() != "1f1b" or vpp != 1):
         # Its pipeline engine has one schedule (1F1B, one stage per rank); running it under another
@@ -26,6 +29,12 @@ def check_supported(cfg, plan) -> None:
         raise ConfigError(f"train.engine=deepspeed runs the 1F1B pipeline schedule only (one stage per rank), "
                           f"not parallel.pp_schedule={schedule} with parallel.vpp={vpp}; set "
                           f"parallel.pp_schedule=1F1B parallel.vpp=1, or train.engine=torch")
+    if getattr(cfg.model, "fused_first_layer", False) and (plan.tp > 1 or pp > 1):
+        # Its TP swaps the q/k/v Linears for megatron-core layers, and its pipeline runs the stages'
+        # layers without GPT.forward; the torch engine runs the fused layer at every layout.
+        raise LayoutError(f"model.fused_first_layer=true runs under train.engine=deepspeed for the plain model "
+                          f"only (parallel.tp=1, parallel.pp=1; data parallelism and ZeRO are fine), got "
+                          f"tp={plan.tp}, pp={pp}; set model.fused_first_layer=false, or train.engine=torch")
     check_zero(cfg, pp, plan.precision)
 
 

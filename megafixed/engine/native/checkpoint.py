@@ -350,10 +350,17 @@ class DcpCheckpoint(BackgroundSave):
         every = self.every_rank_reads
         full = read_state_dict() if rank == 0 or every else None
         own = get_model_state_dict(self.model)  # plain-GPT names (no compile/AC wrapper prefixes)
+        if every:  # the whole model is the union of the stages: a source key none of them holds is refused
+            stages = [sorted(own)]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                stages = [None] * dist.get_world_size()
+                dist.all_gather_object(stages, sorted(own))
+            model_keys = set().union(*map(set, stages))
         if full is not None:
+            why = key_mismatch(model_keys, full) if every else None
             if every:
-                full = {k: v for k, v in full.items() if k in own or not k.startswith(("blocks.", "input.", "head."))}
-            why = key_mismatch(own, full)
+                full = {k: v for k, v in full.items() if k in own}
+            why = why or key_mismatch(own, full)
             if why is None:
                 why = next((f"{k} is {tuple(full[k].shape)} there but {tuple(own[k].shape)} here" for k in own
                             if tuple(full[k].shape) != tuple(own[k].shape)), None)

@@ -100,10 +100,9 @@ def pipeline_record(cfg, plan) -> dict:
     from ...parallel.bubble import bubble
     from .schedules import canonical_name, stage_spans
 
-    par = cfg.parallel
-    name = canonical_name(par.pp_schedule)
-    spans = stage_spans(cfg.model.n_layers, plan.pp * par.vpp, par.pp_input_head_layers)
-    return {"degree": plan.pp, "stages_per_rank": par.vpp, "input_head_layers": par.pp_input_head_layers,
+    name = canonical_name(plan.pp_schedule)
+    spans = stage_spans(cfg.model.n_layers, plan.pp * plan.vpp, plan.pp_input_head_layers)
+    return {"degree": plan.pp, "stages_per_rank": plan.vpp, "input_head_layers": plan.pp_input_head_layers,
             "by": "torch.distributed.pipelining (PipelineStage + the schedule class)",
             "stage_blocks": [[s.first, s.end] for s in spans],
-            **bubble(name, plan.pp, plan.batch.accum, par.vpp).as_dict()}
+            **bubble(name, plan.pp, plan.batch.accum, plan.vpp).as_dict()}

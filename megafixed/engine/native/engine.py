@@ -46,8 +46,13 @@ class NativeEngine:
 
     # ---- steps
     def train_step(self, batches: Iterator[torch.Tensor], lr: float, step: int) -> StepResult:
+        # The loss mean over the whole job in one all-reduce (TP peers add equal copies), not over the DP
+        # group of each TP column: every rank holds the same bits for the bad-step guard.
+        from .mesh import job_group
+
+        job = job_group(self.topo.mesh) if self.topo.mesh is not None else None
         return native_step.train_step(self.model, self.optimizer, batches, self.plan.batch.accum, lr=lr,
-                                      dp=self.topo.dp, dp_group=self.topo.dp_group,
+                                      dp=self.topo.world_size, dp_group=job,
                                       grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.train.on_nonfinite,
                                       step=step, vocab_size=self.cfg.model.vocab_size, device=self.device,
                                       loss_context=self._loss_context, precision=self.plan.precision,

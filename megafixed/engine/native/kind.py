@@ -96,6 +96,13 @@ def _prepare_runtime_env() -> None:
     torch whose version to check (DeepSpeed's check is DeepSpeed's)."""
 
 
+def _accelerator_name() -> str:
+    """The device the engine runs on: torch's own (no library picks one at import)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 KIND = register(EngineKind(
     name=NAME, summary="torch-native: FSDP2/HSDP, DTensor TP/SP, torch.distributed.checkpoint",
     record_file="torch_engine.json", config_section="torch_engine",
@@ -111,4 +118,5 @@ KIND = register(EngineKind(
     describe=f"{_PKG}.kind",
     planner=f"{_PKG}.planner",
     prepare_runtime_env=_prepare_runtime_env,
+    extra={"accelerator_name": _accelerator_name},
 ))

@@ -71,3 +71,23 @@ def dp_mesh(mesh) -> Any:
     if mesh["dp_replicate"].size() > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
+
+
+_JOB_GROUPS: dict = {}  # id(root mesh) -> (root mesh, the process group over all of its ranks)
+
+
+def job_group(mesh) -> Any:
+    """The process group over every rank of ``mesh``'s root mesh: the whole job, in one group, for
+    the reductions every rank must agree on to the bit (the gradient norm). The default group when
+    the root spans the world (no second communicator to create); otherwise the root flattened,
+    once per root, on the first call (every rank of the root makes it together)."""
+    import torch.distributed as dist
+
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root.size() == dist.get_world_size():
+        return None
+    held = _JOB_GROUPS.get(id(root))
+    if held is None or held[0] is not root:
+        flat = root._flatten("_".join(root.mesh_dim_names or ()) or "job") if root.ndim > 1 else root
+        held = _JOB_GROUPS[id(root)] = (root, flat.get_group())
+    return held[1]

@@ -23,9 +23,10 @@ the non-pipeline ones and checkpoints do not depend on the split. The stage modu
 schedule drives their gradient sync: one reduce-scatter per step, after the last microbatch).
 
 The numerics are one process's: each microbatch's loss is the sum of its token losses divided by
-this rank's token count per step (``loss_fn`` below; the schedule's own ``scale_grads`` is off),
+this rank's token count per step (``microbatch_loss`` below; the schedule's own ``scale_grads`` is off),
 FSDP2 averages over the data-parallel ranks, so the gradient is the mean over the global batch;
-the gradient norm is summed over the pp group (each rank holds other parameters) before clipping.
+the gradient norm is one all-reduce over the whole job (each pp rank holds other parameters) before
+clipping.
 """
 from __future__ import annotations
 
@@ -42,36 +43,30 @@ from .schedules import StageSpan
 
 
 class StageModule(nn.Module):
-    """One pipeline stage of the GPT: [input] -> blocks -> [head]; the blocks keep their global index."""
+    """One pipeline stage of the GPT: [input] -> blocks -> [head]; the blocks keep their global index.
 
-    def __init__(self, gpt, span: StageSpan, seq_shards: int):
+    ``GPT.forward`` runs it (from the ids or from the hidden states sent by the stage before, over
+    this stage's blocks, with or without the head): one block loop for the model and its stages."""
+
+    def __init__(self, gpt, span: StageSpan):
         super().__init__()
         self.span = span
         if span.has_input:
             self.input = gpt.input
-        self.rotary = gpt.rotary
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in span.blocks})
         if span.has_head:
             self.head = gpt.head
-        self.seq_shards = seq_shards  # tp under sequence parallelism: x holds T/tp positions
-        self.activation_checkpointing = False
+        # A plain attribute, not a submodule: this stage's parameters are its own modules' only.
+        self._gpt_forward = gpt.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.span.has_input:
-            x = self.input(x)
-        cos, sin = self.rotary(x.shape[1] * self.seq_shards, x.device)
-        for block in self.blocks.values():
-            if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cos, sin)
-        if self.span.has_head:
-            from torch.distributed.tensor import DTensor
+        first = self.span.has_input
+        out = self._gpt_forward(x if first else None, hidden=None if first else x, layers=self.span.blocks,
+                                head=self.span.has_head)
+        from torch.distributed.tensor import DTensor
 
-            x = self.head(x)
-            # vocabulary-split DTensor logits under TP: a stage passes plain tensors; the loss rebuilds it
-            x = x.to_local() if isinstance(x, DTensor) else x
-        return x
+        # vocabulary-split DTensor logits under TP: a stage passes plain tensors; the loss rebuilds it
+        return out.to_local() if isinstance(out, DTensor) else out
 
 
 class PipelineParts(nn.Module):
@@ -113,7 +108,7 @@ def build_stages(cfg, topo):
     from .materialize import materialize
     from .schedules import is_v_shaped, stage_ids, stage_spans
 
-    plan, par = topo.plan, cfg.parallel
+    plan = topo.plan
     gpt = meta_gpt(cfg.model)
     if plan.tp > 1:
         from .tensor import apply_tp
@@ -121,12 +116,11 @@ def build_stages(cfg, topo):
         apply_tp(gpt, topo.mesh["tp"], sequence_parallel=plan.sequence_parallel)
     if gpt.has_fixed_input and plan.precision != "fp32":
         gpt.input.out_dtype = COMPUTE_DTYPES[plan.precision]
-    spans = stage_spans(cfg.model.n_layers, plan.pp * par.vpp, par.pp_input_head_layers)
-    ids = stage_ids(topo.pp_rank, plan.pp, par.vpp, is_v_shaped(par.pp_schedule))
-    seq_shards = plan.tp if plan.sequence_parallel else 1
-    stages = [StageModule(gpt, spans[i], seq_shards) for i in ids]
+    gpt.activation_checkpointing = bool(cfg.train.activation_checkpointing)  # GPT.forward runs every stage
+    spans = stage_spans(cfg.model.n_layers, plan.pp * plan.vpp, plan.pp_input_head_layers)
+    ids = stage_ids(topo.pp_rank, plan.pp, plan.vpp, is_v_shaped(plan.pp_schedule))
+    stages = [StageModule(gpt, spans[i]) for i in ids]
     for stage in stages:
-        stage.activation_checkpointing = bool(cfg.train.activation_checkpointing)
         if cfg.train.compile:
             for block in stage.blocks.values():
                 block.compile()
@@ -153,50 +147,88 @@ def _activation_meta(cfg, plan, span: StageSpan, *, output: bool) -> torch.Tenso
     return torch.empty(mb, local_seq, cfg.model.d_model, dtype=dtype, device="meta", requires_grad=True)
 
 
-def step_loss(parts, plan, tp_mesh) -> Callable:
-    """The schedule's ``loss_fn(output, target)``: this microbatch's summed token losses over this
-    rank's token count per step (so the accumulated gradient is the step's per-token mean)."""
-    step_tokens = plan.batch.micro_batch * plan.batch.accum * plan.batch.seq_len
+def microbatch_loss(parts, plan, tp_mesh, n_microbatches: int) -> Callable:
+    """A schedule's ``loss_fn(output, target)`` over ``n_microbatches`` microbatches: one microbatch's
+    summed token losses over the tokens of all of them, so that the microbatches' losses add up to
+    the per-token mean (and, in training, the accumulated gradient is the step's per-token mean)."""
+    tokens = plan.batch.micro_batch * n_microbatches * plan.batch.seq_len
 
     def loss_fn(output, target):
         if tp_mesh is not None:
             from torch.distributed.tensor import DTensor, Shard
 
             output = DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False)
-        return parts.loss_fn(output, target) * (target.numel() / step_tokens)
+        return parts.loss_fn(output, target) * (target.numel() / tokens)
 
     return loss_fn
 
 
-def build_schedule(cfg, topo, parts, stages, ids):
-    """The ``PipelineStage`` per local stage and the library's schedule over them (``accum`` microbatches)."""
+def build_schedule(cfg, topo, stages, ids, n_microbatches: int, loss_fn: Callable, *, forward_only: bool = False):
+    """The library's schedule class (``parallel.pp_schedule``) over ``n_microbatches`` microbatches, on
+    a ``PipelineStage`` of its own for each of this rank's stage modules (a stage keeps the receive
+    buffers and the forward/backward set-up of the one microbatch count its schedule runs).
+
+    ``forward_only``: an evaluation schedule, of the class that takes any microbatch count on this
+    stage layout (``schedules.forward_only_schedule``) and with only the forward actions of its table."""
     from torch.distributed.pipelining import PipelineStage
 
-    from .schedules import is_multi_stage, schedule_class
+    from .schedules import forward_only_schedule, is_multi_stage, schedule_class
 
     plan = topo.plan
-    n_stages = plan.pp * cfg.parallel.vpp
+    name = forward_only_schedule(plan.pp_schedule) if forward_only else plan.pp_schedule
+    n_stages = plan.pp * plan.vpp
     group = topo.mesh["pp"].get_group()
     pipe_stages = [PipelineStage(m, i, n_stages, topo.device, group=group,
                                  input_args=_activation_meta(cfg, plan, m.span, output=False),
                                  output_args=_activation_meta(cfg, plan, m.span, output=True))
                    for m, i in zip(stages, ids)]
-    tp_mesh = topo.mesh["tp"] if plan.tp > 1 else None
-    cls = schedule_class(cfg.parallel.pp_schedule)
-    held = pipe_stages if is_multi_stage(cfg.parallel.pp_schedule) else pipe_stages[0]
-    return cls(held, n_microbatches=plan.batch.accum, loss_fn=step_loss(parts, plan, tp_mesh), scale_grads=False)
+    held = pipe_stages if is_multi_stage(name) else pipe_stages[0]
+    schedule = schedule_class(name)(held, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if forward_only and is_multi_stage(name):
+        _keep_forward_actions(schedule)
+    return schedule
+
+
+def _keep_forward_actions(schedule) -> None:
+    """Drop the backward actions (and their sends, receives and gradient reductions) from a
+    multi-stage schedule's lowered action table, keeping the forward ones in their order.
+
+    torch 2.13's runtime runs a table's backward actions in ``eval()`` too, as no-ops, except that on
+    a V, where a rank holds two adjacent stages, it then hands the stage before an input gradient
+    that does not exist (an AssertionError). Dropping actions only drops waits, so the forward pass
+    keeps the schedule's deadlock-free order."""
+    from torch.distributed.pipelining.schedules import FORWARD, RECV_F, RESHARD, SEND_F, UNSHARD
+
+    kept = (FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD)
+    schedule.pipeline_order_with_comms = {rank: [a for a in actions if a.computation_type in kept]
+                                          for rank, actions in schedule.pipeline_order_with_comms.items()}
 
 
 # ----------------------------------------------------------------------------------- numerics
 def pp_grad_norm(parameters, pp_group) -> torch.Tensor:
-    """The whole model's gradient L2 norm: this rank's (over its DP/TP meshes) squared, summed over
-    the pipeline ranks (each holds other parameters), square-rooted."""
+    """The whole model's gradient L2 norm under PP: ``step.grad_norm``'s one all-reduce over the
+    whole job sums the pipeline ranks' distinct parameters too; ``pp_group`` is that job when the
+    stages hold plain tensors (no TP, no DP)."""
     from .step import grad_norm
 
-    squares = grad_norm(parameters).double() ** 2
-    squares = squares.to(next(iter(parameters)).device) if parameters else squares
-    dist.all_reduce(squares, group=pp_group)
-    return squares.sqrt()
+    return grad_norm(parameters, group=pp_group)
+
+
+def pp_loss_mean(local: torch.Tensor, topo) -> tuple[float, bool]:
+    """The step's global-batch loss and its non-finite flag from this rank's summed microbatch
+    losses (zero off the last stage), in ONE all-reduce over the whole job, so that every rank --
+    every stage, TP and DP peer -- holds the same bits for the bad-step guard (a pp all-reduce
+    followed by a DP one per tensor-parallel column would be hops through different communicators).
+    The last stage's ``tp`` peers hold equal copies: the sum is divided by ``dp * tp``."""
+    stats = torch.stack([torch.nan_to_num(local, nan=0.0, posinf=0.0, neginf=0.0),
+                         (~torch.isfinite(local)).double()]).double()
+    from .mesh import job_group
+
+    group = job_group(topo.mesh)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, group=group)
+    nonfinite = bool(stats[1] > 0)
+    return (float("nan") if nonfinite else float(stats[0]) / (topo.dp * topo.tp)), nonfinite
 
 
 def finite_or_none(x: float):

@@ -3,15 +3,19 @@
 The step hands the library's schedule this rank's ``accum`` micro batches as one batch (the
 schedule splits it back into the same micro batches): the first stage gets the token ids, the last
 the labels, and ``losses`` collects each microbatch's scaled loss on the last stage. The reported
-loss is their sum (the step's per-token mean) sent over the pp group, then averaged over DP with
-the non-finite flag every rank agrees on; the gradient norm is the pp-summed one
-(``pipeline.pp_grad_norm``) and clipping, the learning rate and AdamW are step.py's.
+loss is their sum (the step's per-token mean), averaged over DP with the non-finite flag in one
+all-reduce over the whole job (``pipeline.pp_loss_mean``); the gradient norm is step.py's one
+all-reduce too (``pipeline.pp_grad_norm``), and clipping, the learning rate and AdamW are step.py's.
 
-Validation does not use the schedule: the library's schedules fix their microbatch count (and 1F1B
-needs at least one per stage), while ``train.eval_iters`` is any number. Each evaluation micro
-batch is run forward through the stages in order, the activations sent point to point to the rank
-of the next stage (``dist.send``/``recv``, shapes known from the plan) -- the forward-only pipeline
-every schedule reduces to, without overlap, which is all a validation pass needs.
+Validation is a schedule's own forward-only pass (``schedule.eval``, as torchtitan's validator
+runs it) with each microbatch's loss over all of the pass's tokens, so that the losses add up to the
+pass's mean. A schedule fixes its microbatch count when it is built, while ``eval_loss`` takes any
+number: the training schedule serves a pass of ``accum`` micro batches (the trainer's), and any
+other count gets an evaluation schedule of its own, built once, over the same stage modules
+(``pipeline.build_schedule(forward_only=True)``: a class that takes any count, on the same
+stage-to-rank map). A V-shaped layout always takes the latter: torch 2.13 cannot run its training
+schedules forward-only (``pipeline._keep_forward_actions``). An evaluation schedule's stages keep their
+receive buffers (one activation per microbatch, as the training schedule's do) between passes.
 """
 from __future__ import annotations
 
@@ -21,23 +25,36 @@ import torch
 import torch.distributed as dist
 
 from ..base import StepResult
-from ..batches import dp_mean, dp_mean_and_flag, split_tokens
+from ..batches import dp_mean, split_tokens
 from .engine import NativeEngine
 
 
 class PipelineEngine(NativeEngine):
     """``NativeEngine`` whose model is this rank's pipeline stages (``pipeline.PipelineParts``)."""
 
-    def __init__(self, parts, stages, ids, schedule, optimizer, *, cfg, topo):
+    def __init__(self, parts, stages, ids, optimizer, *, cfg, topo):
         super().__init__(parts, optimizer, cfg=cfg, topo=topo)
-        self.stages, self.ids, self.schedule = stages, ids, schedule
+        self.stages, self.ids = stages, ids
         self.checkpoints.every_rank_reads = True  # train.init_from: each stage keeps its own weights
         self.pp_group = topo.mesh["pp"].get_group()
-        self.n_stages = topo.plan.pp * cfg.parallel.vpp
-        from .schedules import is_v_shaped, stage_ids
+        self.n_stages = self.plan.pp * self.plan.vpp
+        self._tp_mesh = topo.mesh["tp"] if self.plan.tp > 1 else None
+        accum = self.plan.batch.accum
+        # The loss the training schedule calls for each microbatch on the last stage, held here, where
+        # a step's injected fault swaps it (loops.faults_in_loss_fn); the schedule calls through it.
+        self.loss_fn = self._microbatch_loss(accum)
+        self.schedule = self._schedule(accum, lambda output, target: self.loss_fn(output, target))
+        self._eval_schedules: dict = {}  # microbatch count -> its evaluation schedule (not accum's)
 
-        v = is_v_shaped(cfg.parallel.pp_schedule)
-        self.owner = {s: r for r in range(topo.plan.pp) for s in stage_ids(r, topo.plan.pp, cfg.parallel.vpp, v)}
+    def _microbatch_loss(self, n_microbatches: int):
+        from .pipeline import microbatch_loss
+
+        return microbatch_loss(self.model, self.plan, self._tp_mesh, n_microbatches)
+
+    def _schedule(self, n_microbatches: int, loss_fn, **kwargs):
+        from .pipeline import build_schedule
+
+        return build_schedule(self.cfg, self.topo, self.stages, self.ids, n_microbatches, loss_fn, **kwargs)
 
     @property
     def has_first(self) -> bool:
@@ -63,15 +80,15 @@ class PipelineEngine(NativeEngine):
         from ..loops import faults_in_loss_fn
 
         with self._loss_context(self.model), self._compute()(), \
-                faults_in_loss_fn(self.schedule, "_loss_fn", getattr(self, "faults", None), step):
+                faults_in_loss_fn(self, "loss_fn", getattr(self, "faults", None), step):
             self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
                                losses=losses, return_outputs=False)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         if losses:
             local += torch.stack([loss.detach().double() for loss in losses]).sum()
-        dist.all_reduce(local, group=self.pp_group)  # NaN on the last stage reaches every stage
-        value, nonfinite = dp_mean_and_flag(local, self.topo.dp_group, self.topo.dp)
-        from .pipeline import pp_grad_norm
+        from .pipeline import pp_grad_norm, pp_loss_mean
+
+        value, nonfinite = pp_loss_mean(local, self.topo)  # one all-reduce over the job: the same bits everywhere
         from .step import apply_update
 
         return apply_update(self.optimizer, value, nonfinite, lr=lr, grad_clip=self.cfg.optimizer.grad_clip,
@@ -79,41 +96,38 @@ class PipelineEngine(NativeEngine):
                             norm=lambda params: pp_grad_norm(params, self.pp_group),
                             guard=getattr(self, "guard", None))  # the bad-step guard, before the update
 
+    def eval_schedule(self, n_microbatches: int):
+        """The schedule a validation pass of ``n_microbatches`` micro batches runs (see the module's doc)."""
+        from .schedules import is_v_shaped
+
+        if n_microbatches == self.plan.batch.accum and not is_v_shaped(self.plan.pp_schedule):
+            return self.schedule  # its loss: one microbatch's over accum microbatches' tokens, as needed
+        if n_microbatches not in self._eval_schedules:
+            self._eval_schedules[n_microbatches] = self._schedule(
+                n_microbatches, self._microbatch_loss(n_microbatches), forward_only=True)
+        return self._eval_schedules[n_microbatches]
+
     @torch.no_grad()
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         if micro_batches < 1:
             return float("nan")
-        from .pipeline import _activation_meta
-
+        schedule = self.eval_schedule(micro_batches)
+        inputs, labels = self._local_batch(batches, micro_batches)
+        losses: list = [] if self.has_last else None
         was_training = self.model.training
         self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        by_id = dict(zip(self.ids, self.stages))
-        loss_fn = self.schedule._loss_fn  # the step's scaling: undone below per micro batch
-        scale = self.plan.batch.accum
         try:
-            for _ in range(micro_batches):
-                inputs, labels = self._local_batch(batches, 1)
-                x = inputs
-                for s in range(self.n_stages):
-                    if s not in by_id:
-                        continue
-                    stage = by_id[s]
-                    if s > 0 and self.owner[s - 1] != self.topo.pp_rank:
-                        x = torch.empty_like(_activation_meta(self.cfg, self.plan, stage.span, output=False),
-                                             device=self.device)
-                        dist.recv(x, group=self.pp_group, group_src=self.owner[s - 1])
-                    with self._loss_context(self.model), self._compute()():
-                        x = stage(x)
-                        if s == self.n_stages - 1:
-                            total += loss_fn(x, labels).double() * scale
-                    if s < self.n_stages - 1 and self.owner[s + 1] != self.topo.pp_rank:
-                        dist.send(x.contiguous(), group=self.pp_group, group_dst=self.owner[s + 1])
+            with self._loss_context(self.model), self._compute()():
+                schedule.eval(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
+                              losses=losses)
         finally:
             self.model.train(was_training)
             _reshard(self.stages)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if losses:
+            total += torch.stack([loss.double() for loss in losses]).sum()
         dist.all_reduce(total, group=self.pp_group)
-        return dp_mean(total / micro_batches, self.topo.dp_group, self.topo.dp)
+        return dp_mean(total, self.topo.dp_group, self.topo.dp)
 
 
 def _reshard(stages) -> None:
@@ -128,10 +142,8 @@ def _reshard(stages) -> None:
 
 def build_pipeline_engine(cfg, topo) -> PipelineEngine:
     from ...run.optim import build_optimizer
-    from .pipeline import build_schedule, build_stages
+    from .pipeline import build_stages
 
     parts, stages, ids = build_stages(cfg, topo)
-    schedule = build_schedule(cfg, topo, parts, stages, ids)
     optimizer = build_optimizer(parts, cfg.optimizer)
-    return PipelineEngine(parts, stages, ids, schedule, optimizer, cfg=cfg, topo=topo)
-
+    return PipelineEngine(parts, stages, ids, optimizer, cfg=cfg, topo=topo)

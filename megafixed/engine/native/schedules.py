@@ -70,6 +70,19 @@ def is_v_shaped(name: str) -> bool:
     return canonical_name(name) in V_SCHEDULES
 
 
+def forward_only_schedule(name: str) -> str:
+    """The schedule class a forward-only pass of any microbatch count runs over ``name``'s stages.
+
+    A schedule fixes its microbatch count at construction and some refuse counts (1F1B fewer than
+    its stages, DualPipeV fewer than twice, the interleaved ones counts their rounds do not
+    divide); GPipe, LoopedBFS and ZBVZeroBubble take any, on one stage per rank, looped stages and
+    a V respectively -- the same stage-to-rank map as ``name``'s. Forward only, the order in which
+    microbatches pass does not change any of their outputs."""
+    if is_v_shaped(name):
+        return "ZBVZeroBubble"
+    return "LoopedBFS" if is_multi_stage(name) else "GPipe"
+
+
 def stage_spans(n_layers: int, stages: int, edge: int = 1) -> list[StageSpan]:
     """The blocks of each of ``stages`` stages (see the module docstring); LayoutError if uneven."""
     slots = n_layers + 2 * edge
@@ -121,8 +134,8 @@ def _constructor_refusal(name: str, pp: int, vpp: int, microbatches: int):
 
 def check_pipeline(cfg, plan) -> None:
     """Every refusal of the torch engine's pipeline, one line each (``plan.pp > 1``)."""
-    p, vpp, m = plan.pp, cfg.parallel.vpp, plan.batch.accum
-    name = canonical_name(cfg.parallel.pp_schedule)
+    p, vpp, m = plan.pp, plan.vpp, plan.batch.accum
+    name = canonical_name(plan.pp_schedule)
     multi = is_multi_stage(name)
     if not multi and vpp != 1:
         raise LayoutError(f"parallel.pp_schedule={name} runs one stage per rank, but parallel.vpp={vpp}; set "
@@ -146,4 +159,4 @@ def check_pipeline(cfg, plan) -> None:
     if why:
         raise LayoutError(f"parallel.pp_schedule={name} with parallel.pp={p}, parallel.vpp={vpp} and {m} "
                           f"microbatches per step: {why}")
-    stage_spans(cfg.model.n_layers, p * vpp, cfg.parallel.pp_input_head_layers)
+    stage_spans(cfg.model.n_layers, p * vpp, plan.pp_input_head_layers)

@@ -49,47 +49,115 @@ def compute_context(model, precision: str, device) -> Callable:
     return lambda: torch.autocast(kind, dtype=dtype)
 
 
-def grad_norm(parameters) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, each parameter counted once across the mesh.
+def grad_norm(parameters, group=None) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, each parameter counted once across the job, in ONE
+    all-reduce over every rank of it: the same bits on every rank, which the bad-step guard relies on.
 
-    A DTensor gradient's norm is reduced over its own mesh (its Shard placements are summed, a
-    Replicate one counted once); plain gradients are whole on every rank. Gradients on different
-    meshes (TP-only DTensors beside plain tensors, when tp > 1 and dp == 1) are normed per mesh and
-    combined, which ``torch.nn.utils.get_total_norm`` alone cannot do.
+    Each rank sums the squares of its own distinct parts (``_distinct_locals``: a shard counts where
+    it lives, a replica only at coordinate 0 of each dimension it is replicated over, a pipeline
+    stage's parameters on that stage) and the sums are all-reduced over the job: the group of the
+    gradients' root mesh (``mesh.job_group``), or ``group`` for plain gradients (a pipeline without
+    TP or DP); plain gradients and no ``group``: one process, no collective. DTensor's own norm
+    (``get_total_norm`` over DTensors) reduces one mesh dimension after another -- two sequential
+    all-reduces on a ``(dp_shard, tp)`` mesh, a third over pp -- through different communicators,
+    which neither promises every rank the same bits nor costs a single collective's latency
+    (torchtitan and Megatron-LM take such hops too). A flattened mesh would merge DTensor's
+    reductions but still leave the pipeline's.
 
     The DeepSpeed engine's norm (``deepspeed.grad_norm.global_grad_norm``) is the same number over
-    plain megatron-core tensors, counted by their ``tensor_model_parallel`` mark and summed over the
-    model-parallel group: a different mechanism, said there, so the two are not one function."""
+    plain megatron-core tensors, counted by their ``tensor_model_parallel`` mark: a different
+    mechanism, said there, so the two are not one function."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    groups: dict = {}
-    for p in parameters:
-        if p.grad is None:
-            continue
-        g = p.grad
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    squares = None
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        sq = norm.double() ** 2
-        squares = sq if squares is None else squares + sq
-    if squares is None:
-        return torch.zeros((), dtype=torch.float64)
+    params = list(parameters)
+    grads = _replicated_partials([p for p in params if p.grad is not None])
+    meshes = [g.device_mesh for g in grads if isinstance(g, DTensor)]
+    reduce = bool(meshes) or group is not None
+    if meshes:
+        from .mesh import job_group
+
+        group = job_group(meshes[0])
+    local = _distinct_locals(grads)
+    device = params[0].device if params else torch.device("cpu")
+    if local:
+        squares = torch.nn.utils.get_total_norm(local, norm_type=2.0).double().square()
+    else:
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+    if reduce and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)  # every rank of the job, once: identical bits everywhere
     return squares.sqrt()
 
 
+def _replicated_partials(params) -> list:
+    """Every gradient, with the ones DTensor leaves ``Partial`` (a replicated norm weight under
+    sequence parallelism with no FSDP to reduce it) summed in place: one all-reduce per mesh
+    dimension for all of them together, where AdamW would otherwise reduce each one on every use."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    pending: dict = {}
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            pending.setdefault((g.device_mesh, tuple(g.placements)), []).append(p)
+    for (mesh, placements), group in pending.items():
+        import torch.distributed as dist
+
+        locals_ = [p.grad.to_local() for p in group]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for dim, pl in enumerate(placements):
+            if pl.is_partial():
+                if pl.reduce_op not in ("sum", "avg"):
+                    raise RuntimeError(f"a {pl} gradient: only sum and avg partials are reduced here")
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+                if pl.reduce_op == "avg":
+                    flat /= mesh.size(dim)
+        done = [Replicate() if pl.is_partial() else pl for pl in placements]
+        offset = 0
+        for p, t in zip(group, locals_):
+            part = flat[offset:offset + t.numel()].view_as(t)
+            offset += t.numel()
+            p.grad = DTensor.from_local(part, mesh, done, run_check=False, shape=p.grad.shape,
+                                        stride=p.grad.stride())
+    return [p.grad for p in params]
+
+
+def _distinct_locals(grads) -> list:
+    """This rank's share of the gradients, counted once across the job: the local tensor of every
+    DTensor whose replicated mesh dimensions this rank is at coordinate 0 of, and the plain
+    gradients where every DTensor mesh here has this rank at its origin (a plain gradient is
+    replicated over all of them: only the pipeline splits such parameters across ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    out, origin = [], True
+    plain = []
+    for g in grads:
+        if not isinstance(g, DTensor):
+            plain.append(g)
+            continue
+        coord = g.device_mesh.get_coordinate() or [0] * g.device_mesh.ndim
+        origin = origin and not any(coord)
+        if all(c == 0 for c, pl in zip(coord, g.placements) if pl.is_replicate()):
+            out.append(g.to_local())
+    return out + (plain if origin else [])
+
+
 def clip_(parameters, max_norm: float, total: float) -> None:
-    """Scale the gradients to ``max_norm`` when ``total`` exceeds it (torch's and DeepSpeed's rule)."""
+    """Scale the gradients to ``max_norm`` when ``total`` exceeds it (torch's and DeepSpeed's rule),
+    on the local tensors, one fused multiply per device and dtype (DTensor gradients scale locally)."""
     if max_norm <= 0 or not math.isfinite(total):
         return
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
+        from torch.distributed.tensor import DTensor
+
+        groups: dict = {}
         for p in parameters:
             if p.grad is not None:
-                p.grad.mul_(coef)
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                groups.setdefault((g.device, g.dtype), []).append(g)
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
 
 
 def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *, lr: float, dp: int, dp_group,

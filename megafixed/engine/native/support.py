@@ -7,10 +7,14 @@ from ...parallel.layout import LayoutError
 
 
 def check_supported(cfg, plan) -> None:
+    from ...config_checks import check_pipeline_keys_need_pp
+
+    check_pipeline_keys_need_pp(cfg, plan.pp)
     if plan.pp > 1:  # torch.distributed.pipelining: the schedule's constraints, by name (schedules.py)
         from .schedules import check_pipeline
 
         check_pipeline(cfg, plan)
+        _check_fused_first_stage(cfg, plan)
     if plan.precision == "fp16":
         # FSDP2 has no dynamic loss scaler (DeepSpeed's fp16 path has one); bf16 needs none.
         raise ConfigError("train.precision=fp16 is not supported by train.engine=torch (it has no loss scaler); "
@@ -25,10 +29,18 @@ def check_supported(cfg, plan) -> None:
         # that counts on the offload run out of device memory.
         raise ConfigError("zero.offload_optimizer=true is a DeepSpeed option; train.engine=torch does not offload "
                           "the optimizer: set zero.offload_optimizer=false, or train.engine=deepspeed")
-    if getattr(cfg.model, "fused_first_layer", False) and plan.dp > 1:
-        # The fused kernel reads the first block's full q/k/v weights from GPT.forward; under FSDP2
-        # they are shards there (the block's all-gather runs in its own pre-forward hook).
-        raise ConfigError(f"model.fused_first_layer=true is implemented for one data-parallel rank under "
-                          f"train.engine=torch (it reads the first block's full weights, which FSDP2 keeps "
-                          f"sharded over dp={plan.dp}); set model.fused_first_layer=false, or "
-                          f"train.engine=deepspeed")
+
+
+def _check_fused_first_stage(cfg, plan) -> None:
+    """The fused first layer runs in block 0 from the ids, so block 0 must be on the input's stage: a
+    first stage holding the input alone has to send the code itself to the next one."""
+    from .schedules import stage_spans
+
+    if not getattr(cfg.model, "fused_first_layer", False):
+        return
+    first = stage_spans(cfg.model.n_layers, plan.pp * plan.vpp, plan.pp_input_head_layers)[0]
+    if not first.blocks:
+        raise LayoutError(f"model.fused_first_layer=true computes block 0 from the token ids, but the first "
+                          f"pipeline stage holds the input alone (model.n_layers={cfg.model.n_layers} over "
+                          f"{plan.pp * plan.vpp} stages, parallel.pp_input_head_layers={plan.pp_input_head_layers}); "
+                          f"lower parallel.pp_input_head_layers or parallel.vpp, or set model.fused_first_layer=false")
