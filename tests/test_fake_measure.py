@@ -170,11 +170,15 @@ def test_the_replicate_axis_is_all_reduced_once_per_step_not_per_micro_batch(sma
     n = tp_param_counts(cfg.model).total
     groups = cfg.model.n_layers + 1  # FSDP2's groups: each block and the head (the canonical input has no parameters)
     real = every_real[0]["comm_by_axis"]
-    # one all-reduce per group for the step's 4 micro batches, of the summed fp32 shards; with shard
-    # degree 1 the data-parallel group is the replicate group, and the loss mean (2 float64) runs on it too
-    loss_mean = 1 if layout.dp_shard == 1 else 0
-    assert real["dp_replicate.all_reduce"] == {"calls": groups + loss_mean, "bytes": n * 4 // layout.dp_shard
-                                               + 16 * loss_mean}
+    # one all-reduce per group for the step's 4 micro batches, of the summed fp32 shards. Beside them the
+    # step's two scalar reductions over the whole job: the loss mean (2 float64) and the norm (1 float64);
+    # with shard degree 1 the job's group is the replicate group, so they are counted on it too
+    scalars = {"calls": 2, "bytes": 24}
+    if layout.dp_shard > 1:
+        assert real["dp.all_reduce"] == scalars
+    extra = scalars if layout.dp_shard == 1 else {"calls": 0, "bytes": 0}
+    assert real["dp_replicate.all_reduce"] == {"calls": groups + extra["calls"],
+                                               "bytes": n * 4 // layout.dp_shard + extra["bytes"]}
     if layout.dp_shard > 1:  # the shard axis keeps its reduce-scatter per micro batch
         assert real["dp_shard.reduce_scatter"]["calls"] == layout.accum * groups
     # the analytic model and the fake count say the same, and neither grows with the accumulation

@@ -55,13 +55,12 @@ def run(args) -> int:
     # CPU-safe); the torch engine's plan touches nothing of DeepSpeed's
     prepare_runtime_env(cfg.train.engine)
     from ..model.interfaces import interface_of
-    from ..parallel.memory import RESERVE_BYTES, GiB, fixed_code_saving, tp_param_counts
+    from ..parallel.memory import GiB, fixed_code_saving, tp_param_counts
 
     gpu_mem = parse_bytes(args.gpu_mem)
     if args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: the number of GPUs to plan for must be >= 1")
     budget = gpu_mem  # the room for the CUDA context, NCCL and fragmentation is each row's reserve
-    seq = cfg.data.seq_len
     from ..engines import engine_kind
 
     planner = engine_kind(cfg.train.engine).hook("planner")  # the engine's sharding arithmetic and column
@@ -99,7 +98,29 @@ def run(args) -> int:
                           "fixed_code_saving_per_gpu": saving}))
         return 0 if fitting else 1
     m = cfg.model
-    print(f"{args.config}: {counts.total / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
+    _print_header(args, cfg, planner, estimates, counts.total, gpu_mem)
+    _print_rows(args, planner, estimates, rows, extras, budget)
+    if len(shown) > args.top:
+        print(f"  ... {len(shown) - args.top} more (--top N)")
+    if not fitting:
+        print("no layout fits: turn on train.activation_checkpointing, lower data.seq_len, or add GPUs")
+    if saving:
+        lay = ref_layout
+        verb = "would save" if interface_of(m).has_table else "saves"
+        print(f"fixed codes vs a learned {m.vocab_size} x {m.d_model} table {verb}, per GPU of the first "
+              f"stage (TP {lay.tp}, DP {lay.dp}, {zname} {_sharding(lay)}): "
+              f"{saving['params'] / 1e6:.1f}M params = "
+              f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "
+              f"{saving['optimizer_bytes'] / GiB:.3f} GiB optimizer state = {saving['total_bytes'] / GiB:.3f} GiB")
+    return 0 if fitting else 1
+
+
+def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: float) -> None:
+    """What the table is of: the model, the engine's words, the pipeline's and the budget's notes."""
+    from ..parallel.memory import RESERVE_BYTES, GiB
+
+    m, seq = cfg.model, cfg.data.seq_len
+    print(f"{args.config}: {n_params / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
           f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
     if planner.intro(args.precision):
@@ -115,20 +136,6 @@ def run(args) -> int:
           f"reserve of {RESERVE_BYTES / GiB:.0f} GiB (CUDA context, NCCL buffers, fragmentation: what --fake cannot "
           f"see). GiB per GPU on the most loaded stage"
           + planner.grads_note(args.precision) + ":")
-    _print_rows(args, planner, estimates, rows, extras, budget)
-    if len(shown) > args.top:
-        print(f"  ... {len(shown) - args.top} more (--top N)")
-    if not fitting:
-        print("no layout fits: turn on train.activation_checkpointing, lower data.seq_len, or add GPUs")
-    if saving:
-        lay = ref_layout
-        verb = "would save" if interface_of(m).has_table else "saves"
-        print(f"fixed codes vs a learned {m.vocab_size} x {m.d_model} table {verb}, per GPU of the first "
-              f"stage (TP {lay.tp}, DP {lay.dp}, {zname} {_sharding(lay)}): "
-              f"{saving['params'] / 1e6:.1f}M params = "
-              f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "
-              f"{saving['optimizer_bytes'] / GiB:.3f} GiB optimizer state = {saving['total_bytes'] / GiB:.3f} GiB")
-    return 0 if fitting else 1
 
 
 def _print_rows(args, planner, estimates: list, rows: list, extras: dict, budget: float) -> None:
