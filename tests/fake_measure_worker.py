@@ -1,11 +1,12 @@
-"""The fake measurement's reference: the same step really run on 2 gloo processes, same trackers.
+"""The fake measurement's reference: the same step really run on 4 gloo processes, same trackers.
 
 Launched by torchrun (tests/test_fake_measure.py) with a JSON file of ``fake_worker`` specs (one
-per case, each for 2 GPUs). Every rank builds the case's run plan and really trains it with
-``fake_measure.measure_step`` -- the function the fake run calls, now on real tensors and a real
-process group -- and rank 0 writes every rank's peak by part and collectives' bytes, per case, as JSON.
+per case, each for the world's size). Every rank builds the case's run plan and really trains it with
+``fake_measure.measure_step`` -- the function the fake run calls, the engine's own build and
+``train_step``, now on real tensors and a real process group -- and rank 0 writes every rank's peak
+by part, collectives' bytes (by kind and mesh axis) and step results, per case, as JSON.
 
-    torchrun --nproc-per-node 2 tests/fake_measure_worker.py SPECS.json OUT.json
+    torchrun --nproc-per-node 4 tests/fake_measure_worker.py SPECS.json OUT.json
 """
 from __future__ import annotations
 

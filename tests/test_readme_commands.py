@@ -71,6 +71,9 @@ CLAIMS = {  # prefix -> what the README says the output holds
                                                                   "1,812,072,448", "100,663,296"],
     "megafixed train examples/configs/paper-1.7b-gf2.yaml --dry-run": ["# plan: 64 ranks = tp 2 x pp 1 x dp 32"],
     "megafixed plan examples/configs/paper-1.7b-canonical.yaml --gpus 16": ["16 GPUs x 80 GiB"],
+    "megafixed plan examples/configs/paper-1.7b-canonical.yaml train.engine=torch --gpus 64 --pick 1": [
+        "parallel.tp=1 parallel.pp=1 torch_engine.dp_replicate=8 train.micro_batch=2 parallel.sequence_parallel=false"],
+    "megafixed submit cfg.yaml --nodes 8 --gpus-per-node 8 --layout best": ["zero.stage=", "train.micro_batch="],
 }
 
 

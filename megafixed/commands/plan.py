@@ -33,21 +33,13 @@ def add_arguments(p):
     p.add_argument("--gpu-mem", default="80GB", help="memory per GPU (default 80GB)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
-    p.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
+    p.add_argument("--top", type=int, default=20, help="rows to print, the fastest first (default 20)")
+    p.add_argument("--pick", type=int, default=None, metavar="K",
+                   help="print row K's overrides (parallel.tp=... train.micro_batch=...) for megafixed train/submit")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     from .plan_fake import add_arguments as fake_arguments
 
     fake_arguments(p)  # --fake, and the GPU and links of the step-time bound
-
-
-def _rank_key(est, budget):
-    lay = est.layout
-    # Fitting first; then least model parallelism (cheapest communication), least ZeRO (0 and 1
-    # move the same bytes, so they tie and the smaller memory wins) or, under FSDP2, the smallest
-    # shard degree (more replication: fewer all-gathers), the biggest micro batch (best kernel
-    # efficiency), and least memory.
-    sharding = lay.planner.rank_sharding(lay)
-    return (est.total > budget, lay.tp * lay.pp, sharding, -lay.micro_batch, lay.sequence_parallel, est.total)
 
 
 def _sharding(lay) -> str:
@@ -63,67 +55,51 @@ def run(args) -> int:
     # CPU-safe); the torch engine's plan touches nothing of DeepSpeed's
     prepare_runtime_env(cfg.train.engine)
     from ..model.interfaces import interface_of
-    from ..parallel.memory import RESERVE_BYTES, GiB, estimate, fixed_code_saving, tp_param_counts
+    from ..parallel.memory import GiB, fixed_code_saving, tp_param_counts
 
     gpu_mem = parse_bytes(args.gpu_mem)
     if args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: the number of GPUs to plan for must be >= 1")
     budget = gpu_mem  # the room for the CUDA context, NCCL and fragmentation is each row's reserve
-    seq = cfg.data.seq_len
     from ..engines import engine_kind
 
     planner = engine_kind(cfg.train.engine).hook("planner")  # the engine's sharding arithmetic and column
     zname, zw = planner.COLUMN
-    layouts = feasible_layouts(cfg, args.gpus, precision=args.precision)
-    estimates = sorted((estimate(cfg.model, seq, lay, args.precision) for lay in layouts),
-                       key=lambda e: _rank_key(e, budget))
+    from .plan_fake import add_fake, measure_rows
+    from .plan_rank import config_precision, overrides_of, pick
+
+    estimates, extras = plan_rows(cfg, args.gpus, budget, args.precision, args)  # in rank order (plan_rank)
+    if args.pick is not None:
+        print(" ".join(pick(estimates, budget, args.pick, cfg, args.precision, GiB)))
+        return 0
     fitting = [e for e in estimates if e.total <= budget]
     counts = tp_param_counts(cfg.model)
     ref_layout = (fitting or estimates)[0].layout if estimates else None
     saving = fixed_code_saving(cfg.model, ref_layout, args.precision) if ref_layout else None
-    from .plan_fake import columns, header, measure_rows, row_extras
 
     shown = estimates if args.all else fitting
     rows = shown[:args.top]
-    fakes = dict(zip(map(id, rows), measure_rows(args, planner, rows))) if args.fake else {}
-    extras = {id(e): row_extras(cfg, e, args, fakes.get(id(e)), args.precision)
-              for e in (estimates if args.json else rows)}
+    if args.fake:
+        for e, fake in zip(rows, measure_rows(args, planner, rows)):
+            add_fake(extras[id(e)], fake)
+    resolved = config_precision(cfg)
+
+    def row_overrides(e):
+        return overrides_of(e.layout, args.precision, resolved)
+
     if args.json:
         print(json.dumps({"config": args.config, "engine": cfg.train.engine, "gpus": args.gpus,
                           "gpu_mem_bytes": gpu_mem,
                           "budget_bytes": budget, "precision": args.precision,
                           "params_total": counts.total, "input": cfg.model.input,
-                          "layouts": [dict(e.as_dict(), fits=e.total <= budget, **extras.get(id(e), {}))
-                                      for e in estimates],
+                          "ranked_by": "step_time_estimate.step_s_lower_bound, fitting rows first, ties by total",
+                          "layouts": [dict(e.as_dict(), row=i, fits=e.total <= budget, overrides=row_overrides(e),
+                                           **extras[id(e)]) for i, e in enumerate(estimates, 1)],
                           "fixed_code_saving_per_gpu": saving}))
         return 0 if fitting else 1
     m = cfg.model
-    print(f"{args.config}: {counts.total / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
-          f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
-          f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
-    if planner.intro(args.precision):
-        print(planner.intro(args.precision))
-    if any(e.pipeline for e in estimates):  # an engine that sizes its own pipeline (the schedule column)
-        print(f"pipeline (pp > 1): parallel.pp_schedule={cfg.parallel.pp_schedule}, parallel.vpp={cfg.parallel.vpp}; "
-              f"bubble = idle / busy time per rank replayed from the schedule's own action table (F = I = W = 1, "
-              f"B = 2), the closed form (p-1)/(v*m) in brackets; activ holds the microbatches each stage keeps in "
-              f"flight in that table")
-    print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= that; total = the tensors + a fixed "
-          f"reserve of {RESERVE_BYTES / GiB:.0f} GiB (CUDA context, NCCL buffers, fragmentation: what --fake cannot "
-          f"see). GiB per GPU on the most loaded stage"
-          + planner.grads_note(args.precision) + ":")
-    print(f"  {'TP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | {'params':>8} "
-          f"{'grads':>8} {'optim':>8} {'activ':>8} {'reserve':>8} | {'total':>8}  fits |" + header(args.fake))
-    for e in shown[:args.top]:
-        lay = e.layout
-        partition = (e.pipeline["schedule"] if e.pipeline else lay.partition) if lay.pp > 1 else "-"
-        bubble = (f"  bubble {e.pipeline['bubble_fraction']:.3f} ({e.pipeline['bubble_formula']:.3f}), in flight "
-                  f"{e.pipeline['in_flight_per_rank']}" if e.pipeline else "")
-        print(f"  {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
-              f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
-              f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} {e.reserve / GiB:8.2f} | "
-              f"{e.total / GiB:8.2f}  "
-              f"{'yes' if e.total <= budget else 'no':>4} |" + columns(extras[id(e)]) + bubble)
+    _print_header(args, cfg, planner, estimates, counts.total, gpu_mem)
+    _print_rows(args, planner, estimates, rows, extras, budget)
     if len(shown) > args.top:
         print(f"  ... {len(shown) - args.top} more (--top N)")
     if not fitting:
@@ -137,6 +113,70 @@ def run(args) -> int:
               f"{saving['param_bytes'] / GiB:.3f} GiB params + {saving['grad_bytes'] / GiB:.3f} GiB grads + "
               f"{saving['optimizer_bytes'] / GiB:.3f} GiB optimizer state = {saving['total_bytes'] / GiB:.3f} GiB")
     return 0 if fitting else 1
+
+
+def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: float) -> None:
+    """What the table is of: the model, the engine's words, the pipeline's and the budget's notes."""
+    from ..parallel.memory import RESERVE_BYTES, GiB
+
+    m, seq = cfg.model, cfg.data.seq_len
+    print(f"{args.config}: {n_params / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
+          f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
+          f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
+    if planner.intro(args.precision):
+        print(planner.intro(args.precision))
+    if hasattr(planner, "accumulation_note"):  # an engine whose reductions per micro batch are its own
+        print(planner.accumulation_note(m, args.gpus, cfg.train.global_batch, args.precision))
+    if any(e.pipeline for e in estimates):  # an engine that sizes its own pipeline (the schedule column)
+        print(f"pipeline (pp > 1): parallel.pp_schedule={cfg.parallel.pp_schedule}, parallel.vpp={cfg.parallel.vpp}; "
+              f"bubble = idle / busy time per rank replayed from the schedule's own action table (F = I = W = 1, "
+              f"B = 2), the closed form (p-1)/(v*m) in brackets; activ holds the microbatches each stage keeps in "
+              f"flight in that table")
+    print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= that; total = the tensors + a fixed "
+          f"reserve of {RESERVE_BYTES / GiB:.0f} GiB (CUDA context, NCCL buffers, fragmentation: what --fake cannot "
+          f"see). GiB per GPU on the most loaded stage"
+          + planner.grads_note(args.precision) + ":")
+
+
+def _print_rows(args, planner, estimates: list, rows: list, extras: dict, budget: float) -> None:
+    """The ranked table's note, header and ``rows`` (numbered by their rank among ``estimates``)."""
+    from ..parallel.memory import GiB
+    from .plan_fake import columns, header, row_note
+
+    zname, zw = planner.COLUMN
+    print(f"rows ranked by step>=s, the step-time lower bound (the fitting rows, fastest first; equal bounds: less "
+          f"memory first; rows it cannot judge after them): dense matmuls at the {args.gpu_type} peak (pipeline "
+          f"bubble included) plus TP's collectives (they sit between dependent matmuls), against all collectives at "
+          f"the links' data-sheet bandwidth ({args.gpus_per_node} GPUs a node, {args.inter} between nodes), the "
+          f"rest overlapped; it leaves out kernel efficiency, latency, memory-bound kernels and the optimizer "
+          f"step. `--pick K` prints row K's overrides")
+    print(f"  {'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | "
+          f"{'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'reserve':>8} | {'total':>8}  fits |"
+          + header(args.fake))
+    number = {id(e): i for i, e in enumerate(estimates, 1)}
+    for e in rows:
+        lay = e.layout
+        partition = (e.pipeline["schedule"] if e.pipeline else lay.partition) if lay.pp > 1 else "-"
+        bubble = (f"  bubble {e.pipeline['bubble_fraction']:.3f} ({e.pipeline['bubble_formula']:.3f}), in flight "
+                  f"{e.pipeline['in_flight_per_rank']}" if e.pipeline else "")
+        print(f"  {number[id(e)]:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
+              f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
+              f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} {e.reserve / GiB:8.2f} | "
+              f"{e.total / GiB:8.2f}  "
+              f"{'yes' if e.total <= budget else 'no':>4} |" + columns(extras[id(e)]) + bubble
+              + row_note(extras[id(e)]))
+
+
+def plan_rows(cfg, gpus: int, budget: float, precision: str, links) -> tuple[list, dict]:
+    """(every layout's estimate in rank order, {id(estimate): its row extras}): what the table lists."""
+    from ..parallel.memory import estimate
+    from .plan_fake import row_extras
+    from .plan_rank import ranked
+
+    estimates = [estimate(cfg.model, cfg.data.seq_len, lay, precision)
+                 for lay in feasible_layouts(cfg, gpus, precision=precision)]
+    extras = {id(e): row_extras(cfg, e, links, None, precision) for e in estimates}
+    return ranked(estimates, extras, budget), extras
 
 
 def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list:

@@ -34,10 +34,21 @@ def _strides(layout) -> dict:
             "dp_replicate": (layout.dp_replicate, layout.tp * shard), "pp": (layout.pp, layout.tp * layout.dp)}
 
 
-def step_time_bound(m, traffic, layout, args, n_params: int, tokens: int) -> dict | None:
+# Axes whose collectives sit between dependent matmuls and so add to the compute time rather than
+# hide under it: tensor parallelism's (the all-reduce or reduce-scatter after a row-parallel matmul
+# feeds the next op at once, in both engines: DTensor TP without async TP, megatron-core without
+# userbuffer overlap). FSDP's gathers and reductions are prefetched and overlap; so, in the bound,
+# do the pipeline's sends.
+SERIAL_AXES = ("tp",)
+
+
+def step_time_bound(m, traffic, layout, args, n_params: int, tokens: int, bubble: float = 0.0) -> dict | None:
     """A lower bound on one step's seconds, and its parts: the dense matmul FLOPs at the GPU's peak
-    and the collectives' bus bytes at the links' data-sheet bandwidth, fully overlapped. An
-    estimate: real steps are slower (kernel efficiency, imperfect overlap, latency)."""
+    (times ``1 + bubble``, a pipeline's idle fraction from its schedule's action table) plus the
+    collectives that cannot overlap them (``SERIAL_AXES``), against all the collectives' bus bytes
+    at the links' data-sheet bandwidth: ``max(compute + serial, comm)``. An estimate: real steps are
+    slower (kernel efficiency, imperfect overlap, latency, the memory-bound kernels and the
+    optimizer step, which it leaves out)."""
     from ..parallel.traffic import bus_factor
     from ..train.device_specs import NODE_LINK, link, spec_for
 
@@ -48,14 +59,17 @@ def step_time_bound(m, traffic, layout, args, n_params: int, tokens: int) -> dic
     intra = link(NODE_LINK[spec.part])
     world = layout.tp * layout.pp * layout.dp
     recompute = 4 / 3 if layout.activation_checkpointing else 1.0
-    compute_s = 6 * n_params * tokens * recompute / world / (spec.bf16_tflops * 1e12)
-    comm_s = 0.0
+    compute_s = 6 * n_params * tokens * recompute / world / (spec.bf16_tflops * 1e12) * (1 + bubble)
+    comm_s = serial_s = 0.0
     for (axis, kind), nbytes in traffic.bytes.items():
         size, stride = _strides(layout)[axis]
         bw = intra if size * stride <= args.gpus_per_node else inter
-        comm_s += nbytes * bus_factor(kind, size) / (bw.gbps_per_gpu * 1e9)
-    return {"compute_s": compute_s, "comm_s": comm_s, "step_s_lower_bound": max(compute_s, comm_s),
-            "gpu": spec.part, "intra": intra.name, "inter": inter.name}
+        seconds = nbytes * bus_factor(kind, size) / (bw.gbps_per_gpu * 1e9)
+        comm_s += seconds
+        serial_s += seconds if axis in SERIAL_AXES else 0.0
+    return {"compute_s": compute_s, "comm_s": comm_s, "serial_comm_s": serial_s,
+            "step_s_lower_bound": max(compute_s + serial_s, comm_s), "bubble": bubble, "gpu": spec.part,
+            "intra": intra.name, "inter": inter.name}
 
 
 def refusal(layout, planner, gpus: int) -> str | None:
@@ -109,26 +123,36 @@ def row_extras(cfg, e, args, fake: dict | None, precision: str) -> dict:
     the fake measurement (None: not asked for)."""
     from ..parallel.memory import GiB, tp_param_counts
     from ..parallel.traffic import traffic
+    from .plan_rank import not_judged
 
     t = traffic(cfg.model, cfg.data.seq_len, e.layout, precision)
     tokens = cfg.train.global_batch * cfg.data.seq_len
+    bubble = e.pipeline["bubble_fraction"] if e.pipeline else 0.0
+    bound = step_time_bound(cfg.model, t, e.layout, args, tp_param_counts(cfg.model).total, tokens, bubble)
     # total = tensors (what --fake measures) + the fixed reserve (what it cannot see)
     out = {"total_gib": e.total / GiB, "tensors_gib": e.tensors / GiB, "reserve_gib": e.reserve / GiB,
-           "comm_bytes": t.total, "traffic": t.as_dict(),
-           "step_time_estimate": step_time_bound(cfg.model, t, e.layout, args, tp_param_counts(cfg.model).total,
-                                                 tokens)}
+           "comm_bytes": t.total, "traffic": t.as_dict(), "step_time_estimate": bound,
+           "not_judged": not_judged(e, bound)}
     if fake is not None:
-        measured = "refused" not in fake
-        out.update(fake_peak_gib=fake["peak_bytes"] / GiB if measured else None,
-                   fake_comm_bytes=sum(c["bytes"] for c in fake["comm"].values()) if measured else None,
-                   fake=fake)
+        add_fake(out, fake)
     return out
+
+
+def add_fake(extras: dict, fake: dict) -> None:
+    """A row's fake measurement beside its analytic fields (``row_extras``)."""
+    from ..parallel.memory import GiB
+
+    measured = "refused" not in fake
+    extras.update(fake_peak_gib=fake["peak_bytes"] / GiB if measured else None,
+                  fake_comm_bytes=sum(c["bytes"] for c in fake["comm"].values()) if measured else None,
+                  fake=fake)
 
 
 def columns(x: dict) -> str:
     """The table's extra columns for one row (``row_extras``)."""
     bound = x["step_time_estimate"]
-    text = f" {x['comm_bytes'] / 1e9:8.1f} {bound['step_s_lower_bound'] if bound else float('nan'):7.2f}"
+    judged = bound is not None and not x.get("not_judged")
+    text = f" {x['comm_bytes'] / 1e9:8.1f} " + (f"{bound['step_s_lower_bound']:7.2f}" if judged else f"{'-':>7}")
     if "fake" in x:
         if x["fake_peak_gib"] is None:
             return text + f"  {'-':>8} {'-':>8}  ({x['fake']['refused']})"
@@ -138,3 +162,8 @@ def columns(x: dict) -> str:
 
 def header(fake: bool) -> str:
     return f" {'comm GB':>8} {'step>=s':>7}" + (f"  {'fake GiB':>8} {'fake GB':>8}" if fake else "")
+
+
+def row_note(x: dict) -> str:
+    """The end of a row: why its bound does not rank it, if so."""
+    return f"  ({x['not_judged']})" if x.get("not_judged") else ""

@@ -46,6 +46,14 @@ def add_arguments(p):
                    help="submit K jobs, each after the previous ends (--dependency=afterany); default 1")
     p.add_argument("--job-name", default=None, help="Slurm job name (default: the run dir's name)")
     p.add_argument("--dry-run", action="store_true", help="print the job script; submit and write nothing")
+    p.add_argument("--layout", choices=["best"], default=None,
+                   help="best: run the first row of `megafixed plan` for these GPUs (its TP, PP, sharding and micro "
+                        "batch as overrides; the job record names the plan that chose it)")
+    p.add_argument("--gpu-mem", default="80GB", help="with --layout best: memory per GPU (default 80GB)")
+    p.add_argument("--gpu-type", default="H100 80GB HBM3",
+                   help="with --layout best: the GPU the plan's step-time bound is for (default H100 80GB HBM3)")
+    p.add_argument("--inter", default="ib-ndr400",
+                   help="with --layout best: the link between nodes (default ib-ndr400)")
 
 
 def run(args) -> int:
@@ -61,8 +69,15 @@ def run(args) -> int:
     from ..launch.preflight import check_signal_lead
 
     check_signal_lead(args.signal_before, args.time)
-    cfg = load_config(args.config, args.overrides)
     world = args.nodes * args.gpus_per_node
+    choice = None
+    if args.layout == "best":  # the plan's first row, as overrides after the given ones
+        from .plan_best import best_layout
+
+        choice = best_layout(args.config, list(args.overrides), world, gpu_mem=args.gpu_mem, gpu_type=args.gpu_type,
+                             gpus_per_node=args.gpus_per_node, inter=args.inter)
+        args.overrides = [*args.overrides, *choice.overrides]
+    cfg = load_config(args.config, args.overrides)
     _check_plan(cfg, world, gpu=not args.cpu, data=not args.dry_run)
     _check_shrinks(cfg, min_nodes, args.nodes, args.gpus_per_node, gpu=not args.cpu)
     run_dir = os.path.abspath(cfg.train.run_dir)
@@ -77,6 +92,10 @@ def run(args) -> int:
                    job_name=args.job_name or os.path.basename(run_dir.rstrip(os.sep)) or "megafixed",
                    python=sys.executable, workdir=os.getcwd())
     text = render(spec)
+    if choice is not None:  # on stderr: stdout stays the script
+        print(f"# --layout best: {' '.join(choice.overrides)} (row 1 of the {choice.fitting} rows that fit, step >= "
+              + (f"{choice.step_s_lower_bound:.2f} s" if choice.step_s_lower_bound is not None else "not judged")
+              + f", {choice.total_gib:.2f} GiB per GPU; {choice.plan})", file=sys.stderr)
     if args.dry_run:
         print(text, end="")
         if args.chain > 1:
@@ -90,7 +109,7 @@ def run(args) -> int:
     previous = None
     for _ in range(args.chain):
         job_id = sbatch(script, dependency=previous)
-        record(spec, script, job_id, previous)
+        record(spec, script, job_id, previous, layout=choice.as_dict() if choice else None)
         print(job_id)
         print(f"submitted job {job_id}" + (f" (after {previous})" if previous else "") +
               f": {count(args.nodes, 'node')} x {count(args.gpus_per_node, 'rank')}; script {script}; log "

@@ -15,6 +15,19 @@ class TokenRangeError(ValueError):
     """A batch holds a token id the model cannot embed or predict."""
 
 
+def host_values(t: torch.Tensor):
+    """``t.tolist()``: the step's reads of device values onto the host go through here. A fake
+    tensor (``megafixed plan --fake`` runs the engine's own step under ``FakeTensorMode``) has shapes
+    but no values; it reads as zeros of its shape -- a finite loss, no bad rank, a zero norm: the
+    step's common path, which allocates and communicates what a real step does."""
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    if is_fake(t):
+        with unset_fake_temporarily():
+            return torch.zeros(t.shape, dtype=t.dtype).tolist()
+    return t.tolist()
+
+
 def check_token_ids(tokens: torch.Tensor, vocab_size: Optional[int]) -> None:
     """Refuse ids outside [0, vocab_size) on the host, before the copy to the device.
 
@@ -24,7 +37,7 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: Optional[int]) -> None:
     """
     if vocab_size is None or tokens.numel() == 0 or tokens.device.type != "cpu":
         return
-    lo, hi = (int(v) for v in torch.aminmax(tokens))
+    lo, hi = host_values(torch.stack(torch.aminmax(tokens)))
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise TokenRangeError(f"token id {bad} is outside [0, {vocab_size - 1}] (model.vocab_size={vocab_size}); "
@@ -58,8 +71,9 @@ def dp_mean_and_flag(local_mean: torch.Tensor, dp_group, dp: int) -> tuple[float
                          (~torch.isfinite(local_mean)).float()]).double()
     if dp > 1:
         dist.all_reduce(stats, group=dp_group)
-    nonfinite = bool(stats[1] > 0)
-    return (float("nan") if nonfinite else float(stats[0]) / dp), nonfinite
+    mean, bad = host_values(stats)  # one read of both
+    nonfinite = bad > 0
+    return (float("nan") if nonfinite else mean / dp), nonfinite
 
 
 def dp_mean(local_mean: torch.Tensor, dp_group, dp: int) -> float:

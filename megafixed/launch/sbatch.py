@@ -146,14 +146,17 @@ def sbatch(script: str, dependency: Optional[str] = None) -> str:
     return out.stdout.strip().split(";")[0]  # "id" or "id;cluster"
 
 
-def record(spec: JobSpec, script: str, job_id: str, dependency: Optional[str]) -> dict:
-    """Append the submitted job to ``<run_dir>/slurm/jobs.jsonl`` (one JSON object per line)."""
+def record(spec: JobSpec, script: str, job_id: str, dependency: Optional[str], layout: Optional[dict] = None) -> dict:
+    """Append the submitted job to ``<run_dir>/slurm/jobs.jsonl`` (one JSON object per line); ``layout``:
+    the plan row ``submit --layout best`` chose, and the plan that chose it."""
     entry = {"job_id": job_id, "submitted": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
              "nodes": spec.nodes, "min_nodes": spec.min_nodes, "ranks_per_node": spec.gpus_per_node,
              "world": spec.world,
              "gpus": not spec.cpu, "after": dependency, "script": script,
              "script_sha256": hashlib.sha256(Path(script).read_bytes()).hexdigest(),
              "git_revision": git_revision(), "config": spec.config, "overrides": spec.overrides}
+    if layout is not None:
+        entry["layout_chosen_by_plan"] = layout
     with open(os.path.join(spec.log_dir, "jobs.jsonl"), "a") as f:
         f.write(json.dumps(entry) + "\n")
     return entry

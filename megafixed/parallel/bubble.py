@@ -35,12 +35,16 @@ class Bubble:
     formula: float  # the closed form, for comparison (None-free: see ``formula``)
     in_flight: list  # per rank: the most (stage, microbatch) activation sets held at once
     in_flight_per_stage: dict  # stage -> the most microbatches whose activations it holds at once
+    # stage -> (microbatches held at its first backward, the most held at a later one): the first comes
+    # before any gradient exists (a step's gradients are dropped at its end), the later ones beside them
+    held_at_backward: dict = None
 
     def as_dict(self) -> dict:
         return {"schedule": self.schedule, "pp": self.pp, "microbatches": self.microbatches, "vpp": self.vpp,
                 "bubble_fraction": round(self.fraction, 6), "bubble_formula": round(self.formula, 6),
                 "in_flight_per_rank": self.in_flight,
-                "in_flight_per_stage": {str(k): v for k, v in sorted(self.in_flight_per_stage.items())}}
+                "in_flight_per_stage": {str(k): v for k, v in sorted(self.in_flight_per_stage.items())},
+                "held_at_backward": {str(k): list(v) for k, v in sorted((self.held_at_backward or {}).items())}}
 
 
 def action_table(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> list[list]:
@@ -153,6 +157,26 @@ def in_flight(table: list[list]) -> tuple[list[int], dict]:
     return per_rank, per_stage
 
 
+def held_at_backward(table: list[list]) -> dict:
+    """Per stage, (the microbatches it holds at its first backward, the most it holds at a later
+    backward): GPipe's last stage holds every microbatch at its first backward and one fewer after;
+    1F1B's holds one at each. Held from F until B (or W, under a zero-bubble split), as ``in_flight``."""
+    out: dict = {}
+    for row in table:
+        held: dict = {}
+        for a in row:
+            for leaf in _leaves(a):
+                k, s = _kind(leaf), leaf.stage_index
+                if k in ("B", "I"):  # a backward starts: what the stage holds now
+                    first, later = out.get(s, (None, 0))
+                    out[s] = (held.get(s, 0), 0) if first is None else (first, max(later, held.get(s, 0)))
+                if k == "F":
+                    held[s] = held.get(s, 0) + 1
+                elif k in ("B", "W"):
+                    held[s] = held.get(s, 0) - 1
+    return out
+
+
 def formula(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
     """The textbook bubble: (p-1)/m, divided by the stages per rank v for looped schedules. For the
     zero-bubble and V schedules the same (p-1)/(v*m) is shown as what interleaving alone would give."""
@@ -167,4 +191,4 @@ def bubble(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> Bubble:
     work = max(busy)
     ranks, stages = in_flight(table)
     return Bubble(schedule, pp, microbatches, vpp, (makespan - work) / work, formula(schedule, pp, microbatches, vpp),
-                  ranks, stages)
+                  ranks, stages, held_at_backward(table))

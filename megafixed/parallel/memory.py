@@ -46,6 +46,13 @@ micro batches in flight, so it holds activations for ``pp * L/pp = L`` layers (t
 that PP does not shrink activation memory). The last stage adds the loss's working set
 (``loss_phase_bytes``: three fp32 logit-sized tensors, ``12*s*b*V/t``, in its backward).
 
+Where the peak sits: a step's gradients are dropped at its end (``zero_grad(set_to_none=True)``), so
+with one micro batch per step (accum 1) none exists at the loss backward, where the activations
+peak; they appear as each group's backward reduces it, while the activations are freed. The row is
+then the larger of the loss backward without gradients and the backward's end with all of them
+(``Estimate.grads_in_backward`` / ``reduction``, the engine planner's ``reduction_phase``). From the
+second micro batch on, every gradient (or FSDP2's partial sum of it) is held through the backward.
+
 The estimates are checked against measured tensor bytes on CPU in ``tests/test_parallel_plan.py``,
 DeepSpeed's whole step peak against its real 2-rank step in ``tests/test_deepspeed_memory.py``.
 """
@@ -172,9 +179,21 @@ def layer_param_sizes(m, tp: int = 1) -> list[list[int]]:
     return _SIZES[key]
 
 
+_BOUNDS: dict[tuple, list] = {}
+
+
 def stage_bounds(m, layout: Layout, partition: str = "parameters") -> list[int]:
     """Layer boundaries of the pipeline stages, computed by DeepSpeed's own partitioner with the
-    same weights ``PipelineModule`` uses (so the plan matches the real split)."""
+    same weights ``PipelineModule`` uses (so the plan matches the real split). Cached: the plan asks
+    for the same split for every row of one (TP, PP) (its memory and its traffic), and DeepSpeed's
+    balanced partitioner takes tens of milliseconds a call."""
+    key = (repr(m), layout.tp, layout.pp, partition, layout.engine)
+    if key not in _BOUNDS:
+        _BOUNDS[key] = _stage_bounds(m, layout, partition)
+    return list(_BOUNDS[key])
+
+
+def _stage_bounds(m, layout: Layout, partition: str) -> list[int]:
     from ..engines import engine_kind
 
     def engine_stage_bounds(weights, parts, method):  # the layout's engine's partitioner (DeepSpeed's)
@@ -244,6 +263,15 @@ def loss_phase_bytes(m, seq: int, micro: int, tp: int, sp: bool) -> float:
     logits = seq * micro * m.vocab_size / tp
     norm = 2 * seq * micro * m.d_model * 4 / (tp if sp else 1)
     return (4 if tp > 1 else 3) * 4 * logits + norm
+
+
+def loss_saved_bytes(m, seq: int, micro: int, tp: int, act_bytes: int = 2) -> float:
+    """What one microbatch's loss keeps from its forward to its backward, on one TP rank: the fp32
+    log-probs ``F.cross_entropy`` saves and the logits themselves, which a pipeline stage keeps as
+    its output for the backward. A last stage that runs several forwards before their backwards
+    (GPipe) holds this per microbatch in flight (measured under ``plan --fake``: 1.7B PP2 GPipe, micro
+    batch 8, 4.9 GiB more than one microbatch's loss on the last stage)."""
+    return seq * micro * m.vocab_size / tp * (4 + act_bytes)
 
 
 @dataclass
@@ -316,9 +344,10 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         p, g, o = model_state_bytes(n_params, layout, precision)
         p += layout.planner.working_param_bytes(m, layout, n_params, precision, e)  # e.g. FSDP2's gathered copies
         est = Estimate(layout, p, g, o, act, n_params)
-        phases = getattr(layout.planner, "reduction_phase", None)  # e.g. DeepSpeed's buckets and copies
+        phases = getattr(layout.planner, "reduction_phase", None)  # DeepSpeed's buckets and copies; FSDP2's accum 1
         if phases is not None:
-            buffers, est.grads_in_backward, est.reduction = phases(m, layout, n_params, precision)
+            # the last backward's layer: what is live beside the gradients as the backward ends
+            buffers, est.grads_in_backward, est.reduction = phases(m, layout, n_params, precision, layer)
             est.grads += buffers
         if best is None or est.total > best.total:
             best = est

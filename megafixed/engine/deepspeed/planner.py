@@ -77,7 +77,7 @@ def working_param_bytes(m, layout, n_params: int, precision: str, act_bytes: int
     return zero3_working_elements(layer_param_sizes(m, layout.tp)) * act_bytes
 
 
-def reduction_phase(m, layout, n_params: int, precision: str) -> tuple[float, float | None, float]:
+def reduction_phase(m, layout, n_params: int, precision: str, layer: float = 0.0) -> tuple[float, float | None, float]:
     """DeepSpeed's gradient buffers (added to ``grads``), the gradient bytes held at the loss
     backward, and the transient copies of its reduction (``Estimate.grads_in_backward`` and
     ``reduction``), measured on 2 ranks in bf16 (``tests/test_deepspeed_memory.py``):
@@ -118,6 +118,14 @@ def sharding_text(layout) -> str:
     return str(layout.zero)
 
 
+LAYOUT_KEYS = ("zero.stage", "parallel.pp_partition")  # what a row sets beyond the engine-neutral keys (plan --pick)
+
+
+def sharding_overrides(layout) -> list[str]:
+    split = [f"parallel.pp_partition={layout.partition}"] if layout.pp > 1 else []
+    return [f"zero.stage={layout.zero}", *split]
+
+
 def intro(precision: str):
     return None
 
@@ -130,10 +138,15 @@ def grads_note(precision: str) -> str:
 
 def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> None:
     """ZeRO's collectives of one step (``parallel.traffic``), in the communication dtype (the
-    compute dtype: DeepSpeed reduces 16-bit gradients): ZeRO-0 (and ZeRO-1 in bf16) all-reduces the
-    gradients; ZeRO-1 and -2 reduce-scatter them and all-gather the updated 16-bit parameters; ZeRO-3 instead gathers
-    every parameter in forward and again in backward, per micro batch. Not measured: DeepSpeed
-    cannot run under fake tensors (``fake_refusal``)."""
+    compute dtype: DeepSpeed reduces 16-bit gradients). ZeRO-0 and -1 reduce once per step, at the
+    accumulation boundary (``reduce_ready_partitions_and_remove_grads`` waits for it; the full
+    gradients are held between micro batches): ZeRO-0 (and ZeRO-1 in bf16) all-reduces them, ZeRO-1
+    otherwise reduce-scatters them. ZeRO-2 and -3 reduce-scatter every micro batch's gradients as
+    its backward ends (their gradients are partitioned: holding them unreduced is what ZeRO-1 is;
+    DeepSpeed has no setting that defers it), so their reduction grows with the accumulation. ZeRO 1-2
+    all-gather the updated 16-bit parameters once per step; ZeRO-3 instead gathers every parameter
+    in forward and again in backward, per micro batch. Not measured: DeepSpeed cannot run under fake
+    tensors (``fake_refusal``)."""
     dp, z = layout.dp, layout.zero
     e = 4 if precision == "fp32" else 2
     if z == 0:
@@ -144,8 +157,23 @@ def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> No
         # the measured step, reduction_phase) before each rank steps its partition and gathers the rest
         out.add("dp", "all_reduce", n_params * e, dp)
     else:
-        out.add("dp", "reduce_scatter", n_params * e, dp)
+        out.add("dp", "reduce_scatter", n_params * e * (layout.accum if z >= 2 else 1), dp)
     out.add("dp", "all_gather", n_params * e * (2 * layout.accum if z >= 3 else 1), dp)
+
+
+def accumulation_note(m, gpus: int, global_batch: int, precision: str) -> str:
+    """What ZeRO does per micro batch, with this config's figures (``megafixed plan``'s header)."""
+    from ...parallel.memory import tp_param_counts
+
+    e = 4 if precision == "fp32" else 2
+    n = tp_param_counts(m).total
+    per = n * e / 1e9
+    most = max(global_batch // gpus, 1)  # micro batch 1 at TP = PP = 1: the most micro batches per step
+    return (f"ZeRO per micro batch: stages 0-1 reduce the gradients once per step, at the accumulation boundary "
+            f"(the full gradients wait in between), {per:.1f} GB per rank at any accumulation; stages 2-3 reduce-"
+            f"scatter each micro batch's gradients as its backward ends (their gradients are partitioned; DeepSpeed "
+            f"has no setting that defers it: that is ZeRO-1), {per:.1f} GB per micro batch, {per * most:.1f} GB per "
+            f"step at {most} micro batches (TP 1, PP 1, DP {gpus}, micro batch 1)")
 
 
 def fake_refusal(layout):

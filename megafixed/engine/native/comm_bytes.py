@@ -7,7 +7,9 @@ CommDebugMode's own lists of collective ops, which adds, for every collective, t
 buffer on this rank: the gathered output of an all-gather, the unreduced input of a
 reduce-scatter, the tensor of an all-reduce (NCCL-tests' "size"; the largest tensor argument or
 result covers every signature, in-place c10d and functional alike). Bus bytes per rank follow from
-it by the ring factors ``megafixed.parallel.traffic`` applies.
+it by the ring factors ``megafixed.parallel.traffic`` applies. Given the step's process groups by
+mesh axis, it also adds each collective's bytes to its axis (``by_axis``: ``parallel.traffic``'s
+``(axis, kind)`` keys), so the replicate axis' all-reduce is told from the loss mean's.
 """
 from __future__ import annotations
 
@@ -37,10 +39,12 @@ def _bytes(obj) -> int:
 class CommBytesMode(TorchDispatchMode):
     """Every collective's count and bytes on this rank, by kind (``bytes_by_kind``, ``calls_by_kind``)."""
 
-    def __init__(self):
+    def __init__(self, axes: dict | None = None):
         super().__init__()
         self.bytes_by_kind: dict = defaultdict(int)
         self.calls_by_kind: dict = defaultdict(int)
+        self.axes = dict(axes or {})  # process group name -> mesh axis (fake_measure._axis_groups)
+        self.by_axis_kind: dict = defaultdict(lambda: {"calls": 0, "bytes": 0})
         self._ops = _collective_ops()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -57,11 +61,38 @@ class CommBytesMode(TorchDispatchMode):
             kind = kind_of(str(packet))
             self.bytes_by_kind[kind] += size
             self.calls_by_kind[kind] += 1
+            axis = self.axes.get(_group_name(args, kwargs or {}), "other")
+            self.by_axis_kind[f"{axis}.{kind}"]["calls"] += 1
+            self.by_axis_kind[f"{axis}.{kind}"]["bytes"] += size
         return out
+
+    def by_axis(self) -> dict:
+        """``{"<axis>.<kind>": {"calls", "bytes"}}`` (``Traffic.as_dict()["by_axis"]``'s keys); a group
+        not among ``axes`` is ``other``."""
+        return {k: dict(v) for k, v in sorted(self.by_axis_kind.items())}
 
     def summary(self) -> dict:
         return {k: {"calls": self.calls_by_kind[k], "bytes": self.bytes_by_kind[k]} for k in KINDS
                 if self.calls_by_kind[k]}
+
+
+def _group_name(args, kwargs) -> str | None:
+    """The process group a collective runs on: c10d's ops take the ``ProcessGroup`` (boxed, at the
+    dispatcher), the functional ones (DTensor's) its name, a string."""
+    import torch.distributed as dist
+
+    names = None
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).group_name
+            except (RuntimeError, TypeError):  # another ScriptObject (the reduce op)
+                continue
+        if isinstance(a, str):
+            names = names if names is not None else set(dist.distributed_c10d._world.pg_names.values())
+            if a in names:
+                return a
+    return None
 
 
 P2P_OPS = ("send", "recv_", "recv_any_source_")  # c10d's point-to-point ops (CommDebugMode lists none)

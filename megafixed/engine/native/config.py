@@ -75,11 +75,21 @@ def engine_config(cfg, plan) -> dict:
                       "grad_clip_over": "the whole mesh (DTensor total norm)"},
         "batch": {"global_batch": b.global_batch, "micro_batch": b.micro_batch, "accum": b.accum, "dp": b.dp,
                   "seq_len": b.seq_len,
-                  # FSDP2 reduce-scatters every micro batch's gradients (the schedule's microbatches under PP,
-                  # reduced once per step by the schedule: pipelining's PipelineStage drives the sync)
-                  "gradient_sync": ("once per step, after the last microbatch (the pipeline schedule)" if plan.pp > 1
-                                    else "every micro batch" if b.accum > 1 else "every step")},
+                  # FSDP2 reduce-scatters every micro batch's gradients over the shard axis and all-reduces the
+                  # replicas' once, after the last (step._reduce_replicas); under PP the schedule reduces both
+                  # once per step (pipelining's PipelineStage drives the sync)
+                  "gradient_sync": _gradient_sync(plan, b)},
     }
+
+
+def _gradient_sync(plan, b) -> str:
+    if plan.pp > 1:
+        return "once per step, after the last microbatch (the pipeline schedule)"
+    if b.accum == 1:
+        return "every step"
+    shard = "reduce-scatter every micro batch" if plan.dp // plan.dp_replicate > 1 else ""
+    replicas = "all-reduce over the replicas once per step, after the last micro batch" if plan.dp_replicate > 1 else ""
+    return "; ".join(x for x in (shard, replicas) if x) or "every step"
 
 
 def pipeline_record(cfg, plan) -> dict:

@@ -65,7 +65,11 @@ def measure(spec: dict) -> dict:
     if "refused" in stages[str(plan.pp - 1)]:
         return stages[str(plan.pp - 1)]
     worst = max(stages.values(), key=lambda m: m["peak_bytes"])
-    return {**worst, "seconds": max(m["seconds"] for m in stages.values()), "pp_stages": stages}
+    # the row's traffic is its busiest stage's, as the analytic row's (parallel.traffic: the stage with the most
+    # parameters), which need not be the stage with the highest peak (the first, without checkpointing)
+    busiest = max(stages.values(), key=lambda m: sum(c["bytes"] for c in m["comm"].values()))
+    return {**worst, "comm": busiest["comm"], "comm_by_axis": busiest["comm_by_axis"],
+            "seconds": max(m["seconds"] for m in stages.values()), "pp_stages": stages}
 
 
 def main() -> int:

@@ -227,8 +227,11 @@ def pp_loss_mean(local: torch.Tensor, topo) -> tuple[float, bool]:
     group = job_group(topo.mesh)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(stats, group=group)
-    nonfinite = bool(stats[1] > 0)
-    return (float("nan") if nonfinite else float(stats[0]) / (topo.dp * topo.tp)), nonfinite
+    from ..batches import host_values
+
+    total, bad = host_values(stats)  # one read of both (fake-safe: plan --fake runs this step)
+    nonfinite = bad > 0
+    return (float("nan") if nonfinite else total / (topo.dp * topo.tp)), nonfinite
 
 
 def finite_or_none(x: float):

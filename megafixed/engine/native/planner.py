@@ -36,7 +36,8 @@ def make_layout(cfg, tp, pp, dp, replicate, micro, sp, part):
 
 def model_state_bytes(n_params: int, layout, precision: str) -> tuple[float, float, float]:
     """fp32 masters, fp32 gradients and Adam state, all sharded; gradients reduce-scattered every
-    micro batch (step.py), so accumulation holds no unsharded copy."""
+    micro batch (step.py), so accumulation holds no unsharded copy (under HSDP the shards are summed
+    in FSDP2's partial buffer of the same size until the replicas' all-reduce)."""
     shard = layout.dp_shard
     return n_params * 4 / shard, n_params * 4 / shard, n_params * 8 / shard
 
@@ -58,6 +59,26 @@ def working_param_bytes(m, layout, n_params: int, precision: str, act_bytes: int
     return working * act_bytes
 
 
+def reduction_phase(m, layout, n_params: int, precision: str, layer: float) -> tuple[float, float | None, float]:
+    """(extra gradient buffers, the gradients held at the loss backward, what the backward's end holds
+    beside all of them): ``parallel.memory.Estimate``'s two peaks.
+
+    With one micro batch per step no gradient exists at the loss backward (the step before dropped
+    them, ``zero_grad(set_to_none=True)``): the activations peak alone (measured under ``plan --fake``
+    at 1.7B, 64x1, micro batch 8: no gradient at the peak, 30.6 GiB where gradients + activations
+    gave 37.2). The backward ends holding every gradient, the first block's activations (recomputed
+    under checkpointing) and that block's reduction: its unsharded gradients in the compute dtype
+    and FSDP2's fp32 reduce-scatter input and output. From the second micro batch on the gradients
+    (HSDP: FSDP2's partial sums of the same size) are held throughout: one peak, as the paper counts."""
+    if layout.accum > 1:
+        return 0.0, None, 0.0
+    from ...parallel.memory import layer_params
+
+    e = 4 if precision == "fp32" else 2
+    block = layer_params(m, layout.tp)[1]
+    return 0.0, 0.0, layer + block * (e + 4 + 4 / layout.dp_shard)
+
+
 def rank_sharding(layout) -> int:
     return layout.dp_shard  # the smallest shard degree: more replication, fewer all-gathers
 
@@ -66,10 +87,18 @@ def sharding_text(layout) -> str:
     return f"{layout.dp_replicate}x{layout.dp_shard}"
 
 
+LAYOUT_KEYS = ("torch_engine.dp_replicate",)  # what a row sets beyond the engine-neutral keys (plan --pick)
+
+
+def sharding_overrides(layout) -> list[str]:
+    return [f"torch_engine.dp_replicate={layout.dp_replicate}"]
+
+
 def intro(precision: str):
     return ("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
             "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads, "
-            "reduce-scattered every micro batch; pp > 1 through torch.distributed.pipelining")
+            "reduce-scattered every micro batch, all-reduced over the replicas once per step; pp > 1 through "
+            "torch.distributed.pipelining (its schedule reduces once, after the last microbatch)")
 
 
 def grads_note(precision: str) -> str:
@@ -80,8 +109,10 @@ def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> No
     """FSDP2's collectives of one step (``parallel.traffic``): every micro batch all-gathers each
     block in the compute dtype in forward and, resharded after it, again in backward; the head and
     the root (their groups stay gathered to backward) once each. Every micro batch reduce-scatters
-    its fp32 gradients over the shard degree (step.py: FSDP2's default), and HSDP then all-reduces
-    each shard over the replicas. Sizes are per TP rank (FSDP2 shards TP's DTensors locally).
+    its fp32 gradients over the shard degree (step.py: FSDP2's default), and the replicate axis
+    (HSDP's, plain replication's) all-reduces the summed shards once per step, after the last micro
+    batch (``step._reduce_replicas``): its bytes do not grow with the accumulation. Sizes are per TP
+    rank (FSDP2 shards TP's DTensors locally).
 
     Under PP the schedule drives FSDP2 (``pipelining``'s ``backward_maybe_with_nosync``): the stage's
     parameters are gathered once and stay so across the microbatches, and its gradients are
@@ -102,7 +133,7 @@ def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> No
         gathered = blocks * per_layer[1] * block_gathers + per_layer[0] + per_layer[-1]
         out.add("dp_shard", "all_gather", layout.accum * gathered * e, shard)
         out.add("dp_shard", "reduce_scatter", layout.accum * n_params * 4, shard)
-    out.add("dp_replicate", "all_reduce", layout.accum * n_params * 4 / shard, replicate)
+    out.add("dp_replicate", "all_reduce", n_params * 4 / shard, replicate)
 
 
 def fake_refusal(layout):

@@ -2,11 +2,17 @@
 
 The DeepSpeed engine's numerics, in torch: each micro batch's loss is scaled by ``1 / accum``
 before its backward (DeepSpeed's gradient-accumulation scaling), FSDP2 reduce-scatters each micro
-batch's gradients over the data-parallel ranks (their mean) into the sharded fp32 gradients, as
-torchtitan does -- holding the unsharded fp32 gradients until the last micro batch would cost a
-full fp32 copy of the model per rank between reductions -- the global gradient norm is taken over the whole mesh before
-clipping (the norm DeepSpeed reports), and the reported loss is the mean over micro batches and
-DP ranks with one non-finite flag every rank agrees on (``engine.batches.dp_mean_and_flag``).
+batch's gradients over the shard axis into fp32 shards, as torchtitan does -- holding the
+unsharded fp32 gradients until the last micro batch would cost a full fp32 copy of the model per
+rank between reductions -- and all-reduces those shards over the replicate axis (HSDP's, plain
+replication's) once, after the last micro batch (``_reduce_replicas``), the global gradient norm is
+taken over the whole mesh before clipping (the norm DeepSpeed reports), and the reported loss is the
+mean over micro batches and DP ranks with one non-finite flag every rank agrees on
+(``engine.batches.dp_mean_and_flag``).
+
+The step is fake-safe: every read of a device value onto the host goes through
+``batches.host_values``, so ``megafixed plan --fake`` runs this very step under ``FakeTensorMode``
+(``fake_measure.py``) and measures what ``megafixed train`` runs.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..base import StepResult
+from ..batches import host_values
 from ..loops import accumulated_loss, eval_mean, loss_verdict, norm_verdict, scaled_loss
 
 
@@ -162,8 +169,10 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
     device = device if device is not None else next(model.parameters()).device
     compute = compute_context(model, precision, device)
 
-    def micro_step(_k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # FSDP2's default: this micro batch's gradients reduce-scattered by its own backward
+    def micro_step(k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # this micro batch's gradients reduce-scattered by its own backward; the replicas' all-reduce
+        # only at the last (``_reduce_replicas``)
+        _reduce_replicas(model, last=k == accum - 1)
         with loss_context(model):
             with compute():
                 loss = scaled_loss(model(inputs, labels), faults, step)  # MEGAFIXED_INJECT, if set
@@ -174,6 +183,22 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
                                         dp=dp, dp_group=dp_group)
     return apply_update(optimizer, value, nonfinite, lr=lr, grad_clip=grad_clip, on_nonfinite=on_nonfinite, step=step,
                         guard=guard)
+
+
+def _reduce_replicas(model, *, last: bool) -> None:
+    """Whether this micro batch's backward all-reduces the gradient shards over the replicate axis.
+
+    Every micro batch reduce-scatters over the shard axis (that keeps the gradients sharded); the
+    all-reduce across replicas buys no memory, so it runs once, after the last micro batch: before
+    it, FSDP2 (``set_requires_all_reduce(False)``) adds each reduce-scattered shard into a partial
+    sum of the shard's size, which the last backward's all-reduce then reduces. torchtitan
+    accumulates HSDP's gradients so; the result is the same mean. A 1-D FSDP mesh has no replicate
+    axis and ignores the flag; under PP the pipeline schedule drives FSDP2 itself (no reduction at
+    all until its last microbatch, ``pipelining``'s ``backward_maybe_with_nosync``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(last)
 
 
 def apply_update(optimizer, value: float, nonfinite: bool, *, lr: float, grad_clip: float, on_nonfinite: str,
@@ -187,7 +212,7 @@ def apply_update(optimizer, value: float, nonfinite: bool, *, lr: float, grad_cl
     untouched (DeepSpeed's engine needs SkippableAdamW)."""
     verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    total = float(norm(params)) if verdict is None else None
+    total = float(host_values(norm(params))) if verdict is None else None
     verdict = verdict or norm_verdict(guard, step, total)
     if verdict is not None:
         optimizer.zero_grad(set_to_none=True)
