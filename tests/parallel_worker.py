@@ -72,15 +72,15 @@ def validation_loss(engine, cfg, topo) -> float:
 
 
 def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: int, guard: bool = False) -> dict:
-    from megafixed.engine import build_engine
+    from megafixed.engine import StepChecks, build_engine
 
     # topo.plan is the first case's plan: batch and precision are the same for every input and ZeRO
     # stage of a case; the engine takes the stage from cfg.
-    engine = build_engine(cfg, topo)
+    recorder = RecordingGuard() if guard else None
+    engine = build_engine(cfg, topo, StepChecks(guard=recorder) if guard else None)
     sync = engine.grad_sync = CountingSync(engine.grad_sync) if engine.grad_sync is not None else None
     agreements = []
     if guard:
-        engine.guard = RecordingGuard()
         from megafixed.engine.deepspeed import step as ds_step
 
         real_agree = ds_step.rank0s_values
@@ -101,7 +101,7 @@ def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: in
         tokens = torch.cat([x, y[:, -1:]], dim=1)[topo.dp_rank * per_rank:(topo.dp_rank + 1) * per_rank]
         batches = iter([tokens[i:i + micro] for i in range(0, per_rank, micro)])
         # the trainer's own step: pipeline or plain dispatch, the SP gradient sync, the DP-mean loss
-        result = engine.train_step(batches, cfg.optimizer.lr, step)
+        result = engine.train_step(batches, cfg.optimizer.lr, step + 1)  # numbered as in the logs
         losses.append(result.loss)
         norms.append(float("nan") if result.grad_norm is None else result.grad_norm)
     if save:
@@ -110,7 +110,7 @@ def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: in
            "grad_syncs": sync.all_reduces if sync else None, **measured_state(engine.ds)}
     if guard:  # every rank's copy of the guard's inputs, and the validation loss
         every = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(every, engine.guard.judged)
+        torch.distributed.all_gather_object(every, recorder.judged)
         out.update(val=validation_loss(engine, cfg, topo), judged=every[0], ranks=len(every),
                    same_bits_on_every_rank=all(j == every[0] for j in every), agreements=agreements)
         ds_step.rank0s_values = real_agree
