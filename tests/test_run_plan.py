@@ -93,7 +93,7 @@ def test_a_cp_axis_of_size_1_changes_nothing_and_cp_2_is_megatrons_grid():
     (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=31"], 2, False, "seq_len=31"),
     (["parallel.pp=2", "model.input=learned", "model.tie_embeddings=true"], 2, False, "tie_embeddings"),
     (["parallel.tp=2", "model.dropout=0.1"], 2, False, "dropout=0.1 with parallel.tp=2 would drop"),
-    (["parallel.tp=2", "model.fused_first_layer=true"], 2, False, "fused_first_layer=true runs under train.engine=deepspeed for the plain model only"),
+    (["parallel.tp=2", "model.fused_first_layer=true"], 2, False, "deepspeed for the plain model only"),
     (["train.global_batch=6"], 4, False, "global_batch=6 is not divisible"),
     (["parallel.backend=nccl"], 1, False, "parallel.backend=nccl needs CUDA GPUs, and the run is planned for CPUs"),
 ])
