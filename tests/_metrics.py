@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
@@ -53,3 +54,17 @@ def assert_matches(run_dir, ref_dir, what: str, steps: int = REFERENCE_STEPS, rt
     got, ref = read_metrics(run_dir, "loss"), read_metrics(ref_dir, "loss")[:steps]
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, steps + 1)), what
     assert_rows_match(got, ref, what, rtol=rtol)
+
+
+def raw_scalars(tb_dir: Path) -> dict:
+    """Every scalar event in the files, as written (no TensorBoard purge logic applied)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    out = defaultdict(list)
+    for path in sorted(tb_dir.rglob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                v = float(tensor_util.make_ndarray(value.tensor)) if value.HasField("tensor") else value.simple_value
+                out[value.tag].append((event.step, v))
+    return out

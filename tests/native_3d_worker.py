@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 JUDGED: list = []  # (step, what, value's bits) as this rank's guard was asked
 TORCH_WARNINGS: list = []  # (logger, first line) of every WARNING record of torch's loggers on this rank
+FSDP_MESHES: list = []  # (dimension names, sizes) of each mesh the engine gave FSDP2 on this rank
 
 
 def bits(x) -> str:
@@ -48,6 +49,21 @@ def spy_on_the_guard() -> None:
         return real(self, step, what, value)
 
     BadStepGuard.judge = judge
+
+
+def spy_on_the_fsdp_mesh() -> None:
+    """What FSDP2 really shards over (a 2-D replicate x shard mesh is HSDP): the plan's description alone would
+    read the same if ``torch_engine.dp_replicate`` were ignored."""
+    from megafixed.engine.native import mesh as meshes
+
+    real = meshes.dp_mesh
+
+    def dp_mesh(mesh):
+        out = real(mesh)
+        FSDP_MESHES.append((list(out.mesh_dim_names), list(out.shape)))
+        return out
+
+    meshes.dp_mesh = dp_mesh
 
 
 class _Collect(logging.Handler):
@@ -81,6 +97,7 @@ def one_run(spec: dict) -> dict:
         os.environ["MEGAFIXED_INJECT"] = spec["inject"]
     JUDGED.clear()
     TORCH_WARNINGS.clear()
+    FSDP_MESHES.clear()
     lines: list = []
     topo = setup_distributed(RunPlan.for_launch(cfg))
     result = train(cfg, topo, log=lines.append)
@@ -90,6 +107,7 @@ def one_run(spec: dict) -> dict:
     judged = [e["judged"] for e in every]
     return {"describe": topo.plan.describe(), "step": result.step, "resumed_from": result.resumed_from,
             "lines": lines, "judged": judged[0], "ranks": len(judged),
+            "fsdp_meshes": sorted({json.dumps(m) for m in FSDP_MESHES}),
             "same_bits_on_every_rank": all(j == judged[0] for j in judged),
             "sequential_all_reduce_warnings": sum("sequential all_reduce" in m for e in every
                                                   for _, m in e["warnings"])}
@@ -99,6 +117,7 @@ def main() -> None:
     spec_path, out_path = sys.argv[1], sys.argv[2]
     runs = json.loads(Path(spec_path).read_text())["runs"]
     spy_on_the_guard()
+    spy_on_the_fsdp_mesh()
     logging.getLogger("torch").addHandler(_Collect())
     results: dict = {}
     for spec in runs:  # the first run's setup_distributed starts the world; later ones keep it

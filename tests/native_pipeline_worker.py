@@ -130,8 +130,11 @@ def run_case(overrides: list, world: int, tokens) -> dict:
     gathered = [None] * world
     dist.all_gather_object(gathered, (grads, calls[0]))
     full = {k: v for d, _ in gathered for k, v in d.items()}  # TP/DP peers hold equal copies
+    # the meshes the parameters really live on (HSDP: a (dp_replicate, dp_shard) mesh), not the plan's words
+    meshes = sorted({json.dumps([list(p.device_mesh.mesh_dim_names), list(p.device_mesh.shape)])
+                     for p in engine.module.parameters() if hasattr(p, "device_mesh")})
     return {"loss": losses, "grad_norm": norms, "grads": full, "val": val, "describe": topo.plan.describe(),
-            "fused_path_taken": sum(n for _, n in gathered), "val_odd": val_odd,
+            "meshes": meshes, "fused_path_taken": sum(n for _, n in gathered), "val_odd": val_odd,
             "odd_rows": [r * per + i for r in range(topo.dp) for i in range(odd * micro)]}
 
 
@@ -201,6 +204,7 @@ def main() -> None:
             results[name] = {"loss": got["loss"], "ref_loss": ref["loss"], "grad_norm": got["grad_norm"],
                              "ref_grad_norm": ref["grad_norm"], "grad_rel_diff": worst(got["grads"], ref["grads"]),
                              "val": got["val"], "ref_val": ref["val"], "describe": got["describe"],
+                             "meshes": got["meshes"],
                              # each DP rank's first micro batches, equal in tokens: the mean of their rows
                              "val_odd": got["val_odd"],
                              "ref_val_odd": sum(ref["val_rows"][i] for i in got["odd_rows"]) / len(got["odd_rows"])}

@@ -125,6 +125,9 @@ def test_tp2_pp2_dp2_with_fsdp2_sp_and_interleaved_1f1b_equals_one_process(runs)
 def test_hsdp_with_tp_and_pp_equals_one_process(runs):
     r = runs["worker"]["hsdp"]
     assert "tp 2 x pp 2 x dp 2" in r["describe"] and r["step"] == 4, r
+    # FSDP2 was given the 2-D (replicate, shard) mesh on rank 0: two replicas of one shard, HSDP, not FSDP over 2
+    assert r["fsdp_meshes"] == ['[["dp_replicate", "dp_shard"], [2, 1]]'], r["fsdp_meshes"]
+    assert runs["worker"]["3d"]["fsdp_meshes"] == ['[["dp_shard"], [2]]'], runs["worker"]["3d"]["fsdp_meshes"]
     _assert_like(runs["dirs"]["hsdp"], runs["dirs"]["one"], "TP2xPP2 x HSDP(2x1)")
 
 

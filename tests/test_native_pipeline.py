@@ -291,6 +291,8 @@ def test_the_fused_first_layer_under_hsdp_tp_sp_and_pp_with_fsdp2_equals_unfused
     _assert_fused_like_unfused(four_ranks, FUSED_FOUR_RANKS)
     assert "tp 2 x pp 1 x dp 2" in four_ranks["tp2_dp2_sp_fused"]["describe"]
     assert "micro 1 x accum 2 x dp 4" in four_ranks["hsdp2x2_fused"]["describe"]
+    # HSDP, not FSDP over 4: the parameters live on the 2 x 2 (replicate, shard) mesh
+    assert four_ranks["hsdp2x2_fused"]["meshes"] == ['[["dp_replicate", "dp_shard"], [2, 2]]'], four_ranks
 
 
 # ----------------------------------------------------------------------------------- checkpoints, kill -9

@@ -128,6 +128,47 @@ def test_submit_layout_best_dry_run_applies_row_one(tmp_path, capsys, monkeypatc
     assert len(err) == 1 and "drop the override parallel.tp" in err[0]
 
 
+def test_submit_layout_best_records_the_plan_in_the_job_record_and_the_runs_own_record(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """The job's record (slurm/jobs.jsonl) and, through the job script's environment, every checkpoint's run
+    record name the plan row the job runs."""
+    import subprocess
+
+    from _train_data import tiny_overrides, write_shards
+    from megafixed.config import load_config
+    from megafixed.launch import sbatch as slurm
+    from megafixed.parallel import setup_distributed
+    from megafixed.run_plan import RunPlan
+    from megafixed.train.trainer import train
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _config(tmp_path)
+    first = _plan_json(tmp_path, capsys, "--gpus", "8", "--gpu-mem", MEM)["layouts"][0]["overrides"]
+    monkeypatch.setattr(slurm, "sbatch", lambda script, dependency=None: "4242")
+    assert cli_main(["submit", str(cfg), "--nodes", "2", "--gpus-per-node", "4", "--gpu-mem", MEM,
+                     "--layout", "best"]) == 0
+    (entry,) = [json.loads(ln) for ln in next(tmp_path.rglob("jobs.jsonl")).read_text().splitlines()]
+    chosen = entry["layout_chosen_by_plan"]
+    assert entry["job_id"] == "4242" and chosen["overrides"] == first and chosen["row"] == 1
+    assert "megafixed plan" in chosen["chosen_by"] and "--gpus 8" in chosen["chosen_by"]
+    # the script exports it; what bash makes of that line is what the ranks see
+    (script,) = [p for p in tmp_path.rglob("*.sbatch")]
+    line = next(ln for ln in script.read_text().splitlines() if ln.startswith(f"export {slurm.LAYOUT_ENV}="))
+    env = subprocess.run(["bash", "-c", f"{line}; printenv {slurm.LAYOUT_ENV}"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert json.loads(env) == chosen
+    # a run started with that environment keeps it in its run record
+    monkeypatch.setenv(slurm.LAYOUT_ENV, env)
+    run_dir = tmp_path / "run"
+    said: list = []
+    conf = load_config(None, tiny_overrides(write_shards(tmp_path / "shards"), run_dir, "train.max_steps=2",
+                                            "train.save_interval=2", "train.eval_interval=0"))
+    train(conf, setup_distributed(RunPlan.for_launch(conf)), log=said.append)
+    record = json.loads(next((run_dir / "checkpoints").glob("step_*/run.json")).read_text())
+    assert record["layout_chosen_by_plan"] == chosen
+    assert any(ln.startswith("layout: row 1 of `megafixed plan") for ln in said), said
+
+
 # ----------------------------------------------------------------------------------- what the columns count
 def test_a_zero_bubble_stage_holds_its_activations_until_the_weight_gradient():
     """``bubble.in_flight`` frees a stage's activations at its W (the weight gradient reads them),

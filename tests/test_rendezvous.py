@@ -149,11 +149,13 @@ import megafixed.launch.rendezvous as r
 from megafixed.errors import report
 from megafixed.launch.world import World
 rank, port = int(sys.argv[1]), int(sys.argv[2])
-if rank == 1:  # this rank's node runs other code, and it polls the rendezvous slowly (a loaded node)
+if rank == 1:  # this rank's node runs other code; it is still waiting for rank 0's verdict line when TERM comes
+    import signal
     mine = r.record
     r.record = lambda world, addr: {**mine(world, addr), "code": "0123456789ab"}
     nap = r.time.sleep
-    r.time.sleep = lambda seconds: nap(max(seconds, 1.5))
+    # the verdict's wait for rank 0 (3 s) lasts until the TERM: it cannot end before it, however slow the test
+    r.time.sleep = lambda seconds: signal.pause() if seconds >= 3.0 else nap(seconds)
 try:
     r.meet(World(size=2, rank=rank, local_rank=0, source="launcher"), "127.0.0.1", port, wait=60)
 except Exception as exc:
@@ -166,7 +168,7 @@ def test_a_term_while_the_different_code_verdict_waits_for_rank0_keeps_the_verdi
     port = _free_port()
     # srun reports the highest task code: a rank ended by srun after rank 0's verdict (exit 2) must
     # exit 2 too, not the 143 of "TERM during the rendezvous" (CI, 2026-12-02: job exit 143:0, rank 1
-    # still polling the rendezvous when rank 0 refused). Rank 1 here polls every 1.5 s.
+    # still polling the rendezvous when rank 0 refused). Rank 1 here waits for the TERM in its verdict's wait.
     procs = [subprocess.Popen([sys.executable, "-c", _MEET_WITH_OTHER_CODE, str(r), str(port)], cwd=ROOT,
                               env=launch_free_env(RANK=str(r), OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import struct
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from _metrics import read_metrics
+from _metrics import raw_scalars, read_metrics
 from _train_data import tiny_overrides, write_shards
 from megafixed.config import load_config
 
@@ -63,20 +62,6 @@ def _train(prefix, run_dir, *extra):
                                            "train.wandb_mode=offline", "train.wandb_project=megafixed-tests",
                                            "train.wandb_tags=[ci,resume]", *extra))
     return train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
-
-
-def raw_scalars(tb_dir: Path) -> dict:
-    """Every scalar event in the files, as written (no TensorBoard purge logic applied)."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from tensorboard.util import tensor_util
-
-    out = defaultdict(list)
-    for path in sorted(tb_dir.rglob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(path)).Load():
-            for value in event.summary.value:
-                v = float(tensor_util.make_ndarray(value.tensor)) if value.HasField("tensor") else value.simple_value
-                out[value.tag].append((event.step, v))
-    return out
 
 
 def test_a_resume_after_steps_logged_past_the_checkpoint_leaves_each_step_once(tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ import pytest
 import torch
 from test_resilience import _launch, _tensors  # a torchrun launch read as it comes; a checkpoint's tensors
 
+from _metrics import raw_scalars
 from _train_data import tiny_overrides
 from megafixed import exit_codes
 from megafixed.config import load_config
@@ -191,6 +192,48 @@ def test_the_first_step_ends_before_the_collective_timeout(tmp_path):
     assert first(20, 40) == 30 and first(20, 600) == 590 and first(0, 600) == 590  # auto: 300 s floor
     assert first(900, 600) == 900  # a longer hang timeout is the user's own choice
     assert all(first(h, c) < c for h, c in ((20, 40), (5, 20), (1, 4), (0, 600)))
+
+
+class _Clock:
+    """The watchdog's ``time``, advanced only by its own sleeps: no test here waits on the machine's clock."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+class _SilentStore:
+    """A store on which a rank that cannot answer (SIGSTOP) never reports its stacks."""
+
+    def check(self, keys):
+        return False
+
+    def set(self, key, value):
+        pass
+
+
+def test_a_rank_that_cannot_answer_does_not_push_the_first_steps_hang_line_past_the_collective_timeout(
+        tmp_path, monkeypatch):
+    from megafixed.train import watchdog as wd
+
+    clock = _Clock()
+    monkeypatch.setattr(wd, "time", clock)
+    w = wd.HangWatchdog(timeout_s=20, slow_phase_s=40, faults_dir=tmp_path, rank=0, world=2,
+                        store=_SilentStore(), done=4)  # a requeue resumed at step 4: its first step is 5
+    began = clock.now
+    clock.now = w.deadline  # the first step's allowance is over: 30 s, 10 s ahead of gloo's 40
+    w._progress()  # rank 0 waits for the stack files that rank 1 never writes
+    assert clock.now - began < 40 - 2, clock.now - began  # named before the collective timeout, with room to print
+    assert clock.now - began >= 34  # and it did wait for them, half the margin
+    w.enter(5), w.finish(5, 0.1)
+    fired = clock.now
+    w._progress()  # after the first step: the full gather
+    assert clock.now - fired >= wd.GATHER_S
 
 
 def test_the_job_script_resubmits_itself_without_the_nodes_on_exit_77(tmp_path):
@@ -431,12 +474,14 @@ def test_a_requeue_falls_back_and_a_hang_on_its_first_step_is_named_before_gloo(
 def test_a_hang_before_the_first_checkpoint_keeps_its_stacks_and_metrics(tiny_shards, tmp_path):
     run = tmp_path / "run"
     code, text, _, _ = _torchrun(run, tiny_shards, "train.save_interval=100", "train.hang_timeout_s=10",
-                                 inject="hang@2:rank=1")
+                                 "train.tensorboard=true", inject="hang@2:rank=1")
     assert f"exitcode  : {exit_codes.HUNG}" in text, text[-3000:]
     stacks = sorted((run / "faults").glob("hang.step00000002.rank*.txt"))
     assert [p.name.split(".")[2] for p in stacks] == ["rank00000", "rank00001"]
     assert f"Python stacks of every rank in {run / 'faults'}/hang.step00000002.rank*.txt" in text
     assert [r["step"] for r in _records(run) if "loss" in r] == [1] and (run / "config.yaml").exists()
+    # TensorBoard too: the hang leaves by os._exit, which flushes nothing, so each record is flushed as written
+    assert [s for s, _ in raw_scalars(run / "tensorboard")["train/loss"]] == [1]
     assert not (run / "checkpoints").exists()
 
 

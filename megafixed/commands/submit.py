@@ -90,7 +90,7 @@ def run(args) -> int:
                    # (afterany) would wait until the whole run is done, then start with nothing left to do.
                    requeue=not args.no_requeue and args.chain == 1,
                    job_name=args.job_name or os.path.basename(run_dir.rstrip(os.sep)) or "megafixed",
-                   python=sys.executable, workdir=os.getcwd())
+                   python=sys.executable, workdir=os.getcwd(), layout_chosen=choice.as_dict() if choice else None)
     text = render(spec)
     if choice is not None:  # on stderr: stdout stays the script
         print(f"# --layout best: {' '.join(choice.overrides)} (row 1 of the {choice.fitting} rows that fit, step >= "

@@ -24,6 +24,7 @@ from typing import Optional
 from .world import LaunchError
 
 _PLACEHOLDER = re.compile(r"{{([A-Z_]+)}}")
+LAYOUT_ENV = "MEGAFIXED_LAYOUT_CHOSEN_BY_PLAN"  # the job script's plan row (JSON), for the trainer's run record
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")  # Slurm's --time forms: MM, HH:MM:SS, D-HH[:MM[:SS]]
 
 
@@ -46,6 +47,7 @@ class JobSpec:
     job_name: str = "megafixed"
     python: str = sys.executable
     workdir: str = os.getcwd()
+    layout_chosen: Optional[dict] = None  # `submit --layout best`'s plan row: each run record carries it
 
     @property
     def world(self) -> int:
@@ -86,6 +88,9 @@ def render(spec: JobSpec, submitted: Optional[str] = None) -> str:
         "LOG_DIR": spec.log_dir, "WORKDIR": spec.workdir, "SBATCH_OPTIONS": "\n".join(options),
         "PYTHON": shlex.quote(spec.python), "REQUEUE": int(spec.requeue),
         "TRAIN_ARGS": " ".join(shlex.quote(a) for a in [spec.config, *spec.overrides]),
+        "LAYOUT_CHOSEN": "" if spec.layout_chosen is None else (
+            "# The layout is row 1 of the plan below (`submit --layout best`); the run record keeps it.\n"
+            f"export {LAYOUT_ENV}={shlex.quote(json.dumps(spec.layout_chosen, sort_keys=True))}"),
     }
 
     def fill(m):

@@ -136,6 +136,9 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(f"train/{key}" if not key.startswith("val") else f"valid/{key}",
                                            value, rec["step"])
+            # As metrics.jsonl: on disk at once. A hang or a refusal leaves by os._exit, which flushes
+            # nothing, and SummaryWriter would otherwise hold the scalars for up to two minutes.
+            self.writer.flush()
         for sink in self.sinks:
             sink.write(rec)
 

@@ -3,8 +3,9 @@
 its update -- the same micro batches, the same RNG -- and only the recomputation's verdict counts.
 
 What a step keeps for it while ``train.recheck_bad_steps`` is on is host-side bookkeeping, with no
-device read and no collective: the RNG states before the step (python, numpy, torch, this rank's
-CUDA generator: a few KiB copied, ``StepReplay``), references to the micro batches as the engine pulls
+device read and no collective: the RNG states before the step (torch's CPU generator and this rank's
+CUDA one, the only ones a step draws from: a few KiB copied, ``StepReplay``), references to the micro batches
+as the engine pulls
 them, and each micro batch's loss on its way to the backward, detached and left on the device
 (``LossTap``). The state before the update needs no copy: an engine drops the update of a step its
 guard gave a verdict on, leaving weights, gradients and optimizer state bit-identical (tested on both
@@ -70,7 +71,7 @@ class StepReplay:
     def __init__(self, batches: Iterator):
         from .checkpoint import rng_state
 
-        self.rng, self.source, self.taken = rng_state(), batches, []
+        self.rng, self.source, self.taken = rng_state(torch_only=True), batches, []
 
     def __iter__(self) -> "StepReplay":
         return self

@@ -251,6 +251,23 @@ def _say_drills(faults, skips, checkpointer, say) -> None:
     if faults is not None:
         checkpointer.note(fault_injection=os.environ.get(ENV))
         say(f"fault injection: {'; '.join(f.spelled() for f in faults.every_rank)} ({ENV})")
+    _note_chosen_layout(checkpointer, say)
+
+
+def _note_chosen_layout(checkpointer, say) -> None:
+    """A job of ``submit --layout best`` runs its plan's row 1: every run record says which plan chose it."""
+    from ..launch.sbatch import LAYOUT_ENV
+
+    raw = os.environ.get(LAYOUT_ENV)
+    if not raw:
+        return
+    try:
+        chosen = json.loads(raw)
+    except json.JSONDecodeError:
+        say(f"warning: {LAYOUT_ENV} is not JSON ({raw[:80]!r}); the run record does not name the plan")
+        return
+    checkpointer.note(layout_chosen_by_plan=chosen)
+    say(f"layout: row {chosen.get('row')} of `{chosen.get('chosen_by')}` ({' '.join(chosen.get('overrides', []))})")
 
 
 def _datasets(cfg) -> dict:

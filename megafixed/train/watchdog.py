@@ -58,9 +58,10 @@ class HangWatchdog:
         self.faults_dir, self.rank, self.world, self.say = Path(faults_dir), rank, world, say
         self.store = store if world > 1 else None
         self.hosts = hosts or [socket.gethostname()] * world
-        self.entered = self.finished = done  # log step numbers, written by the main thread only
+        self.entered = self.finished = self.done = done  # log step numbers, written by the main thread only
         self.recent: deque = deque(maxlen=50)
-        self.deadline = time.monotonic() + self.first_step_s()
+        self.first_from = time.monotonic()  # when the first step's allowance began (``start`` sets it again)
+        self.deadline = self.first_from + self.first_step_s()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._dumped: Optional[Path] = None  # this rank's stack file, once written
@@ -86,14 +87,28 @@ class HangWatchdog:
 
     def first_step_s(self) -> float:
         """The first step's allowance: as long as the collective timeout allows, and ahead of it."""
-        return max(self.timeout(), self.slow_phase_s - min(NAME_AHEAD_S, self.slow_phase_s / 4))
+        return max(self.timeout(), self.slow_phase_s - self._ahead())
+
+    def _ahead(self) -> float:
+        return min(NAME_AHEAD_S, self.slow_phase_s / 4)
+
+    def gather_until(self) -> float:
+        """When rank 0 stops waiting for the other ranks' stack files and names the hang. In the first step the
+        others sit in a collective that gloo / NCCL end ``parallel.collective_timeout_s`` after it began, so the
+        wait ends halfway through the margin left before that: a rank that cannot answer (SIGSTOP) must not
+        push the line past the collective timeout. Later, ``GATHER_S``."""
+        later = time.monotonic() + GATHER_S
+        if self.finished > self.done or self.fixed is not None and self.fixed >= self.slow_phase_s:
+            return later
+        return min(later, self.first_from + self.slow_phase_s - self._ahead() / 2)
 
     # ---- the main thread
     def start(self) -> "HangWatchdog":
         """Once, at the first step (the first step's allowance counts from here)."""
         if self._thread is not None:
             return self
-        self.deadline = time.monotonic() + self.first_step_s()
+        self.first_from = time.monotonic()
+        self.deadline = self.first_from + self.first_step_s()
         self._thread = threading.Thread(target=self._watch, name="megafixed-hang-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -183,7 +198,7 @@ class HangWatchdog:
         return path
 
     def _wait_for(self, done) -> None:
-        deadline = time.monotonic() + GATHER_S
+        deadline = self.gather_until()
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 if done():
