@@ -266,8 +266,8 @@ class TrainConfig:
     # values differed and counts it per node in <run_dir>/faults/bad_steps.jsonl. Bad again: on_nonfinite /
     # on_spike act as without the check. On by default: it costs one more computation of a step only when a
     # verdict comes (without one, ~11 us of host bookkeeping per step of 8 micro batches: torch's RNG state
-    # and the batch references; no device read, no collective), and turns a transient fault into a step trained as if nothing happened instead of a
-    # dropped batch, a rollback or a stopped run.
+    # and the batch references; no device read, no collective), and turns a transient fault into a step
+    # trained as if nothing happened instead of a dropped batch, a rollback or a stopped run.
     recheck_bad_steps: bool = True
     # After this many transient faults on one node, the run saves a checkpoint and exits 77
     # (exit_codes.EXCLUDE_NODE); the Slurm job script resubmits the job without that node. 0: never.
