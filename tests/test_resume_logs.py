@@ -108,3 +108,22 @@ def test_train_wandb_without_the_package_is_one_error_naming_the_extra(monkeypat
     with pytest.raises(ConfigError, match=r"pip install 'megafixed\[wandb\]'"):
         WandbLog(load_config(None, ["train.wandb=true"]), tmp_path)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_metrics_rewind_drops_the_records_and_events_past_the_step_it_went_back_to(tmp_path):
+    """A rollback to step 3 after step 5 was logged: what was logged past 3 goes from metrics.jsonl and from
+    TensorBoard, and the steps written again after it stand once, in order (one step numbering)."""
+    from megafixed.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, enabled=True, tensorboard=True)
+    for step in range(1, 6):
+        log.write({"step": step, "loss": float(step)})
+    log.rewind(3)
+    for step in (4, 5):
+        log.write({"step": step, "loss": 10.0 * step})  # the steps computed again after the rollback
+    log.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path, "loss")] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    scalars = raw_scalars(tmp_path / "tensorboard")["train/loss"]
+    # the raw events, as written: the rewound steps' old values are gone from the files, not only hidden
+    assert [s for s, _ in scalars] == [1, 2, 3, 4, 5] and [v for _, v in scalars][3:] == [40.0, 50.0], scalars
