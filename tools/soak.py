@@ -296,7 +296,8 @@ class Soak:
                 t0 = launch.first(rf"rank {f.rank} {what} before step {f.step}")
                 if t0 is not None:
                     t = launch.ended if f.kind == "exit" else launch.first(rf"^hang: .*never reached step {f.step}")
-                    self._stopped(f, t, t0, last, launch.exits() + ("; the hang named" if t else ""))
+                    named = "; the hang named" if t and f.kind == "hang" else ""
+                    self._stopped(f, t, t0, last, launch.exits() + named)
         f = acted.get("fault")
         if f is not None and f.kind == "sigstop":
             t = launch.first(rf"^hang: .*rank[^;]*never reached step {f.step}", after=acted["at"])
