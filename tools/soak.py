@@ -51,8 +51,8 @@ TINY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=4", "model.n
         "optimizer.lr=3e-3", "optimizer.min_lr=3e-4", "schedule.warmup_steps=3"]
 # What the soak exercises: skip for a NaN, rollback for a spike, the re-check on, no exit 77 (the count is
 # high: the soak's host is the only one), rollbacks enough for every spike.
-GUARD = ["train.on_nonfinite=skip", "train.on_spike=rollback", "train.spike_window=8", "train.rollback_skip=2",
-         "train.max_rollbacks=100", "train.recheck_bad_steps=true", "train.max_transient_faults=1000"]
+GUARD = ["train.on_nonfinite=skip", "train.on_spike=rollback", "train.rollback_skip=2", "train.max_rollbacks=100",
+         "train.recheck_bad_steps=true", "train.max_transient_faults=1000"]
 LAYOUTS = {  # name: (ranks, overrides)
     "torch3d": (8, ["train.engine=torch", "parallel.tp=2", "parallel.pp=2", "train.micro_batch=1"]),
     "deepspeed3d": (8, ["train.engine=deepspeed", "parallel.tp=2", "parallel.pp=2", "train.micro_batch=1",
@@ -203,7 +203,10 @@ class Soak:
         return self.out / "run"
 
     def overrides(self, run_dir: Path, *extra: str) -> list[str]:
-        return [*TINY, *GUARD, *LAYOUTS[self.layout][1], f"train.run_dir={run_dir}",
+        # The spike window: full before the first fault, 32 at most -- a short one's std is noise, and the guard
+        # then finds spikes of its own (a grad norm 6 sigma over 8 steps, seen in a 300-step soak).
+        window = max(4, min(32, self.faults[0].step - 2 if self.faults else 32))
+        return [*TINY, *GUARD, *LAYOUTS[self.layout][1], f"train.run_dir={run_dir}", f"train.spike_window={window}",
                 f"train.max_steps={self.steps}", f"train.save_interval={self.save_interval}",
                 f"train.hang_timeout_s={self.hang_timeout_s}",
                 f"parallel.collective_timeout_s={self.collective_timeout_s}", *extra]
@@ -344,6 +347,17 @@ class Soak:
         attempts = {p.split("/", 2)[2] for p in now if p.startswith("attempts/")}
         return sorted(p for p in self.seen_files if p not in now and p not in aside and p not in attempts)
 
+    def own_verdicts(self) -> list[Fault]:
+        """The guard's verdicts no scheduled fault explains (a real spike of the run), as rows of the table."""
+        bad, scheduled = self.run_dir / "faults" / "bad_steps.jsonl", {f.step for f in self.faults}
+        rows = {}
+        for line in bad.read_text().splitlines() if bad.exists() else []:
+            rec = json.loads(line)
+            if rec["step"] not in scheduled:
+                rows[rec["step"]] = Fault(f"(guard) {rec['what']} {rec['kind']}", rec["step"], None, named=True,
+                                          fired=True, outcome=f"not injected: {rec['action']}")
+        return list(rows.values())
+
     def skip_windows(self) -> list[int]:
         """The steps the soak skipped: persistent bad steps (``skip``) and rollbacks' windows."""
         faults = self.run_dir / "faults"
@@ -424,14 +438,15 @@ def main(argv=None) -> int:
     same, tensors, differ = soak.same_weights(ref)
     lost = soak.lost_files()
     unnamed = [f.name for f in faults if not f.named]
-    print(table(faults))
+    print(table(sorted(faults + soak.own_verdicts(), key=lambda f: f.step)))
     print(f"seed {seed}; {len(soak.launches)} launches in {soak_s:.0f}s; skipped steps {skips}; final weights "
           f"{'bit-identical' if same else 'DIFFER'} to the fault-free reference ({tensors} tensors"
           + (f", differ: {differ[:5]}" if differ else "") + f"); faults not named: {unnamed or 'none'}; "
           f"files lost: {lost or 'none'}")
     report = {"seed": seed, "layout": args.layout, "ranks": ranks, "steps": args.steps, "every": args.every,
               "save_interval": save, "faults": [{k: v for k, v in asdict(f).items()} for f in faults],
-              "launches": soak.launches, "soak_s": round(soak_s, 1), "skipped_steps": skips,
+              "own_verdicts": [asdict(f) for f in soak.own_verdicts()], "launches": soak.launches,
+              "soak_s": round(soak_s, 1), "skipped_steps": skips,
               "bit_identical": same, "tensors": tensors, "differ": differ, "unnamed": unnamed, "lost_files": lost}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
