@@ -27,6 +27,7 @@ table of faults, detection times and lost steps; ``--json`` writes it too. Exit 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -203,10 +204,13 @@ class Soak:
         return self.out / "run"
 
     def overrides(self, run_dir: Path, *extra: str) -> list[str]:
-        # The spike window: full before the first fault, 32 at most -- a short one's std is noise, and the guard
+        # The spike window: full before the first spike, 32 at most -- a short one's std is noise, and the guard
         # then finds spikes of its own (a grad norm 6 sigma over 8 steps, seen in a 300-step soak).
-        window = max(4, min(32, self.faults[0].step - 2 if self.faults else 32))
+        # The soak's spikes are x1000: 50 sigma catches them and none of a short window's own.
+        spikes = [f.step for f in self.faults if f.kind in ("spike", "once")]
+        window = max(4, min(32, min(spikes, default=34) - 2))
         return [*TINY, *GUARD, *LAYOUTS[self.layout][1], f"train.run_dir={run_dir}", f"train.spike_window={window}",
+                "train.spike_sigma=50",
                 f"train.max_steps={self.steps}", f"train.save_interval={self.save_interval}",
                 f"train.hang_timeout_s={self.hang_timeout_s}",
                 f"parallel.collective_timeout_s={self.collective_timeout_s}", *extra]
@@ -236,6 +240,9 @@ class Soak:
                             self.out / f"launch-{n}.log")
             acted = self._supervise(launch, pause, marker, damaged)
             code = launch.end()
+            if acted.get("pid"):  # torchrun may start a rank in a process group of its own: the stopped one goes
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(acted["pid"], signal.SIGKILL)
             self.launches.append({"launch": n, "exit": code, "from_step": resumed, "last_step": launch.last_step(),
                                   "wall_s": round(launch.ended - launch.started, 1)})
             self._after_relaunch(launch, resumed)  # (first: the faults of this launch are not yet read)
