@@ -109,9 +109,9 @@ def tiny_reference(tiny_shards, tmp_path_factory):
 # group is not overtaken by the other worker's next test.
 SLURM_FILES = ("test_slurm.py", "test_slurm_nodes.py", "test_preprocess_slurm.py")
 EXCLUSIVE = ("slurm",)
-LONGEST_FIRST = (*EXCLUSIVE, "test_fake_measure.py", "test_native_pipeline.py", "test_parallel_train.py",
-                 "test_resilience.py", "test_unattended.py", "test_native_checkpoint.py", "test_native_tp.py",
-                 "test_parallel.py", "test_native_3d.py",
+LONGEST_FIRST = (*EXCLUSIVE, "test_fake_measure.py", "test_soak.py", "test_native_pipeline.py",
+                 "test_parallel_train.py", "test_resilience.py", "test_unattended.py", "test_native_checkpoint.py",
+                 "test_native_tp.py", "test_parallel.py", "test_native_3d.py",
                  "test_bench_eval.py", "test_native_engine.py", "test_gpu_check.py", "test_ckpt_universal.py",
                  "test_bad_inputs.py", "test_startup_imports.py", "test_rendezvous.py", "test_run_integrity.py",
                  "test_deepspeed_memory.py", "test_resilience_pipeline.py")
