@@ -136,9 +136,10 @@ class NodesCluster(Cluster):
         """The tasks of job ``job_name`` on ``node`` import megafixed from ``pythonpath``."""
         (self.root / f"{node}-{job_name}.pythonpath").write_text(pythonpath)
 
-    def signal_job(self, job_id: str, sig: int, nodes: list[str] | None = None) -> list[int]:
-        """Send ``sig`` to the job's training ranks on ``nodes`` (default all); returns their pids."""
-        pids = [p for node in (nodes or self.nodes) for p in self.task_pids(node, job_id)]
+    def signal_job(self, job_id: str, sig: int, nodes: list[str] | None = None, ranks_only: bool = True) -> list[int]:
+        """Send ``sig`` to the job's training ranks on ``nodes`` (default all); returns their pids.
+        ``ranks_only=False``: to every process of the job there (the batch shell and srun too)."""
+        pids = [p for node in (nodes or self.nodes) for p in self.task_pids(node, job_id, ranks_only)]
         for pid in pids:
             os.kill(pid, sig)
         return pids
@@ -153,15 +154,17 @@ class NodesCluster(Cluster):
         """Cut (or restore) the node's only network link, on the bridge side."""
         _ip("-n", CTL_NS, "link", "set", f"v-{node}", "up" if up else "down")
 
-    def task_pids(self, node: str, job_id: str) -> list[int]:
-        """The training ranks (``megafixed.cli train``) of ``job_id`` running on ``node``."""
+    def task_pids(self, node: str, job_id: str, ranks_only: bool = True) -> list[int]:
+        """The training ranks (``megafixed.cli train``) of ``job_id`` running on ``node``; ``ranks_only=False``:
+        every process of the job there (its batch shell, srun and what they run)."""
         pids = []
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
                 continue
             try:
                 cmd = (proc / "cmdline").read_bytes().split(b"\0")
-                if cmd[1:3] != [b"-m", b"megafixed.cli"] or b"train" not in cmd:  # a rank, not srun itself
+                rank = cmd[1:3] == [b"-m", b"megafixed.cli"] and b"train" in cmd  # a rank, not srun itself
+                if ranks_only and not rank:
                     continue
                 env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
             except (OSError, ValueError):

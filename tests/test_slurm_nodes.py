@@ -526,11 +526,16 @@ def test_a_dp_job_that_loses_its_head_node_is_requeued_on_two_nodes_and_goes_on_
         pids = cluster.signal_job(job, signal.SIGSTOP)
         assert len(pids) == 3 and max(losses(run_dir)) < STEPS, (pids, job_log(run_dir, job)[:600])
         before = latest(run_dir)
+        # The whole node is lost at once: its batch shell and srun stop with its rank, so neither can end the job
+        # (srun's --kill-on-bad-exit, then the script's exit 137: FAILED, no requeue) before Slurm hears the node
+        # is down -- on a loaded machine they had outrun the two scontrol calls below.
+        frozen = cluster.signal_job(job, signal.SIGSTOP, ["node1"], ranks_only=False)
         killed = cluster.signal_job(job, signal.SIGKILL, ["node1"])
         # Drained first: node1's slurmd still answers here (a lost node's does not), and ReturnToService=2 would
         # put a node that is only down back in service at its next registration, before the requeued job starts.
         cluster.run("scontrol", "update", "nodename=node1", "state=drain", "reason=lost_in_a_test")
         cluster.run("scontrol", "update", "nodename=node1", "state=down", "reason=lost_in_a_test")
+        assert len(frozen) > len(killed), frozen  # the batch shell and srun were among them
         t0 = time.time()
         cluster.signal_job(job, signal.SIGCONT, ["node2", "node3"])
         resumes(cluster, run_dir, job, before)
