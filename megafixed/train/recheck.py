@@ -4,10 +4,9 @@ its update -- the same micro batches, the same RNG -- and only the recomputation
 
 What a step keeps for it while ``train.recheck_bad_steps`` is on is host-side bookkeeping, with no
 device read and no collective: the RNG states before the step (torch's CPU generator and this rank's
-CUDA one, the only ones a step draws from: a few KiB copied, ``StepReplay``), references to the micro batches
-as the engine pulls
-them, and each micro batch's loss on its way to the backward, detached and left on the device
-(``LossTap``). The state before the update needs no copy: an engine drops the update of a step its
+CUDA one, the only ones a step draws from: a few KiB copied, ``StepReplay``), references to the micro
+batches as the engine pulls them, and each micro batch's loss on its way to the backward, detached and
+left on the device (``LossTap``). The state before the update needs no copy: an engine drops the update of a step its
 guard gave a verdict on, leaving weights, gradients and optimizer state bit-identical (tested on both
 engines), so recomputing is restoring the RNG and replaying the kept micro batches through
 ``engine.train_step``.
