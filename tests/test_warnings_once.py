@@ -30,7 +30,12 @@ class MemoryStore:
         self.data[key] = value.encode() if isinstance(value, str) else value
 
     def get(self, key):
+        if key not in self.data:  # TCPStore's get waits for the key, holding the client's lock all the while
+            pytest.fail(f"get({key!r}) would block: the key is not set")
         return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
 
 
 def _world(size: int, store):
@@ -114,3 +119,19 @@ def test_a_world_of_one_rank_installs_nothing(monkeypatch):
     monkeypatch.setattr(warnings_once, "_FUNNEL", None)
     assert warnings_once.install(0, 1) is None and warnings_once._FUNNEL is None
     warnings_once.flush()  # nothing installed: nothing to do
+
+
+def test_rank_0_never_waits_for_an_item_a_poster_has_numbered_but_not_yet_set():
+    """A poster takes its index (``add``) and sets its item just after. Rank 0's report between the two must not
+    wait for the item: on the real store that wait holds the client's lock, which rank 0's own main thread needs
+    to set the item -- a deadlock until the store's timeout, with the job's collectives stuck behind it."""
+    store = MemoryStore()
+    funnels, outs = _world(2, store)
+    digest = __import__("hashlib").sha1(b"py|UserWarning|a.py|1").hexdigest()[:16]
+    store.add(f"{warnings_once.PREFIX}/count/{digest}", 2)
+    store.add(f"{warnings_once.PREFIX}/n", 1)  # numbered, not yet set
+    funnels[0].report(final=True)
+    assert outs[0].getvalue() == ""
+    store.set(f"{warnings_once.PREFIX}/item/1", f'["{digest}", "a.py:1: UserWarning: late"]')
+    funnels[0].report()
+    assert outs[0].getvalue().splitlines() == ["warning (2 of 2 ranks): a.py:1: UserWarning: late"]

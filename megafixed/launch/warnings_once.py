@@ -86,9 +86,15 @@ class Funnel:
             try:
                 n = self.store.add(f"{PREFIX}/n", 0)
                 for index in range(self.known + 1, n + 1):
-                    digest, text = json.loads(self.store.get(f"{PREFIX}/item/{index}"))
+                    key = f"{PREFIX}/item/{index}"
+                    # A poster sets its item just after taking its index. Never wait for it here: a blocking
+                    # get holds the store client's lock, which this rank's main thread needs to set the very
+                    # item (a deadlock until the store's timeout, the job's collectives stuck behind it).
+                    if not self.store.check([key]):
+                        break
+                    digest, text = json.loads(self.store.get(key))
                     self.items[digest] = [text, 0, time.monotonic(), False]
-                self.known = max(self.known, n)
+                    self.known = index
                 for digest, item in self.items.items():
                     if item[3]:
                         continue
