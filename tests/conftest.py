@@ -92,24 +92,16 @@ def tiny_reference(tiny_shards, tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- two test workers
-# pytest.ini runs the suite on 2 pytest-xdist workers (`--dist loadgroup --no-loadscope-reorder`): one
-# worker kept 2 cores only ~54% busy (measured 2026-12-03: 1300 CPU-s in 1191 s), because most tests wait
-# on one subprocess at a time, and a starting Python process is single-threaded.
-#  * every test of a file stays on one worker, so a module's shared launches are not repeated per worker
-#    (the scheduler below; tests/test_worker_groups.py checks it);
-#  * EXCLUSIVE groups run with the other worker idle: the Slurm files start clusters whose dozen ranks are
-#    already CPU-bound by design (a worker beside them starved the 3-node cluster on 2026-12-02: "node3 not
-#    responding", a job past its 240 s deadline), and they share one cluster name space. (The resilience and
-#    rendezvous drills, whose faults are timed against timeouts, share the machine: their bounds leave tens of
-#    seconds, and slow ranks are named by CPU time, not wall time);
-#  * the exclusive groups go first, then the longest files, so the last to finish is a short one.
-# A readers-writer lock over two files (fcntl, shared by the workers of one run) keeps the exclusive groups
-# alone: an exclusive group takes the turnstile and then the room, both exclusively, for all its tests; any
-# other test passes the turnstile and holds the room shared for its own duration, so a waiting exclusive
-# group is not overtaken by the other worker's next test.
-SLURM_FILES = ("test_slurm.py", "test_slurm_nodes.py", "test_preprocess_slurm.py")
-EXCLUSIVE = ("slurm",)
-LONGEST_FIRST = (*EXCLUSIVE, "test_fake_measure.py", "test_soak.py", "test_native_pipeline.py",
+# pytest.ini runs the suite on 2 pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`): one worker
+# kept 2 cores only ~54% busy, because most tests wait on one subprocess at a time, and a starting Python
+# process is single-threaded.
+#  * every test of a file stays on one worker (`loadfile`), so a module's shared launches are not repeated
+#    per worker (tests/test_worker_groups.py checks it);
+#  * the longest files go first (xdist hands out files in collection order under `--no-loadscope-reorder`),
+#    so the last to finish is a short one;
+#  * the Slurm files (`-m slurm`) are left out of this run and run in their own, in one process: their
+#    clusters' dozen ranks are CPU-bound by design, and they share one cluster name space (README, `.ci/run`).
+LONGEST_FIRST = ("test_fake_measure.py", "test_soak.py", "test_native_pipeline.py",
                  "test_parallel_train.py", "test_resilience.py", "test_unattended.py", "test_native_checkpoint.py",
                  "test_native_tp.py", "test_parallel.py", "test_native_3d.py",
                  "test_bench_eval.py", "test_native_engine.py", "test_gpu_check.py", "test_ckpt_universal.py",
@@ -117,95 +109,6 @@ LONGEST_FIRST = (*EXCLUSIVE, "test_fake_measure.py", "test_soak.py", "test_nativ
                  "test_deepspeed_memory.py", "test_resilience_pipeline.py")
 
 
-def _group_of(file_name: str) -> str:
-    return "slurm" if file_name in SLURM_FILES else file_name
-
-
-def _group(item) -> str:
-    return _group_of(item.path.name)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: a file keeps its own order
-
-
-@pytest.hookimpl(optionalhook=True)  # optional: the hook exists only where pytest-xdist is installed
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup`, with our groups as the scopes, read from the test's file name.
-
-    Not xdist's own LoadGroupScheduling with `xdist_group` marks: that one finds a test's group in an
-    ``@group`` suffix its workers append to ``item._nodeid``, and pytest 9 builds ``nodeid`` from ``_id``, so
-    the suffix never arrives and every test became its own scope (found 2026-12-03, pytest 9.2.0 with
-    pytest-xdist 3.8.0: the 72 s module fixture of test_fake_measure was built on both workers). A scope
-    read from the file name does not depend on either version. Other `--dist` modes stay xdist's."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class FileGroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _group_of(Path(nodeid.split("::", 1)[0]).name)
-
-    return FileGroupScheduling(config, log)
-
-
-class _Room:
-    """The readers-writer lock above, for this worker's process."""
-
-    def __init__(self, run_id: str):
-        base = Path(tempfile.gettempdir()) / f"megafixed-pytest-{run_id}"
-        self.turnstile = open(f"{base}.turnstile", "a+")
-        self.room = open(f"{base}.room", "a+")
-        self.exclusive_group = None  # the exclusive group this worker holds the room for
-
-    def enter(self, group: str) -> None:
-        import fcntl
-
-        if group == self.exclusive_group:
-            return
-        self.leave()
-        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
-        if group in EXCLUSIVE:
-            fcntl.flock(self.room, fcntl.LOCK_EX)
-            self.exclusive_group = group  # the turnstile stays closed until the group is done
-        else:
-            fcntl.flock(self.room, fcntl.LOCK_SH)
-            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
-
-    def leave(self) -> None:
-        import fcntl
-
-        fcntl.flock(self.room, fcntl.LOCK_UN)
-        if self.exclusive_group is not None:
-            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
-            self.exclusive_group = None
-
-
-_room: _Room | None = None
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    global _room
-    workerinput = getattr(item.config, "workerinput", None)
-    if workerinput is None or workerinput.get("workercount", 1) < 2:  # one process: nothing runs beside it
-        yield
-        return
-    if _room is None:
-        _room = _Room(workerinput["testrunuid"])
-    group = _group(item)
-    _room.enter(group)
-    try:
-        yield
-    finally:
-        # an exclusive group keeps the room from its first test's set-up to its last test's teardown (its
-        # module fixtures may leave jobs running between tests); any other test leaves after itself
-        if group not in EXCLUSIVE or nextitem is None or _group(nextitem) != group:
-            _room.leave()
-
-
-def pytest_unconfigure(config):
-    if _room is not None:  # the worker is done: its lock files close (and any lock it held goes with them)
-        _room.turnstile.close()
-        _room.room.close()
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its own order

@@ -2,7 +2,8 @@
 task killed mid-way, the manifest job refusing and naming the missing group, a rerun that redoes only
 that group; the manifest's shards then equal a single-process run and train through data.prefixes.
 
-Run under `flock /tmp/megafixed-slurm.lock` when other sessions may start the test Slurm too.
+Run with the other Slurm tests (`-n 0 -m slurm`), under `flock /tmp/megafixed-slurm.lock` when other
+sessions may start the test Slurm too.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from megafixed.data.preprocess import PreprocessOptions, preprocess
 from megafixed.data.tokenizers import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 
 @pytest.fixture(scope="module")

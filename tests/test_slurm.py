@@ -21,7 +21,7 @@ from _slurm import start_cluster
 from _train_data import tiny_overrides, write_shards
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 
 @pytest.fixture(scope="module")

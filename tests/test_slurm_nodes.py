@@ -27,8 +27,8 @@ the group is CPU-bound and every rank start counts):
   three (partition ``all``), when no other job is left to disturb, 1 rank per node; its one-process
   reference (global batch 12) runs beside the first jobs.
 
-Run as root (network namespaces), serialised with the other Slurm tests:
-``flock /tmp/megafixed-slurm.lock python -m pytest -m multinode``.
+Run as root (network namespaces), with the other Slurm tests in their own invocation, serialised with
+other sessions': ``flock /tmp/megafixed-slurm.lock python -m pytest -q -n 0 -m slurm``.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from megafixed import exit_codes
 from megafixed.launch.lost import ROLL_CALL_S
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.multinode, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.multiprocess]
 
 STEPS = 12  # room for three faults in one run: each job resumes, runs a few steps, and is interrupted
 RDZV_TIMEOUT = 120  # the default: a dozen ranks start at once here, on 2 cores
