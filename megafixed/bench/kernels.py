@@ -148,7 +148,7 @@ def copy_peak(device: torch.device, nbytes: int, timer: Callable) -> dict:
 def spec_bandwidth(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
-    from ..train.device_specs import hbm_bandwidth  # by exact device name: PCIe/NVL parts differ
+    from ..parallel.device_specs import hbm_bandwidth  # by exact device name: PCIe/NVL parts differ
 
     return hbm_bandwidth(torch.cuda.get_device_name(device))
 

@@ -49,8 +49,8 @@ def step_time_bound(m, traffic, layout, args, n_params: int, tokens: int, bubble
     at the links' data-sheet bandwidth: ``max(compute + serial, comm)``. An estimate: real steps are
     slower (kernel efficiency, imperfect overlap, latency, the memory-bound kernels and the
     optimizer step, which it leaves out)."""
+    from ..parallel.device_specs import NODE_LINK, link, spec_for
     from ..parallel.traffic import bus_factor
-    from ..train.device_specs import NODE_LINK, link, spec_for
 
     spec = spec_for(args.gpu_type)
     inter = link(args.inter)

@@ -8,10 +8,10 @@ The seam the trainer, evaluation and tests use::
 Each kind of parallelism lives in its own module and takes the model config plus the topology:
 ``layout.py`` (the one validator), ``topology.py`` (process groups, made by the plan's engine),
 ``tensor.py`` (the engine-neutral TP plan), ``pipeline.py`` (the layer list of pipeline stages; the
-stages are the engine's), ``sequence.py`` (SP collectives) and ``memory.py`` (``megafixed plan``'s
-common arithmetic; each engine's sharding arithmetic is its planner's). Nothing here imports an
-engine library: the megatron-core layers, the model builder, the TP gradient sync and DeepSpeed's
-model-parallel unit are ``megafixed/engine/deepspeed/``'s.
+stages are the engine's), ``sequence.py`` (SP collectives), ``memory.py`` (``megafixed plan``'s
+common arithmetic; each engine's sharding arithmetic is its planner's) and ``device_specs.py`` (the GPUs'
+data-sheet peaks and links). Nothing here imports an engine library: the megatron-core layers, the model
+builder, the TP gradient sync and DeepSpeed's model-parallel unit are ``megafixed/engine/deepspeed/``'s.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ torchtitan does), instead of holding the unsharded fp32 gradients between reduct
 
 An engine's planner may size its own pipeline (``pipeline_estimate``): the torch engine's
 (``engine/native/pipeline_plan.py``) splits the layers as its stages do and reads the microbatches
-each stage holds in flight from the schedule's own action table (``parallel.bubble``), with the
+each stage holds in flight from the schedule's own action table (``engine/native/bubble.py``), with the
 bubble fraction beside it.
 
 TP divides every sharded matrix by ``tp`` (norms stay replicated); PP keeps one stage's layers,

@@ -17,7 +17,7 @@ from ..run.run_dir import RunDirectory
 def peak_flops_per_gpu() -> Optional[float]:
     """Dense bf16 peak of this GPU by its exact name (``device_specs``), for MFU; None (MFU unknown)
     for a device not in the table. ``MEGAFIXED_PEAK_TFLOPS`` sets it by hand."""
-    from .device_specs import peak_bf16_flops
+    from ..parallel.device_specs import peak_bf16_flops
 
     if os.environ.get("MEGAFIXED_PEAK_TFLOPS"):
         return peak_bf16_flops(None)

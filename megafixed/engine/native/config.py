@@ -97,7 +97,7 @@ def pipeline_record(cfg, plan) -> dict:
     activation bytes those hold are ``megafixed.parallel.pipeline_memory``'s (--dry-run prints them)."""
     if plan.pp == 1:
         return {"degree": 1}
-    from ...parallel.bubble import bubble
+    from .bubble import bubble
     from .schedules import canonical_name, stage_spans
 
     name = canonical_name(plan.pp_schedule)

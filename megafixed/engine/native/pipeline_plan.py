@@ -3,7 +3,7 @@
 
 The split is the engine's (``schedules.stage_spans``: input and head counted as
 ``parallel.pp_input_head_layers`` layers each, ``pp * vpp`` stages, looped or V-shaped over the
-ranks); the microbatches each stage holds in flight are the schedule's own (``parallel.bubble``,
+ranks); the microbatches each stage holds in flight are the schedule's own (``engine/native/bubble.py``,
 from its action table). A rank holds the sum over its stages -- each stage at its own peak, an
 upper bound where a rank's stages peak at different times. FSDP2 keeps every working parameter
 unsharded under PP (no reshard after forward: the schedule interleaves microbatches), so the
@@ -28,7 +28,7 @@ def pipeline_summary(m, layout, per_set: float, stored_input: float, logits: flo
     the most a stage holds (``activation_bytes_per_stage``), what it holds at its first backward, before
     any gradient exists, and the most at a later one, beside the gradients (``..._first_backward``,
     ``..._later_backward``)."""
-    from ...parallel.bubble import bubble
+    from .bubble import bubble
     from .schedules import canonical_name, stage_spans
 
     b = bubble(canonical_name(layout.schedule), layout.pp, layout.accum, layout.vpp)

@@ -1,4 +1,5 @@
-"""Data-sheet peaks of the GPUs we report MFU and bandwidth fractions against, by exact device name.
+"""Data-sheet peaks of the GPUs we report MFU and bandwidth fractions against, by exact device name, and
+the links between them: read by the planner (``plan --fake``), the benchmarks and the trainer's MFU.
 
 Why exact names: the SXM, PCIe and NVL parts of one generation share a prefix but not a peak
 (H100 PCIe 756 vs SXM 989 dense bf16 TFLOP/s), so substring matching reports a PCIe card's MFU
