@@ -26,7 +26,6 @@ from pathlib import Path
 from ...paths import cache_dir
 
 SHM_OP = "deepspeed_shm_comm"
-NOT_IMPLEMENTED = "deepspeed_not_implemented"  # a builder DeepSpeed's table always lists as False
 _BUILD_ENV = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS", "CPATH", "TORCH_CUDA_ARCH_LIST")
 
 
@@ -70,37 +69,15 @@ def extensions_dir() -> Path:
     return cache_dir("torch_extensions", build_key())
 
 
-class _ProbedOnRead(dict):
-    """DeepSpeed's ``__compatible_ops__`` table, probing an op only when someone reads its entry.
-
-    DeepSpeed 0.19 fills the table on first access by probing every op it knows (``is_compatible``:
-    compiler subprocesses, ``distutils``), about 0.6 s per process, although the one reader in a
-    training run (``deepspeed.comm.torch.build_shm_op``) asks for one key, the shm op we switch off
-    anyway. This table gives any other key exactly the answer DeepSpeed's own probe would.
-    """
-
-    def __missing__(self, name):
-        from deepspeed.ops.op_builder.all_ops import ALL_OPS
-        from deepspeed.ops.op_builder.builder import probe_is_compatible
-
-        self[name] = probe_is_compatible(ALL_OPS[name]) if name in ALL_OPS and name != NOT_IMPLEMENTED else False
-        return self[name]
-
-    def get(self, name, default=None):
-        from deepspeed.ops.op_builder.all_ops import ALL_OPS
-
-        return self[name] if name in self or name in ALL_OPS else default
-
-
 def skip_unneeded_ops() -> None:
-    """Before DeepSpeed's comm backend starts: do not compile the shm comm op (see the module
-    docstring). ``deepspeed.ops.__compatible_ops__`` is DeepSpeed's own per-launch switch table (it
-    is computed once and edits to it persist, by design); ``build_shm_op`` reads it and returns None.
-    If nothing has read the table yet, it becomes a ``_ProbedOnRead`` (no probe of ops nobody asks for)."""
+    """Before DeepSpeed's comm backend starts: do not compile the shm comm op (see the module docstring).
+
+    DeepSpeed 0.19.8 has no setting for this: ``deepspeed.comm.torch.build_shm_op`` builds the op whenever
+    ``deepspeed.ops.__compatible_ops__`` says it can. That table is DeepSpeed's per-launch switch table
+    (computed once on first read; its own comment: "edits to it persist"), so one entry of it is set to
+    False. ``tests/test_runtime_env.py`` fails if a DeepSpeed upgrade builds the op anyway."""
     import deepspeed.ops
 
-    if "__compatible_ops__" not in vars(deepspeed.ops):
-        deepspeed.ops.__compatible_ops__ = _ProbedOnRead()
     deepspeed.ops.__compatible_ops__[SHM_OP] = False
 
 
