@@ -1,40 +1,42 @@
-"""Training engines as a registry: each one says once what it is; callers ask, never test names.
+"""Training engines as a registry: each engine is one object that says what it is; callers ask, never test names.
 
 An engine (``train.engine``) owns the model on each rank, its optimizer, its process groups and
 its checkpoint files. Every part of megafixed that depends on which one a run uses asks its
-``EngineKind`` here (the shape is ``megafixed.model.interfaces``, the input-interface registry):
+registered object here; what it must answer is typed by three protocols:
 
-* what it is: its name (the ``train.engine`` value), its config section (``zero``,
-  ``torch_engine``; None: it has none) and its record file in the run directory;
-* its part of the run plan (``make_plan``: a frozen dataclass from the config, ``plan.engine_plan``)
-  and the config keys that part reads (``planned_keys``: ``RunPlan.check_made_from`` compares them);
-* its refusals (``check_supported``), its re-layout rule (``relayout_refusal``), its process groups
-  (``setup_groups``), its build (``build``), its own config (``engine_config``), its runtime
-  environment and version check (``prepare_runtime_env``), its pipeline partitioner (``stage_bounds``);
-* its checkpoint format (``checkpoint``: a module with ``is_checkpoint``, ``read_state_dict``,
-  ``is_model_file``, ``weights_in_every_rank_file``, ``detect_layout``, ``recorded_model_config``,
-  ``to_relayout_format``, ``resolve_tag_dir``): a checkpoint is read by the engine whose detector
-  claims it, the default engine's format last;
-* how it describes itself (``describe``: a module with ``start_words``, ``dry_run_words``,
-  ``record_layout``, ``layout_change_keys``) and how ``megafixed plan`` sizes it (``planner``).
+* ``EngineKind``, the engine itself: its name (the ``train.engine`` value), its record file in the
+  run directory, its part of the run plan (``make_plan``: a frozen dataclass from the config,
+  ``RunPlan.engine_plan``) and the config keys that part reads (``planned_keys``), its refusals, its
+  re-layout rule, its process groups, its build, its own config, its runtime environment, and how it
+  describes itself (the start line, ``--dry-run``, the run record's layout keys);
+* ``CheckpointFormat`` (``kind.checkpoint``): how its checkpoints are recognised and read; a
+  checkpoint is read by the engine whose detector claims it, the default engine's format last;
+* ``Planner`` (``kind.planner``): how ``megafixed plan`` sizes its layouts.
 
-Hooks are callables or ``"module:attribute"`` strings, imported on first use, so this module imports
-nothing of megafixed and no engine library (``megafixed plan``, ``--help`` and ``--dry-run`` stay
-light, and the config can validate ``train.engine`` against it without an import cycle). The built-in
-engines register themselves in ``megafixed/engine/deepspeed/kind.py`` and ``megafixed/engine/native/
-kind.py``, which are imported (by a name listed here, not an import statement: this module sits below
-the engines) the first time the registry is asked. Adding an engine is one ``register(EngineKind(...))``
-plus its tests (tests/test_engine_registry.py registers a toy one).
+An engine's methods import its library when called, so this module, the registry lookups and the
+built-in engines' classes import no engine library (``megafixed plan``, ``--help`` and
+``--dry-run`` stay light, and the config can validate ``train.engine`` here without an import
+cycle). The built-in engines register themselves in ``megafixed/engine/deepspeed/kind.py`` and
+``megafixed/engine/native/kind.py``, imported by the names in ``BUILTIN`` (not an import statement:
+this module sits below the engines) the first time the registry is asked. Adding an engine is one
+class implementing ``EngineKind`` and one ``register(...)`` (tests/test_engine_registry.py registers
+a toy one).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-Hook = Union[str, Callable, None]
+if TYPE_CHECKING:  # annotations only: the engines and the config import this module
+    from .config import Config, ModelConfig
+    from .engine.base import Engine, StepChecks
+    from .parallel.memory import Estimate, Layout
+    from .parallel.topology import Topology
+    from .parallel.traffic import Traffic
+    from .run_plan import RunPlan
 
-# The built-in engines' records, imported on first use (each calls ``register`` once).
+# The built-in engines' modules, imported on first use (each calls ``register`` once).
 BUILTIN = ("megafixed.engine.deepspeed.kind", "megafixed.engine.native.kind")
 
 
@@ -42,43 +44,141 @@ class UnknownEngine(ValueError):
     """A ``train.engine`` no registered engine has (the CLI reports it as bad input)."""
 
 
-def _resolve(hook: Hook, what: str) -> Any:
-    if hook is None:
-        raise NotImplementedError(what)
-    if callable(hook) or not isinstance(hook, str):
-        return hook
-    module, _, attr = hook.partition(":")
-    target = importlib.import_module(module)
-    return getattr(target, attr) if attr else target
+class CheckpointFormat(Protocol):
+    """How an engine's checkpoint files are recognised and read into a plain GPT state dict."""
+
+    def is_checkpoint(self, tag_dir: Path) -> bool:
+        """Whether ``tag_dir`` is this engine's (the default engine's format claims anything)."""
+
+    def resolve_tag_dir(self, ckpt: Path, tag: Optional[str] = None) -> Path:
+        """The tag directory of ``ckpt`` (a tag directory, or a checkpoint root with ``latest`` or ``tag``)."""
+
+    def read_state_dict(self, tag_dir: Path, *, verify: bool = True) -> dict:
+        """The full plain-GPT state dict; its files checked against the manifest first (``verify``)."""
+
+    def is_model_file(self, name: str) -> bool:
+        """A file that holds weights (what a weights-only reader verifies)."""
+
+    def weights_in_every_rank_file(self, tag_dir: Path) -> bool:
+        """The weights live in every rank's files (ZeRO-3's partitions, DCP's shards), not model files."""
+
+    def detect_layout(self, tag_dir: Path) -> tuple[int, int]:
+        """(tp, pp) of the checkpoint."""
+
+    def recorded_model_config(self, tag_dir: Path) -> Optional[dict]:
+        """The ``model`` section its run was trained with, if recorded."""
+
+    def to_relayout_format(self, tag_dir: Path, model_cfg: ModelConfig, out: Optional[Path] = None,
+                           log: Callable = print) -> Path:
+        """A checkpoint with its optimizer state that loads on any layout, or a ``ConvertError`` naming
+        what to do instead (an engine that reshards on load needs none)."""
 
 
-@dataclass(frozen=True)
-class EngineKind:
+class Planner(Protocol):
+    """How ``megafixed plan`` sizes an engine's layouts (``megafixed.parallel.memory``, ``.traffic``)."""
+
+    COLUMN: tuple[str, int]  # the sharding column's title and width
+    LAYOUT_KEYS: tuple[str, ...]  # what a row sets beyond the engine-neutral keys (plan --pick)
+    FAKE_WORKER: Optional[str]  # the module ``plan --fake`` runs per row; None: not measurable so
+
+    def pp_degrees(self, gpus: int, tp: int) -> range: ...
+
+    def pp_partitions(self, pp: int) -> tuple[str, ...]: ...
+
+    def sharding_options(self, dp: int) -> list[int] | tuple[int, ...]: ...
+
+    def set_sharding(self, cfg: Config, option: int) -> None: ...
+
+    def make_layout(self, cfg: Config, tp: int, pp: int, dp: int, option: int, micro: int, sp: bool,
+                    part: str) -> Layout: ...
+
+    def stage_bounds(self, weights: list, parts: int, method: str) -> list[int]:
+        """Layer boundaries of ``parts`` pipeline stages by the engine's own partitioner (so a plan
+        matches the real split); ``NotImplementedError`` for an engine that splits in its own plan."""
+
+    def model_state_bytes(self, n_params: int, layout: Layout, precision: str) -> tuple[float, float, float]: ...
+
+    def working_param_bytes(self, m: ModelConfig, layout: Layout, n_params: int, precision: str,
+                            act_bytes: int) -> float: ...
+
+    def reduction_phase(self, m: ModelConfig, layout: Layout, n_params: int, precision: str,
+                        layer: float) -> tuple[float, Optional[float], float]: ...
+
+    def pipeline_estimate(self, m: ModelConfig, seq: int, layout: Layout, precision: str,
+                          masks: bool) -> Optional[Estimate]:
+        """Its own pipeline's estimate, or None: the engine-neutral 1F1B one."""
+
+    def dp_traffic(self, out: Traffic, m: ModelConfig, layout: Layout, n_params: int, blocks: int,
+                   precision: str) -> None: ...
+
+    def rank_sharding(self, layout: Layout) -> int: ...
+
+    def sharding_text(self, layout: Layout) -> str: ...
+
+    def sharding_overrides(self, layout: Layout) -> list[str]: ...
+
+    def intro(self, precision: str) -> Optional[str]: ...
+
+    def accumulation_note(self, m: ModelConfig, gpus: int, global_batch: int, precision: str) -> Optional[str]: ...
+
+    def grads_note(self, precision: str) -> str: ...
+
+    def fake_refusal(self, layout: Layout) -> Optional[str]: ...
+
+
+class EngineKind(Protocol):
+    """One training engine, as megafixed asks it (a registered object; its methods import its library)."""
+
     name: str  # the train.engine value
-    summary: str  # one line: what the engine is
     record_file: str  # <run_dir>/<record_file>: its own config, written next to the run's config
-    make_plan: Hook  # cfg -> the engine's frozen part of the run plan (plan.engine_plan)
-    check_supported: Hook  # (cfg, plan) -> None, or the engine's refusal (LayoutError/ConfigError)
-    relayout_refusal: Hook  # (old layout, new layout) -> why not, or None
-    setup_groups: Hook  # plan -> the Topology's process-group fields (a dict)
-    build: Hook  # (cfg, topo, checks: StepChecks or None) -> this rank's Engine
-    engine_config: Hook  # (cfg, plan) -> the engine's config as JSON
-    checkpoint: Hook  # the module that reads its checkpoints (see the module docstring)
-    describe: Hook  # the module of its self-description (see the module docstring)
-    planner: Hook  # the module that sizes its layouts for `megafixed plan`
-    config_section: Optional[str] = None  # its Config section (zero, torch_engine)
-    planned_keys: tuple = ()  # config keys its plan part reads, as "section.key"
-    prepare_runtime_env: Hook = None  # () -> None: before its library is imported; checks its versions
-    stage_bounds: Hook = None  # (weights, parts, method) -> stage boundaries; None: no pipeline
-    default: bool = False  # what wrote a run record without "engine" (records from before the registry)
-    extra: dict = field(default_factory=dict)  # anything else an engine wants to say about itself
+    planned_keys: tuple[str, ...]  # config keys its plan part reads, as "section.key" (RunPlan.check_made_from)
+    default: bool  # what wrote a run record without "engine" (records from before the registry)
 
-    def hook(self, name: str) -> Any:
-        """The hook ``name`` (imported now, if it is a module path)."""
-        return _resolve(getattr(self, name), f"train.engine={self.name} has no {name}")
+    @property
+    def checkpoint(self) -> CheckpointFormat: ...
 
-    def call(self, name: str, *args, **kwargs) -> Any:
-        return self.hook(name)(*args, **kwargs)
+    @property
+    def planner(self) -> Planner: ...
+
+    def make_plan(self, cfg: Config) -> Any:
+        """Its frozen part of the run plan (``RunPlan.engine_plan``)."""
+
+    def check_supported(self, cfg: Config, plan: RunPlan) -> None:
+        """Raise its refusal (``LayoutError``/``ConfigError``) of what it cannot run."""
+
+    def relayout_refusal(self, old: dict, new: dict) -> Optional[str]:
+        """Why a checkpoint of run-record layout ``old`` cannot be loaded on ``new``, or None."""
+
+    def setup_groups(self, plan: RunPlan) -> dict:
+        """The ``Topology``'s process-group fields."""
+
+    def build(self, cfg: Config, topo: Topology, checks: Optional[StepChecks] = None) -> Engine: ...
+
+    def engine_config(self, cfg: Config, plan: RunPlan) -> dict:
+        """Its own config as JSON, for the machine the plan is for."""
+
+    def prepare_runtime_env(self) -> None:
+        """Before its library is imported: its environment, its versions checked."""
+
+    def accelerator_name(self) -> str:
+        """The device kind its library computes on ("cuda", "cpu", ...)."""
+
+    def start_words(self, plan: RunPlan) -> str:
+        """What shards the state, for the trainer's start line."""
+
+    def config_title(self) -> str:
+        """The name ``--dry-run`` gives its config."""
+
+    def dry_run_words(self, plan: RunPlan, record: dict) -> str: ...
+
+    def dry_run_lines(self, cfg: Config, plan: RunPlan) -> list[str]:
+        """``--dry-run``'s extra lines (e.g. a pipeline's bubble)."""
+
+    def record_layout(self, plan: RunPlan) -> dict:
+        """Its own keys in a run record's layout."""
+
+    def layout_change_keys(self, plan: RunPlan, recorded: dict) -> list[str]:
+        """The layout keys whose change from ``recorded`` means a re-layout."""
 
 
 _REGISTRY: dict[str, EngineKind] = {}
@@ -139,11 +239,11 @@ def kind_of(plan_or_layout: Any) -> EngineKind:
     return engine_kind(getattr(plan_or_layout, "engine", None))
 
 
-def checkpoint_kind(tag_dir: Any) -> EngineKind:
+def checkpoint_kind(tag_dir: Path) -> EngineKind:
     """The engine whose checkpoint format ``tag_dir`` is: the first non-default engine whose
     detector claims it, else the default engine (whose readers name what is missing)."""
     for kind in kinds()[1:]:
-        if kind.hook("checkpoint").is_checkpoint(tag_dir):
+        if kind.checkpoint.is_checkpoint(Path(tag_dir)):
             return kind
     return default_kind()
 

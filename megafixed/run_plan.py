@@ -88,18 +88,9 @@ class RunPlan:
     sequence_parallel: bool
     collective_timeout_s: float
     planned_from: tuple = ()  # (key, value) of every planned key this plan was built from
-    # The engine's own part (its record's make_plan: DeepSpeed's zero_stage; the torch engine's
-    # dp_replicate, reshard_after_forward), read through the plan as ``plan.zero_stage`` etc.
+    # The engine's own part (its ``EngineKind.make_plan``: DeepSpeed's zero_stage; the torch engine's
+    # dp_replicate, reshard_after_forward and pipeline schedule)
     engine_plan: Any = None
-
-    def __getattr__(self, name: str):
-        """The engine's own fields (``plan.zero_stage``) are its ``engine_plan``'s."""
-        if name.startswith("_") or name == "engine_plan":
-            raise AttributeError(name)
-        part = self.__dict__.get("engine_plan")
-        if part is None or not hasattr(part, name):
-            raise AttributeError(f"{type(self).__name__} (train.engine={self.__dict__.get('engine')}) has no {name!r}")
-        return getattr(part, name)
 
     @classmethod
     def build(cls, cfg: Config, world_size: int, *, gpu: Optional[bool] = None) -> "RunPlan":
@@ -134,8 +125,8 @@ class RunPlan:
                    sequence_parallel=cfg.parallel.sequence_parallel,
                    collective_timeout_s=cfg.parallel.collective_timeout_s,
                    planned_from=_planned_values(cfg, COMMON_PLANNED_KEYS + planned_keys()),
-                   engine_plan=kind.call("make_plan", cfg))
-        kind.call("check_supported", cfg, plan)  # the engine's own refusals, by name
+                   engine_plan=kind.make_plan(cfg))
+        kind.check_supported(cfg, plan)  # the engine's own refusals, by name
         return plan
 
     def check_made_from(self, cfg: Config) -> None:

@@ -39,7 +39,7 @@ def measured(tmp_path_factory, torchrun) -> dict:
 def _analytic(stage: int):
     """What ``megafixed plan`` prints for this row (TP 1, PP 1, DP 2), less the reserve."""
     cfg = load_config(None, [*SMALL, "train.engine=deepspeed", f"zero.stage={stage}"])
-    planner = engine_kind("deepspeed").hook("planner")
+    planner = engine_kind("deepspeed").planner
     layout = planner.make_layout(cfg, 1, 1, 2, stage, cfg.train.micro_batch, False, "parameters")
     return estimate(cfg.model, cfg.data.seq_len, layout, PRECISION)
 

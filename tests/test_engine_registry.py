@@ -7,7 +7,6 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -33,48 +32,94 @@ class ToyPlan:
     flavour: str
 
 
-def _refuse(cfg, plan):
-    if plan.pp > 1:
-        raise LayoutError("train.engine=toy has no pipeline; use parallel.pp=1")
+class ToyCheckpoint:
+    """The toy's checkpoint format (``engines.CheckpointFormat``): one marker file holding JSON."""
 
+    def is_checkpoint(self, tag_dir):
+        return (Path(tag_dir) / MARKER).is_file()
 
-def _toy_checkpoint():
-    def detect_layout(tag_dir):
+    def resolve_tag_dir(self, ckpt, tag=None):
+        return Path(ckpt)
+
+    def read_state_dict(self, tag_dir, *, verify=True):
+        return {"toy": json.loads((Path(tag_dir) / MARKER).read_text())}
+
+    def is_model_file(self, name):
+        return name == MARKER
+
+    def weights_in_every_rank_file(self, tag_dir):
+        return False
+
+    def detect_layout(self, tag_dir):
         return 1, 1
 
-    return SimpleNamespace(
-        is_checkpoint=lambda tag_dir: (Path(tag_dir) / MARKER).is_file(),
-        resolve_tag_dir=lambda ckpt, tag=None: Path(ckpt),
-        read_state_dict=lambda tag_dir, verify=True: {"toy": json.loads((Path(tag_dir) / MARKER).read_text())},
-        is_model_file=lambda name: name == MARKER,
-        weights_in_every_rank_file=lambda tag_dir: False,
-        detect_layout=detect_layout,
-        recorded_model_config=lambda tag_dir: None,
-        to_relayout_format=lambda *a, **k: (_ for _ in ()).throw(ValueError("toy checkpoints reshard on load")),
-    )
+    def recorded_model_config(self, tag_dir):
+        return None
+
+    def to_relayout_format(self, tag_dir, model_cfg, out=None, log=print):
+        raise ValueError("toy checkpoints reshard on load")
 
 
-TOY_WORDS = SimpleNamespace(
-    start_words=lambda plan: f"toy engine ({plan.flavour})",
-    dry_run_words=lambda plan, record: f"toy {record['flavour']}",
-    config_title=lambda: "toy engine",
-    record_layout=lambda plan: {"flavour": plan.flavour},
-    layout_change_keys=lambda plan, recorded: ["tp", "dp", "flavour"],
-)
+class ToyKind:
+    """A toy engine (``engines.EngineKind``), registered by a test; it borrows the default's planner."""
+
+    name = "toy"
+    record_file = "toy.json"
+    planned_keys = ()
+    default = False
+    checkpoint = ToyCheckpoint()
+
+    @property
+    def planner(self):
+        return engines.default_kind().planner
+
+    def make_plan(self, cfg):
+        return ToyPlan(zero_stage=0, flavour="vanilla")
+
+    def check_supported(self, cfg, plan):
+        if plan.pp > 1:
+            raise LayoutError("train.engine=toy has no pipeline; use parallel.pp=1")
+
+    def relayout_refusal(self, old, new):
+        return None if old.get("engine") == new.get("engine") else "not a toy checkpoint"
+
+    def setup_groups(self, plan):
+        return {}
+
+    def build(self, cfg, topo, checks=None):
+        pytest.fail("a dry run must not build")
+
+    def engine_config(self, cfg, plan):
+        return {"flavour": plan.engine_plan.flavour, "dp": plan.dp}
+
+    def prepare_runtime_env(self):
+        pass
+
+    def accelerator_name(self):
+        return "cpu"
+
+    def start_words(self, plan):
+        return f"toy engine ({plan.engine_plan.flavour})"
+
+    def config_title(self):
+        return "toy engine"
+
+    def dry_run_words(self, plan, record):
+        return f"toy {record['flavour']}"
+
+    def dry_run_lines(self, cfg, plan):
+        return []
+
+    def record_layout(self, plan):
+        return {"flavour": plan.engine_plan.flavour}
+
+    def layout_change_keys(self, plan, recorded):
+        return ["tp", "dp", "flavour"]
 
 
 @pytest.fixture
 def toy():
-    base = engines.default_kind()  # borrow the default's planner and runtime env; all else is the toy's
-    kind = dataclasses.replace(
-        base, name="toy", summary="a toy engine, registered by a test", record_file="toy.json",
-        config_section=None, planned_keys=(), default=False, stage_bounds=None,
-        make_plan=lambda cfg: ToyPlan(zero_stage=0, flavour="vanilla"), check_supported=_refuse,
-        relayout_refusal=lambda old, new: None if old.get("engine") == new.get("engine") else "not a toy checkpoint",
-        setup_groups=lambda plan: {}, build=lambda cfg, topo: pytest.fail("a dry run must not build"),
-        engine_config=lambda cfg, plan: {"flavour": plan.flavour, "dp": plan.dp}, checkpoint=_toy_checkpoint(),
-        describe=TOY_WORDS, prepare_runtime_env=None)
-    engines.register(kind)
+    kind = engines.register(ToyKind())
     yield kind
     engines.unregister("toy")
 
@@ -87,7 +132,8 @@ def test_the_built_in_engines_register_one_record_each():
     with pytest.raises(ConfigError, match=r"train\.engine='nope' is not one of"):
         load_config(QUICKSTART, ["train.engine=nope"])
     # the registry module imports no engine library (nor does looking an engine up)
-    assert "deepspeed" not in engines.__dict__ and all("import deepspeed" not in k.summary for k in engines.kinds())
+    assert "deepspeed" not in engines.__dict__ and all("import deepspeed" not in type(k).__doc__
+                                                       for k in engines.kinds())
 
 
 def test_a_toy_engine_plans_and_dry_runs(toy, capsys):
@@ -95,7 +141,7 @@ def test_a_toy_engine_plans_and_dry_runs(toy, capsys):
 
     cfg = load_config(QUICKSTART, ["train.engine=toy", "data.mock=true"])
     plan = RunPlan.build(cfg, 2, gpu=False)
-    assert (plan.engine, plan.engine_plan, plan.flavour) == ("toy", ToyPlan(0, "vanilla"), "vanilla")
+    assert (plan.engine, plan.engine_plan, plan.engine_plan.flavour) == ("toy", ToyPlan(0, "vanilla"), "vanilla")
     plan.check_made_from(cfg)
     with pytest.raises(ConfigError, match="train.engine 'toy' -> 'deepspeed'"):
         plan.check_made_from(load_config(QUICKSTART, ["data.mock=true"]))
@@ -137,12 +183,12 @@ def test_a_toy_engine_describes_and_records_itself(toy, tmp_path):
 
 
 def test_a_toy_checkpoint_is_read_by_the_toy_engines_detector(toy, tmp_path):
-    from megafixed.engine import is_model_file, read_state_dict, weights_in_every_rank_file
+    from megafixed.engine import is_model_file, weights_in_every_rank_file
     from megafixed.engine.weights import detect_layout, gather_state_dict, resolve_tag_dir
 
     (tmp_path / MARKER).write_text(json.dumps([1, 2, 3]))
     assert engines.checkpoint_kind(tmp_path) is toy
-    assert read_state_dict(tmp_path) == {"toy": [1, 2, 3]} == gather_state_dict(tmp_path)
+    assert gather_state_dict(tmp_path) == {"toy": [1, 2, 3]}
     assert resolve_tag_dir(tmp_path) == tmp_path and detect_layout(tmp_path) == (1, 1)
     assert is_model_file(MARKER) and not weights_in_every_rank_file(tmp_path)
     assert engines.checkpoint_kind(tmp_path / "elsewhere").default  # no toy marker: the default's format
@@ -155,8 +201,25 @@ def test_plan_sizes_a_toy_engine(toy, capsys):
     assert all(lay["layout"]["pp"] == 1 for lay in out["layouts"])  # the toy's refusal of pp > 1 holds
 
 
+def _missing(obj, protocol) -> list:
+    """The members of ``protocol`` (its methods, properties and annotated attributes) ``obj`` lacks."""
+    members = {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)
+    return sorted(m for m in members if not hasattr(obj, m))
+
+
+def test_every_engine_answers_every_member_of_its_protocols(toy):
+    # no member is optional (callers never ask with a default), so a missing one would fail only when called
+    for kind in engines.kinds():
+        for obj, protocol in ((kind, engines.EngineKind), (kind.checkpoint, engines.CheckpointFormat),
+                              (kind.planner, engines.Planner)):
+            assert not _missing(obj, protocol), (kind.name, protocol.__name__, _missing(obj, protocol))
+    assert {"build", "checkpoint", "planned_keys"} <= set(_missing(object(), engines.EngineKind))  # it can fail
+    assert {"FAKE_WORKER", "stage_bounds"} <= set(_missing(object(), engines.Planner))
+
+
 def test_the_toy_touched_no_engine_library(modules_before_this_file):
     # run last in this file: nothing above (planning, a dry run, a toy checkpoint) imported DeepSpeed's
     # runtime through the toy (`megafixed plan` may import DeepSpeed's partitioner for the default's arithmetic).
     # Counted from this file's first test: a test worker may have run another file's engine in this process.
     assert "megafixed.engine.native.build" not in set(sys.modules) - modules_before_this_file
+

@@ -52,7 +52,8 @@ def _checkpointer(tmp_path, *overrides):
 
     cfg = load_config(None, [f"train.run_dir={tmp_path / 'run'}", "train.max_steps=6", "train.save_interval=2",
                              "train.keep_checkpoints=2", "data.mock=true", *overrides])
-    plan = SimpleNamespace(tp=1, pp=1, dp=1, zero_stage=cfg.zero.stage, precision="fp32")  # a RunPlan's layout
+    plan = SimpleNamespace(tp=1, pp=1, dp=1, engine_plan=SimpleNamespace(zero_stage=cfg.zero.stage),
+                           precision="fp32")  # a RunPlan's layout
     topo = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, is_main=True, plan=plan)
     return Checkpointer(cfg.train, topo, RunIdentity.of(cfg, plan))
 

@@ -102,7 +102,7 @@ def _layout(spec: dict):
 
     cfg = layout_config(spec)
     lay = spec["layout"]
-    planner = engine_kind("torch").hook("planner")
+    planner = engine_kind("torch").planner
     pp = lay.get("pp", 1)
     layout = planner.make_layout(cfg, lay["tp"], pp, spec["gpus"] // lay["tp"] // pp, lay["dp_replicate"],
                                  lay["micro_batch"], lay["sequence_parallel"], "parameters")
@@ -230,7 +230,7 @@ def test_fake_refuses_pipelines_with_several_stages_per_rank():
     from megafixed.commands.plan_fake import refusal
     from megafixed.parallel.memory import Layout
 
-    planner = engine_kind("torch").hook("planner")
+    planner = engine_kind("torch").planner
     assert "vpp > 1" in refusal(Layout(pp=2, vpp=2, schedule="Interleaved1F1B", engine="torch"), planner, 4)
     assert refusal(Layout(pp=2, engine="torch"), planner, 4) is None
     assert refusal(Layout(dp=2, engine="torch"), planner, 2) is None

@@ -44,7 +44,7 @@ def test_engine_key_and_torch_engine_section():
 
 def test_plan_names_its_engine_and_is_bound_to_it():
     plan = RunPlan.build(_cfg("train.engine=torch", "torch_engine.dp_replicate=2"), 4, gpu=False)
-    assert (plan.engine, plan.dp, plan.dp_replicate) == ("torch", 4, 2)
+    assert (plan.engine, plan.dp, plan.engine_plan.dp_replicate) == ("torch", 4, 2)
     assert RunPlan.build(_cfg("torch_engine.dp_replicate=2"), 4, gpu=False).engine == "deepspeed"
     assert {"train.engine", "torch_engine.dp_replicate", "torch_engine.reshard_after_forward"} <= set(PLANNED_KEYS)
     with pytest.raises(ConfigError, match=r"train\.engine 'torch' -> 'deepspeed'"):

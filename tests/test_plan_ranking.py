@@ -24,7 +24,7 @@ def _row(cfg, gpus, replicate, micro):
     from megafixed.engines import engine_kind
     from megafixed.parallel.memory import estimate
 
-    planner = engine_kind("torch").hook("planner")
+    planner = engine_kind("torch").planner
     e = estimate(cfg.model, cfg.data.seq_len, planner.make_layout(cfg, 1, 1, gpus, replicate, micro, False,
                                                                   "parameters"), "bf16")
     return e, row_extras(cfg, e, LINKS, None, "bf16")

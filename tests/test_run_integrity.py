@@ -226,7 +226,8 @@ def test_resume_loads_the_tag_it_was_given_not_a_moved_latest(ws, tmp_path):
             return {"rng": []}
 
     cfg = load_config(str(run / "config.yaml"), [f"train.run_dir={run}"])
-    plan = SimpleNamespace(tp=1, pp=1, dp=1, zero_stage=cfg.zero.stage, precision="fp32")  # a RunPlan's layout
+    plan = SimpleNamespace(tp=1, pp=1, dp=1, engine_plan=SimpleNamespace(zero_stage=cfg.zero.stage),
+                           precision="fp32")  # a RunPlan's layout
     topo = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, is_main=True, plan=plan)
     Checkpointer(cfg.train, topo, RunIdentity.of(cfg, plan)).load(Engine(), point)
     assert seen == [TAG2]

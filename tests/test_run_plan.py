@@ -38,7 +38,7 @@ def test_quickstart_plan_on_cpu_and_for_gpus():
     assert cpu.batch.per_rank == t.global_batch
     assert cpu.batch.tokens_per_step == t.global_batch * cfg.data.seq_len == 32 * 128
     assert (cpu.precision, cpu.device, cpu.backend) == ("fp32", "cpu", "gloo")  # precision auto on CPU
-    assert (cpu.zero_stage, cpu.engine, cpu.sequence_parallel) == (cfg.zero.stage, "deepspeed", False)
+    assert (cpu.engine_plan.zero_stage, cpu.engine, cpu.sequence_parallel) == (cfg.zero.stage, "deepspeed", False)
     gpu = RunPlan.build(cfg, 1, gpu=True)  # a login node planning the GPU run
     assert (gpu.precision, gpu.device, gpu.backend) == ("bf16", "cuda", "nccl")
     assert gpu.dims == cpu.dims and gpu.batch == cpu.batch
@@ -52,7 +52,7 @@ def test_tp2_pp2_dp2_plan_matches_megatron_rank_order():
     assert plan.dims.names == ("tp", "dp", "pp")  # megatron-core's tp-cp-ep-dp-pp order, tp fastest
     assert (plan.tp, plan.dp, plan.pp, plan.world_size) == (2, 2, 2, 8)
     assert (plan.batch.global_batch, plan.batch.micro_batch, plan.batch.accum, plan.batch.dp) == (8, 2, 2, 2)
-    assert (plan.precision, plan.zero_stage, plan.sequence_parallel) == ("bf16", 1, True)
+    assert (plan.precision, plan.engine_plan.zero_stage, plan.sequence_parallel) == ("bf16", 1, True)
     assert plan.describe() == "8 ranks = tp 2 x pp 2 x dp 2; global batch 8 = micro 2 x accum 2 x dp 2"
     ref = _megatron_ranks(tp=2, dp=2, pp=2)
     for axes in (("tp",), ("dp",), ("pp",), ("tp", "pp")):

@@ -135,7 +135,7 @@ def test_a_layout_change_universal_checkpoints_cannot_cover_is_refused_naming_wh
     from megafixed.train.resume import ResumeError, check_resume, run_record
 
     def plan(tp, dp, zero):  # the layout a RunPlan gives the resume check (tp, pp, dp, zero_stage, precision)
-        return SimpleNamespace(tp=tp, pp=1, dp=dp, zero_stage=zero, precision="fp32")
+        return SimpleNamespace(tp=tp, pp=1, dp=dp, engine_plan=SimpleNamespace(zero_stage=zero), precision="fp32")
 
     cfg = load_config(None, ["parallel.tp=2", "zero.stage=0"])
     saved = run_record(cfg, plan(tp=2, dp=1, zero=0))

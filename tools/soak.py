@@ -395,10 +395,10 @@ class Soak:
         """(bit-identical, tensors compared, names that differ) of the two runs' final checkpoints."""
         import torch
 
-        from megafixed.engine import read_state_dict
+        from megafixed.engine.weights import gather_state_dict
 
-        a = read_state_dict(self.run_dir / "checkpoints" / latest(self.run_dir))
-        b = read_state_dict(ref / "checkpoints" / latest(ref))
+        a = gather_state_dict(self.run_dir / "checkpoints" / latest(self.run_dir))
+        b = gather_state_dict(ref / "checkpoints" / latest(ref))
         differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
         return not differ and len(a) > 0, len(a), differ
 

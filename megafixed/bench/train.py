@@ -277,7 +277,7 @@ def _header(cfg, topo, engines: list, *, warmup: int, rounds: int, flops_tok, pe
     plan, layout, device = topo.plan, topo.plan.batch, topo.device
     on_cuda = device.type == "cuda"
     # the plan's engine's own layout keys (DeepSpeed's zero_stage), as its run record has them
-    own = kind_of(plan).hook("describe").record_layout(plan)
+    own = kind_of(plan).record_layout(plan)
     return {"bench": "train", "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
             "precision": plan.precision, "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,

@@ -63,7 +63,7 @@ def run(args) -> int:
     budget = gpu_mem  # the room for the CUDA context, NCCL and fragmentation is each row's reserve
     from ..engines import engine_kind
 
-    planner = engine_kind(cfg.train.engine).hook("planner")  # the engine's sharding arithmetic and column
+    planner = engine_kind(cfg.train.engine).planner  # the engine's sharding arithmetic and column
     zname, zw = planner.COLUMN
     from .plan_fake import add_fake, measure_rows
     from .plan_rank import config_precision, overrides_of, pick
@@ -125,8 +125,9 @@ def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: f
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
     if planner.intro(args.precision):
         print(planner.intro(args.precision))
-    if hasattr(planner, "accumulation_note"):  # an engine whose reductions per micro batch are its own
-        print(planner.accumulation_note(m, args.gpus, cfg.train.global_batch, args.precision))
+    note = planner.accumulation_note(m, args.gpus, cfg.train.global_batch, args.precision)
+    if note:  # an engine whose reductions per micro batch are its own
+        print(note)
     if any(e.pipeline for e in estimates):  # an engine that sizes its own pipeline (the schedule column)
         print(f"pipeline (pp > 1): parallel.pp_schedule={cfg.parallel.pp_schedule}, parallel.vpp={cfg.parallel.vpp}; "
               f"bubble = idle / busy time per rank replayed from the schedule's own action table (F = I = W = 1, "
@@ -185,7 +186,7 @@ def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = No
     than in ``parallel.memory`` (which the run plan's layer sits on)."""
     from ..engines import engine_kind
 
-    planner = engine_kind(getattr(cfg.train, "engine", None)).hook("planner")
+    planner = engine_kind(cfg.train.engine).planner
     out = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
     for tp in tps:

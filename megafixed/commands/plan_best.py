@@ -37,7 +37,7 @@ def best_layout(config: str, overrides: list, gpus: int, *, gpu_mem: str, gpu_ty
     from .plan_rank import config_precision, layout_keys, not_judged, overrides_of
 
     cfg = load_config(config, overrides)
-    planner = engine_kind(cfg.train.engine).hook("planner")
+    planner = engine_kind(cfg.train.engine).planner
     given = {item.split("=", 1)[0].strip() for item in overrides}
     clash = sorted(given & set(layout_keys(planner)))
     if clash:

@@ -73,7 +73,7 @@ def step_time_bound(m, traffic, layout, args, n_params: int, tokens: int, bubble
 
 
 def refusal(layout, planner, gpus: int) -> str | None:
-    if getattr(planner, "FAKE_WORKER", None) is None:
+    if planner.FAKE_WORKER is None:
         return planner.fake_refusal(layout)
     if gpus > MAX_FAKE_WORLD:
         return f"--fake measures up to {MAX_FAKE_WORLD} ranks, not {gpus}"

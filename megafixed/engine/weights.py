@@ -1,6 +1,7 @@
 """Weights in the engines' checkpoint formats, for the commands that move them (``megafixed
-convert``, ``megafixed import hf``, evaluation): gather any layout into a plain GPT state dict,
-shard one into a layout's file set, convert to the re-layout format.
+convert``, ``megafixed import hf``, evaluation, ``train.init_from``): gather any layout into a plain
+GPT state dict (``gather_state_dict``, the one reader), shard one into a layout's file set, convert
+to the re-layout format.
 
 Reading takes any registered engine's checkpoints: the engine whose checkpoint detector claims the
 tag reads it (``megafixed.engines.checkpoint_kind``; the DeepSpeed engine's files are the default
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engines import checkpoint_kind, default_kind, kinds
+from ..engines import CheckpointFormat, checkpoint_kind, default_kind, kinds
 from .deepspeed.convert import (  # noqa: F401  (the written format's public functions)
     ConvertError,
     check_target_layout,
@@ -20,8 +21,8 @@ from .deepspeed.convert import (  # noqa: F401  (the written format's public fun
 )
 
 
-def _format(tag_dir):
-    return checkpoint_kind(Path(tag_dir)).hook("checkpoint")
+def _format(tag_dir) -> CheckpointFormat:
+    return checkpoint_kind(Path(tag_dir)).checkpoint
 
 
 def resolve_tag_dir(ckpt, tag: str | None = None) -> Path:
@@ -29,22 +30,18 @@ def resolve_tag_dir(ckpt, tag: str | None = None) -> Path:
     root = Path(ckpt)
     if tag is None and root.is_dir():
         for kind in kinds()[1:]:  # a tag another engine's detector claims
-            fmt = kind.hook("checkpoint")
+            fmt = kind.checkpoint
             if fmt.is_checkpoint(root):
                 return fmt.resolve_tag_dir(root)
-    return default_kind().hook("checkpoint").resolve_tag_dir(ckpt, tag)
+    return default_kind().checkpoint.resolve_tag_dir(ckpt, tag)
 
 
 def gather_state_dict(ckpt, tag: str | None = None, verify: bool = True) -> dict:
     """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of any engine and
-    any layout; its files are checked against the manifest first (``verify=False``: the caller did)."""
+    any layout (TP, PP, ZeRO 0-3, DCP); the files it reads are checked against the manifest first
+    (``verify=False``: the caller did)."""
     tag_dir = resolve_tag_dir(ckpt, tag)
-    kind = checkpoint_kind(tag_dir)
-    if kind.default:  # its module files (a ZeRO-3 tag's partitions: ``megafixed.engine.read_state_dict``)
-        from .deepspeed.convert import gather_state_dict as gather
-
-        return gather(tag_dir, verify=verify)
-    return kind.hook("checkpoint").read_state_dict(tag_dir, verify=verify)
+    return _format(tag_dir).read_state_dict(tag_dir, verify=verify)
 
 
 def detect_layout(tag_dir: Path) -> tuple[int, int]:

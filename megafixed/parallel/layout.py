@@ -108,7 +108,7 @@ def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLa
     """Raise ``LayoutError`` for a layout that cannot work; return its batch layout (with dp).
 
     ``precision`` is the resolved one (``run_plan.resolve_precision``); the engine-specific rules
-    that read it are the engine's (``megafixed.engine.check_supported``)."""
+    that read it are the engine's (``EngineKind.check_supported``)."""
     dp = data_parallel_size(cfg.parallel, world)
     axes = model_parallel_axes(cfg.parallel)
     tp, pp = axes["tp"], axes["pp"]

@@ -99,7 +99,7 @@ class Layout:
         """Its engine's planner (``EngineKind.planner``: its sharding arithmetic and table column)."""
         from ..engines import engine_kind
 
-        return engine_kind(self.engine).hook("planner")
+        return engine_kind(self.engine).planner
 
 
 @dataclass
@@ -194,11 +194,7 @@ def stage_bounds(m, layout: Layout, partition: str = "parameters") -> list[int]:
 
 
 def _stage_bounds(m, layout: Layout, partition: str) -> list[int]:
-    from ..engines import engine_kind
-
-    def engine_stage_bounds(weights, parts, method):  # the layout's engine's partitioner (DeepSpeed's)
-        return engine_kind(layout.engine).call("stage_bounds", weights, parts, method)
-
+    engine_stage_bounds = layout.planner.stage_bounds  # the layout's engine's partitioner (DeepSpeed's)
     n_items = m.n_layers + 2
     if layout.pp == 1:
         return [0, n_items]
@@ -319,9 +315,9 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
     """Memory per GPU on the most loaded pipeline stage."""
     e = 4 if precision == "fp32" else 2
     masks = (m.dropout > 0) if dropout_masks is None else dropout_masks
-    own = getattr(layout.planner, "pipeline_estimate", None)
-    if layout.pp > 1 and own is not None:  # the engine sizes its own pipeline (its split, its schedule)
-        return own(m, seq, layout, precision, masks)
+    own = layout.planner.pipeline_estimate(m, seq, layout, precision, masks) if layout.pp > 1 else None
+    if own is not None:  # the engine sizes its own pipeline (its split, its schedule)
+        return own
     per_stage = stage_params(m, layout, layout.partition)
     blocks = blocks_per_stage(m, layout, layout.partition)
     t, b, sp = layout.tp, layout.micro_batch, layout.sequence_parallel
@@ -344,11 +340,11 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         p, g, o = model_state_bytes(n_params, layout, precision)
         p += layout.planner.working_param_bytes(m, layout, n_params, precision, e)  # e.g. FSDP2's gathered copies
         est = Estimate(layout, p, g, o, act, n_params)
-        phases = getattr(layout.planner, "reduction_phase", None)  # DeepSpeed's buckets and copies; FSDP2's accum 1
-        if phases is not None:
-            # the last backward's layer: what is live beside the gradients as the backward ends
-            buffers, est.grads_in_backward, est.reduction = phases(m, layout, n_params, precision, layer)
-            est.grads += buffers
+        # DeepSpeed's buckets and copies; FSDP2's at accum 1. The last backward's layer: what is live
+        # beside the gradients as the backward ends
+        buffers, est.grads_in_backward, est.reduction = layout.planner.reduction_phase(m, layout, n_params,
+                                                                                       precision, layer)
+        est.grads += buffers
         if best is None or est.total > best.total:
             best = est
     return best

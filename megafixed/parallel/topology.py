@@ -132,7 +132,7 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
     at = plan.dims.coords(rank)
     from ..engines import kind_of
 
-    groups = kind_of(plan).call("setup_groups", plan)  # the engine's own: megatron-core's, or a DeviceMesh
+    groups = kind_of(plan).setup_groups(plan)  # the engine's own: megatron-core's, or a DeviceMesh
     topo = Topology(world_size=plan.world_size, rank=rank, local_rank=local_rank, tp=tp, pp=pp, dp=dp,
                     sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], pp_rank=at["pp"],
                     dp_rank=at["dp"], device=device, backend=plan.backend, plan=plan, **groups)

@@ -71,7 +71,7 @@ class RunDirectory:
 
     def engine_config_file(self, engine: str) -> Path:
         """Where the config record of ``engine`` (``Engine.name``; ``Engine.config_record``) goes:
-        its registry record's ``record_file`` (``ds_config.json``, ``torch_engine.json``)."""
+        its ``EngineKind.record_file`` (``ds_config.json``, ``torch_engine.json``)."""
         from ..engines import engine_kind
 
         return self.path / engine_kind(engine).record_file

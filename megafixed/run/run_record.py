@@ -33,10 +33,10 @@ def run_record(cfg, plan) -> dict:
 
 def record_layout(plan) -> dict:
     """The layout keys of a run record: every engine's (tp, pp, dp, precision, engine) and the
-    plan's engine's own (``EngineKind.describe.record_layout``: DeepSpeed's ``zero_stage``; the torch
+    plan's engine's own (``EngineKind.record_layout``: DeepSpeed's ``zero_stage``; the torch
     engine has none, as it does not read ``zero.*``, so a record of it must not claim a stage)."""
     kind = kind_of(plan)
-    own = kind.hook("describe").record_layout(plan)
+    own = kind.record_layout(plan)
     layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, **own, "precision": plan.precision, "engine": kind.name}
     return layout
 

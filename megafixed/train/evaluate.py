@@ -55,7 +55,7 @@ def evaluate_loss(cfg, model: nn.Module, dataset, *, micro_batch: Optional[int] 
 def trained_state_dict(ckpt_dir: str | os.PathLike, tag: str) -> dict:
     """The full plain-GPT state dict of ``ckpt_dir/tag``, whatever layout wrote it.
 
-    The engine's reader gathers it (``megafixed.engine.read_state_dict``: TP/PP shards, ZeRO 0-3).
+    The engine's reader gathers it (``megafixed.engine.weights.gather_state_dict``: TP/PP shards, ZeRO 0-3).
     """
     from ..engine import is_model_file, weights_in_every_rank_file
     from ..run.manifest import verify_for_reading
@@ -75,10 +75,11 @@ def trained_state_dict(ckpt_dir: str | os.PathLike, tag: str) -> dict:
 
 
 def _read_state_dict(tag_dir: Path) -> dict:
-    from ..engine import ConvertError, read_state_dict
+    from ..engine import ConvertError
+    from ..engine.weights import gather_state_dict
 
     try:
-        return read_state_dict(tag_dir, verify=False)
+        return gather_state_dict(tag_dir, verify=False)
     except ConvertError as exc:
         raise CheckpointError(str(exc)) from None
 

@@ -316,4 +316,4 @@ def _engine_words(plan) -> str:
     in the plan's engine's own words."""
     from ..engines import kind_of
 
-    return kind_of(plan).hook("describe").start_words(plan)
+    return kind_of(plan).start_words(plan)

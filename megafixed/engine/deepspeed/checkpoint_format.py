@@ -1,5 +1,5 @@
-"""The DeepSpeed engine's checkpoint format, as the engine registry asks for it (``EngineKind.
-checkpoint``): the files of ``convert.py`` (module files per TP/PP rank, ZeRO partitions) and
+"""The DeepSpeed engine's checkpoint format, as the engine registry asks for it (``megafixed.engines.
+CheckpointFormat``): the files of ``convert.py`` (module files per TP/PP rank, ZeRO partitions) and
 DeepSpeed's universal checkpoint as the re-layout format. The default engine: it is asked last,
 and claims whatever no other engine's detector does."""
 from __future__ import annotations
@@ -14,10 +14,8 @@ def is_checkpoint(tag_dir) -> bool:
 
 
 def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
-    from .convert import gather_state_dict, read_zero3_state_dict
+    from .convert import gather_state_dict
 
-    if is_zero3(Path(tag_dir)):
-        return read_zero3_state_dict(Path(tag_dir))
     return gather_state_dict(Path(tag_dir), verify=verify)
 
 

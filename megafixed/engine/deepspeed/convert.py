@@ -180,15 +180,17 @@ def _merge_tp(shards: list[dict]) -> dict:
 
 
 def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None, verify: bool = True) -> dict:
-    """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of any layout.
-    Its model files are checked against the checkpoint's manifest first (``verify=False``: the
-    caller already did)."""
+    """A plain ``GPT`` state dict (full tensors, GPT key names) from a checkpoint of any layout and
+    ZeRO stage. The files it reads are checked against the checkpoint's manifest first (``verify=
+    False``: the caller already did): the model files, or under ZeRO-3 every rank's partitions."""
     tag_dir = resolve_tag_dir(ckpt, tag)
+    zero3 = is_zero3(tag_dir)
     unverified: list = []  # a pre-manifest checkpoint's warning, said once it has been read
     if verify:
         from ...run.manifest import verify_for_reading
-        verify_for_reading(tag_dir, only=lambda name: bool(MODEL_FILE_RE.match(name)), warn=unverified.append)
-    sd = _gather(tag_dir)
+        only = None if zero3 else lambda name: bool(MODEL_FILE_RE.match(name))
+        verify_for_reading(tag_dir, only=only, warn=unverified.append)
+    sd = read_zero3_state_dict(tag_dir) if zero3 else _gather(tag_dir)
     if unverified:
         from ...run.manifest import warn
         warn(unverified[0])

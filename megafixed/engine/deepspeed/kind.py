@@ -1,84 +1,99 @@
-"""The DeepSpeed engine's one record in the engine registry (``megafixed.engines``), and its part
-of the run plan. Light: it imports neither DeepSpeed nor megatron-core (its hooks are module paths,
-imported when called), so ``megafixed plan``, ``--help`` and ``--dry-run`` stay fast."""
+"""The DeepSpeed engine as the engine registry asks it (``megafixed.engines.EngineKind``), and its
+part of the run plan. Light: each method imports DeepSpeed or megatron-core when it is called, so
+``megafixed plan``, ``--help`` and ``--dry-run`` stay fast."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...engines import EngineKind, register
-
-NAME = "deepspeed"
-_PKG = "megafixed.engine.deepspeed"
+from ...engines import register
 
 
 @dataclass(frozen=True)
 class DeepSpeedPlan:
-    """The DeepSpeed engine's part of a ``RunPlan`` (``plan.engine_plan``; read as ``plan.zero_stage``)."""
+    """The DeepSpeed engine's part of a ``RunPlan`` (``plan.engine_plan``)."""
     zero_stage: int  # zero.stage
 
 
-def make_plan(cfg) -> DeepSpeedPlan:
-    return DeepSpeedPlan(zero_stage=cfg.zero.stage)
+class DeepSpeedKind:
+    """DeepSpeed: ZeRO 0-3, its pipeline engine, megatron-core TP layers (the default)."""
+
+    name = "deepspeed"
+    record_file = "ds_config.json"
+    planned_keys = ("zero.stage",)
+    default = True
+
+    @property
+    def checkpoint(self):
+        from . import checkpoint_format
+
+        return checkpoint_format
+
+    @property
+    def planner(self):
+        from . import planner
+
+        return planner
+
+    def make_plan(self, cfg) -> DeepSpeedPlan:
+        return DeepSpeedPlan(zero_stage=cfg.zero.stage)
+
+    def check_supported(self, cfg, plan) -> None:
+        from .support import check_supported
+
+        check_supported(cfg, plan)
+
+    def relayout_refusal(self, old: dict, new: dict):
+        from .universal import unsupported
+
+        return unsupported(old, new)
+
+    def setup_groups(self, plan) -> dict:
+        from .groups import megatron_groups
+
+        return megatron_groups(plan)
+
+    def build(self, cfg, topo, checks=None):
+        from .build import build
+
+        return build(cfg, topo, topo.plan.batch, topo.plan.precision, checks)
+
+    def engine_config(self, cfg, plan) -> dict:
+        """DeepSpeed's JSON, for the machine the plan is for (a dry run on a CPU login node plans a GPU run)."""
+        from .config import deepspeed_config
+
+        return deepspeed_config(cfg, plan.batch, plan.precision, gpu=plan.on_gpu)
+
+    def prepare_runtime_env(self) -> None:
+        from .env import prepare_runtime_env
+
+        prepare_runtime_env()
+
+    def accelerator_name(self) -> str:
+        """The one DeepSpeed picked at import."""
+        from .env import accelerator_name
+
+        return accelerator_name()
+
+    def start_words(self, plan) -> str:
+        return f"zero {plan.engine_plan.zero_stage}"
+
+    def config_title(self) -> str:
+        return self.name
+
+    def dry_run_words(self, plan, record: dict) -> str:
+        return f"zero {plan.engine_plan.zero_stage}"
+
+    def dry_run_lines(self, cfg, plan) -> list:
+        return []
+
+    def record_layout(self, plan) -> dict:
+        return {"zero_stage": plan.engine_plan.zero_stage}
+
+    def layout_change_keys(self, plan, recorded: dict) -> list:
+        """The DP size counts only when a side partitions the optimizer (ZeRO >= 1), and a change
+        means a universal resume."""
+        partitioned = max(plan.engine_plan.zero_stage, recorded.get("zero_stage", 0)) >= 1
+        return ["tp", "pp", "zero_stage", "precision"] + (["dp"] if partitioned else [])
 
 
-# ---- how it describes itself (the `describe` hook is this module)
-def start_words(plan) -> str:
-    """What shards the state, for the trainer's start line."""
-    return f"zero {plan.zero_stage}"
-
-
-def dry_run_words(plan, record: dict) -> str:
-    return f"zero {plan.zero_stage}"
-
-
-def config_title() -> str:
-    return NAME
-
-
-def record_layout(plan) -> dict:
-    """Its keys in a run record's layout."""
-    return {"zero_stage": plan.zero_stage}
-
-
-def layout_change_keys(plan, recorded: dict) -> list:
-    """The layout keys whose change means a re-layout: the DP size counts only when a side
-    partitions the optimizer (ZeRO >= 1), and a change means a universal resume."""
-    partitioned = max(plan.zero_stage, recorded.get("zero_stage", 0)) >= 1
-    return ["tp", "pp", "zero_stage", "precision"] + (["dp"] if partitioned else [])
-
-
-def _groups(plan) -> dict:
-    from .groups import megatron_groups
-
-    return megatron_groups(plan)
-
-
-def _build(cfg, topo, checks=None):
-    from .build import build
-
-    return build(cfg, topo, topo.plan.batch, topo.plan.precision, checks)
-
-
-def _engine_config(cfg, plan) -> dict:
-    """DeepSpeed's JSON, for the machine the plan is for (a dry run on a CPU login node plans a GPU run)."""
-    from .config import deepspeed_config
-
-    return deepspeed_config(cfg, plan.batch, plan.precision, gpu=plan.on_gpu)
-
-
-KIND = register(EngineKind(
-    name=NAME, summary="DeepSpeed: ZeRO 0-3, its pipeline engine, megatron-core TP layers (the default)",
-    record_file="ds_config.json", config_section="zero", planned_keys=("zero.stage",), default=True,
-    make_plan=make_plan,
-    check_supported=f"{_PKG}.support:check_supported",
-    relayout_refusal=f"{_PKG}.universal:unsupported",
-    setup_groups=_groups,
-    build=_build,
-    engine_config=_engine_config,
-    checkpoint=f"{_PKG}.checkpoint_format",
-    describe=f"{_PKG}.kind",
-    planner=f"{_PKG}.planner",
-    prepare_runtime_env=f"{_PKG}.env:prepare_runtime_env",
-    stage_bounds=f"{_PKG}.pipeline:partition",
-    extra={"accelerator_name": f"{_PKG}.env:accelerator_name"},  # the one DeepSpeed picked at import
-))
+register(DeepSpeedKind())

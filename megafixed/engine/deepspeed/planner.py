@@ -1,4 +1,4 @@
-"""How ``megafixed plan`` sizes the DeepSpeed engine's layouts (its registry record's ``planner``):
+"""How ``megafixed plan`` sizes the DeepSpeed engine's layouts (``megafixed.engines.Planner``):
 the ZeRO arithmetic of ``megafixed.parallel.memory`` (the model-state bytes per stage 0-3), DeepSpeed's
 own buffers as its config sets them (``zero_buffers.py``: the reduction bucket, ZeRO-3's gathered and
 persistent parameters, the reduction's copies) and its column of the table. Light: arithmetic only.
@@ -31,6 +31,13 @@ def make_layout(cfg, tp, pp, dp, stage, micro, sp, part):
 
     return Layout(tp, pp, dp, stage, micro, sp, cfg.train.activation_checkpointing, part, cfg.train.engine,
                   accum=max(cfg.train.global_batch // (micro * dp), 1), reduce_bucket=cfg.zero.reduce_bucket_size)
+
+
+def stage_bounds(weights: list, parts: int, method: str) -> list[int]:
+    """Its pipeline's split, by DeepSpeed's own partitioner (``PipelineModule``'s)."""
+    from .pipeline import partition
+
+    return partition(weights, parts, method)
 
 
 def model_state_bytes(n_params: int, layout, precision: str) -> tuple[float, float, float]:
@@ -108,6 +115,10 @@ def reduction_phase(m, layout, n_params: int, precision: str, layer: float = 0.0
         return bucket, None, e * min(layout.reduce_bucket, n)
     held = model_state_bytes(n, layout, precision)[1] if accumulating else 0.0
     return bucket, bucket + held, e * min(layout.reduce_bucket, n)
+
+
+def pipeline_estimate(m, seq: int, layout, precision: str, masks: bool):
+    return None  # its 1F1B pipeline is the engine-neutral estimate's (``parallel.memory.estimate``)
 
 
 def rank_sharding(layout) -> int:

@@ -1,5 +1,5 @@
-"""The torch engine's checkpoint format, as the engine registry asks for it (``EngineKind.
-checkpoint``): a DCP checkpoint (its ``.metadata`` index and one shard file per rank, whatever the
+"""The torch engine's checkpoint format, as the engine registry asks for it (``megafixed.engines.
+CheckpointFormat``): a DCP checkpoint (its ``.metadata`` index and one shard file per rank, whatever the
 layout), so its layout and model config come from the run record, and it needs no re-layout format.
 Imports DCP only when a reader is called."""
 from __future__ import annotations

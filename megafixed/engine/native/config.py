@@ -87,8 +87,9 @@ def _gradient_sync(plan, b) -> str:
         return "once per step, after the last microbatch (the pipeline schedule)"
     if b.accum == 1:
         return "every step"
-    shard = "reduce-scatter every micro batch" if plan.dp // plan.dp_replicate > 1 else ""
-    replicas = "all-reduce over the replicas once per step, after the last micro batch" if plan.dp_replicate > 1 else ""
+    replicate = plan.engine_plan.dp_replicate
+    shard = "reduce-scatter every micro batch" if plan.dp // replicate > 1 else ""
+    replicas = "all-reduce over the replicas once per step, after the last micro batch" if replicate > 1 else ""
     return "; ".join(x for x in (shard, replicas) if x) or "every step"
 
 
@@ -100,9 +101,10 @@ def pipeline_record(cfg, plan) -> dict:
     from .bubble import bubble
     from .schedules import canonical_name, stage_spans
 
-    name = canonical_name(plan.pp_schedule)
-    spans = stage_spans(cfg.model.n_layers, plan.pp * plan.vpp, plan.pp_input_head_layers)
-    return {"degree": plan.pp, "stages_per_rank": plan.vpp, "input_head_layers": plan.pp_input_head_layers,
+    own = plan.engine_plan
+    name = canonical_name(own.pp_schedule)
+    spans = stage_spans(cfg.model.n_layers, plan.pp * own.vpp, own.pp_input_head_layers)
+    return {"degree": plan.pp, "stages_per_rank": own.vpp, "input_head_layers": own.pp_input_head_layers,
             "by": "torch.distributed.pipelining (PipelineStage + the schedule class)",
             "stage_blocks": [[s.first, s.end] for s in spans],
-            **bubble(name, plan.pp, plan.batch.accum, plan.vpp).as_dict()}
+            **bubble(name, plan.pp, plan.batch.accum, own.vpp).as_dict()}

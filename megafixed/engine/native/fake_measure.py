@@ -50,7 +50,7 @@ def topology(cfg, plan, rank: int, device: torch.device):
     from .mesh import build_mesh, dp_submesh
 
     shape = SimpleNamespace(dp=plan.dp, tp=plan.tp, pp=plan.pp, device=device)
-    mesh = build_mesh(shape, plan.dp_replicate)
+    mesh = build_mesh(shape, plan.engine_plan.dp_replicate)
     at = plan.dims.coords(rank)
     return Topology(world_size=plan.world_size, rank=rank, local_rank=0, tp=plan.tp, pp=plan.pp, dp=plan.dp,
                     sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], pp_rank=at["pp"], dp_rank=at["dp"],

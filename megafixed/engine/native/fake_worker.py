@@ -24,7 +24,7 @@ def layout_config(spec: dict):
     cfg = load_config(spec["config"], spec.get("overrides", []))
     lay = asdict(Layout(**spec["layout"]))  # a partial layout: the rest at Layout's defaults
     cfg.parallel.tp, cfg.parallel.pp = lay["tp"], lay["pp"]
-    engine_kind(cfg.train.engine).hook("planner").set_sharding(cfg, lay["dp_replicate"])
+    engine_kind(cfg.train.engine).planner.set_sharding(cfg, lay["dp_replicate"])
     cfg.parallel.sequence_parallel, cfg.train.micro_batch = lay["sequence_parallel"], lay["micro_batch"]
     cfg.train.activation_checkpointing = lay["activation_checkpointing"]
     cfg.parallel.pp_schedule, cfg.parallel.vpp = lay["schedule"], lay["vpp"]

@@ -1,18 +1,15 @@
-"""The torch engine's one record in the engine registry (``megafixed.engines``), and its part of
-the run plan. Light: its hooks are module paths, imported when called (DCP, FSDP2 only then)."""
+"""The torch engine as the engine registry asks it (``megafixed.engines.EngineKind``), and its part
+of the run plan. Light: each method imports what it needs when called (DCP, FSDP2 only then)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...engines import EngineKind, register
-
-NAME = "torch"
-_PKG = "megafixed.engine.native"
+from ...engines import register
 
 
 @dataclass(frozen=True)
 class TorchPlan:
-    """The torch engine's part of a ``RunPlan`` (``plan.engine_plan``; read as ``plan.dp_replicate``)."""
+    """The torch engine's part of a ``RunPlan`` (``plan.engine_plan``)."""
     dp_replicate: int  # torch_engine.dp_replicate: HSDP's replicate degree (1 = FSDP over all of dp)
     reshard_after_forward: bool  # torch_engine.reshard_after_forward
     # its pipeline (parallel.pp > 1): torch.distributed.pipelining's schedule, stages per rank, the split
@@ -21,102 +18,114 @@ class TorchPlan:
     pp_input_head_layers: int = 1  # parallel.pp_input_head_layers
 
 
-def make_plan(cfg) -> TorchPlan:
-    t, p = cfg.torch_engine, cfg.parallel
-    return TorchPlan(dp_replicate=t.dp_replicate, reshard_after_forward=t.reshard_after_forward,
-                     pp_schedule=p.pp_schedule, vpp=p.vpp, pp_input_head_layers=p.pp_input_head_layers)
+class TorchKind:
+    """torch-native: FSDP2/HSDP, DTensor TP/SP, torch.distributed.pipelining, torch.distributed.checkpoint."""
+
+    name = "torch"
+    record_file = "torch_engine.json"
+    planned_keys = ("torch_engine.dp_replicate", "torch_engine.reshard_after_forward", "parallel.pp_schedule",
+                    "parallel.vpp", "parallel.pp_input_head_layers")
+    default = False
+
+    @property
+    def checkpoint(self):
+        from . import checkpoint_format
+
+        return checkpoint_format
+
+    @property
+    def planner(self):
+        from . import planner
+
+        return planner
+
+    def make_plan(self, cfg) -> TorchPlan:
+        t, p = cfg.torch_engine, cfg.parallel
+        return TorchPlan(dp_replicate=t.dp_replicate, reshard_after_forward=t.reshard_after_forward,
+                         pp_schedule=p.pp_schedule, vpp=p.vpp, pp_input_head_layers=p.pp_input_head_layers)
+
+    def check_supported(self, cfg, plan) -> None:
+        from .support import check_supported
+
+        check_supported(cfg, plan)
+
+    def relayout_refusal(self, old: dict, new: dict):
+        from .checkpoint import relayout_refusal
+
+        return relayout_refusal(old, new)
+
+    def setup_groups(self, plan) -> dict:
+        """One DeviceMesh in the plan's rank order, and its groups (no megatron-core on this path)."""
+        from .mesh import build_mesh, dp_submesh
+
+        mesh = build_mesh(plan, plan.engine_plan.dp_replicate)
+        tp_group = mesh["tp"].get_group()
+        return dict(mesh=mesh, tp_group=tp_group, dp_group=dp_submesh(mesh).get_group(),
+                    model_parallel_group=tp_group)
+
+    def build(self, cfg, topo, checks=None):
+        from .build import build
+
+        return build(cfg, topo, checks)
+
+    def engine_config(self, cfg, plan) -> dict:
+        from .config import engine_config
+
+        return engine_config(cfg, plan)
+
+    def prepare_runtime_env(self) -> None:
+        """Nothing to set before torch: it has no accelerator to pick at import, and no library outside
+        torch whose version to check (DeepSpeed's check is DeepSpeed's)."""
+
+    def accelerator_name(self) -> str:
+        """The device the engine runs on: torch's own (no library picks one at import)."""
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def start_words(self, plan) -> str:
+        """``torch engine, FSDP2 over dp 2`` / ``HSDP 2 x 2``: what shards the state."""
+        replicate = plan.engine_plan.dp_replicate
+        if plan.dp == 1:
+            return "torch engine"
+        if replicate == 1:
+            return f"torch engine, FSDP2 over dp {plan.dp}"
+        return f"torch engine, HSDP {replicate} x {plan.dp // replicate}"
+
+    def config_title(self) -> str:
+        return f"{self.name} engine"
+
+    def dry_run_words(self, plan, record: dict) -> str:
+        d = record["data_parallel"]
+        return f"engine torch, {d['mode']} (dp_replicate {d['replicate_degree']} x dp_shard {d['shard_degree']})"
+
+    def dry_run_lines(self, cfg, plan) -> list:
+        """Under PP: the schedule, its bubble and each stage's in-flight activation memory
+        (``pipeline_plan.py``)."""
+        if plan.pp == 1:
+            return []
+        from ...parallel.memory import GiB, estimate
+        from .planner import make_layout
+
+        b = plan.batch
+        layout = make_layout(cfg, plan.tp, plan.pp, plan.dp, plan.engine_plan.dp_replicate, b.micro_batch,
+                             plan.sequence_parallel, "parameters")
+        pipe = estimate(cfg.model, b.seq_len, layout, plan.precision).pipeline
+        acts = ", ".join(f"stage {k}: {pipe['in_flight_per_stage'][k]} in flight, {v / GiB:.3f} GiB"
+                         for k, v in pipe["activation_bytes_per_stage"].items())
+        return [f"# pipeline: {pipe['schedule']}, {plan.pp} ranks x {pipe['vpp']} stages, {b.accum} microbatches; "
+                f"bubble {pipe['bubble_fraction']:.3f} from its action table ((p-1)/(v*m) = "
+                f"{pipe['bubble_formula']:.3f}); activations {acts}"]
+
+    def record_layout(self, plan) -> dict:
+        """None of its own keys: it does not read ``zero.*`` (FSDP2 shards by the DP degree), so a record
+        of it must not claim a stage."""
+        return {}
+
+    def layout_change_keys(self, plan, recorded: dict) -> list:
+        """FSDP2 shards parameters and optimizer state over the DP ranks, so every DP/TP change is a
+        re-layout, which DCP's resharding does on load."""
+        return ["tp", "pp", "dp", "precision"]
 
 
-# ---- how it describes itself (the `describe` hook is this module)
-def start_words(plan) -> str:
-    """``torch engine, FSDP2 over dp 2`` / ``HSDP 2 x 2``: what shards the state."""
-    replicate = plan.dp_replicate
-    if plan.dp == 1:
-        return "torch engine"
-    if replicate == 1:
-        return f"torch engine, FSDP2 over dp {plan.dp}"
-    return f"torch engine, HSDP {replicate} x {plan.dp // replicate}"
-
-
-def dry_run_words(plan, record: dict) -> str:
-    d = record["data_parallel"]
-    return f"engine torch, {d['mode']} (dp_replicate {d['replicate_degree']} x dp_shard {d['shard_degree']})"
-
-
-def dry_run_lines(cfg, plan) -> list:
-    """Under PP: the schedule, its bubble and each stage's in-flight activations (``pipeline_plan.py``)."""
-    if plan.pp == 1:
-        return []
-    return [_pipeline_line(cfg, plan)]
-
-
-def _pipeline_line(cfg, plan) -> str:
-    """``--dry-run``'s line: the schedule, its bubble and each stage's in-flight activation memory."""
-    from ...parallel.memory import GiB, estimate
-    from .planner import make_layout
-
-    b = plan.batch
-    layout = make_layout(cfg, plan.tp, plan.pp, plan.dp, plan.dp_replicate, b.micro_batch, plan.sequence_parallel,
-                         "parameters")
-    pipe = estimate(cfg.model, b.seq_len, layout, plan.precision).pipeline
-    acts = ", ".join(f"stage {k}: {pipe['in_flight_per_stage'][k]} in flight, {v / GiB:.3f} GiB"
-                     for k, v in pipe["activation_bytes_per_stage"].items())
-    return (f"# pipeline: {pipe['schedule']}, {plan.pp} ranks x {pipe['vpp']} stages, {b.accum} microbatches; bubble "
-            f"{pipe['bubble_fraction']:.3f} from its action table ((p-1)/(v*m) = {pipe['bubble_formula']:.3f}); "
-            f"activations {acts}")
-
-
-def config_title() -> str:
-    return f"{NAME} engine"
-
-
-def record_layout(plan) -> dict:
-    """None of its own keys: it does not read ``zero.*`` (FSDP2 shards by the DP degree), so a record
-    of it must not claim a stage."""
-    return {}
-
-
-def layout_change_keys(plan, recorded: dict) -> list:
-    """FSDP2 shards parameters and optimizer state over the DP ranks, so every DP/TP change is a
-    re-layout, which DCP's resharding does on load."""
-    return ["tp", "pp", "dp", "precision"]
-
-
-def _groups(plan) -> dict:
-    """One DeviceMesh in the plan's rank order, and its groups (no megatron-core on this path)."""
-    from .mesh import build_mesh, dp_submesh
-
-    mesh = build_mesh(plan, plan.dp_replicate)
-    tp_group = mesh["tp"].get_group()
-    return dict(mesh=mesh, tp_group=tp_group, dp_group=dp_submesh(mesh).get_group(), model_parallel_group=tp_group)
-
-
-def _prepare_runtime_env() -> None:
-    """Nothing to set before torch: it has no accelerator to pick at import, and no library outside
-    torch whose version to check (DeepSpeed's check is DeepSpeed's)."""
-
-
-def _accelerator_name() -> str:
-    """The device the engine runs on: torch's own (no library picks one at import)."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-KIND = register(EngineKind(
-    name=NAME, summary="torch-native: FSDP2/HSDP, DTensor TP/SP, torch.distributed.checkpoint",
-    record_file="torch_engine.json", config_section="torch_engine",
-    planned_keys=("torch_engine.dp_replicate", "torch_engine.reshard_after_forward", "parallel.pp_schedule",
-                  "parallel.vpp", "parallel.pp_input_head_layers"),
-    make_plan=make_plan,
-    check_supported=f"{_PKG}.support:check_supported",
-    relayout_refusal=f"{_PKG}.checkpoint:relayout_refusal",
-    setup_groups=_groups,
-    build=f"{_PKG}.build:build",
-    engine_config=f"{_PKG}.config:engine_config",
-    checkpoint=f"{_PKG}.checkpoint_format",
-    describe=f"{_PKG}.kind",
-    planner=f"{_PKG}.planner",
-    prepare_runtime_env=_prepare_runtime_env,
-    extra={"accelerator_name": _accelerator_name},
-))
+register(TorchKind())

@@ -117,8 +117,9 @@ def build_stages(cfg, topo):
     if gpt.has_fixed_input and plan.precision != "fp32":
         gpt.input.out_dtype = COMPUTE_DTYPES[plan.precision]
     gpt.activation_checkpointing = bool(cfg.train.activation_checkpointing)  # GPT.forward runs every stage
-    spans = stage_spans(cfg.model.n_layers, plan.pp * plan.vpp, plan.pp_input_head_layers)
-    ids = stage_ids(topo.pp_rank, plan.pp, plan.vpp, is_v_shaped(plan.pp_schedule))
+    own = plan.engine_plan
+    spans = stage_spans(cfg.model.n_layers, plan.pp * own.vpp, own.pp_input_head_layers)
+    ids = stage_ids(topo.pp_rank, plan.pp, own.vpp, is_v_shaped(own.pp_schedule))
     stages = [StageModule(gpt, spans[i]) for i in ids]
     for stage in stages:
         if cfg.train.compile:
@@ -175,8 +176,9 @@ def build_schedule(cfg, topo, stages, ids, n_microbatches: int, loss_fn: Callabl
     from .schedules import forward_only_schedule, is_multi_stage, schedule_class
 
     plan = topo.plan
-    name = forward_only_schedule(plan.pp_schedule) if forward_only else plan.pp_schedule
-    n_stages = plan.pp * plan.vpp
+    own = plan.engine_plan
+    name = forward_only_schedule(own.pp_schedule) if forward_only else own.pp_schedule
+    n_stages = plan.pp * own.vpp
     group = topo.mesh["pp"].get_group()
     pipe_stages = [PipelineStage(m, i, n_stages, topo.device, group=group,
                                  input_args=_activation_meta(cfg, plan, m.span, output=False),

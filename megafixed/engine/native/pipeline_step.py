@@ -37,7 +37,7 @@ class PipelineEngine(NativeEngine):
         self.stages, self.ids = stages, ids
         self.checkpoints.every_rank_reads = True  # train.init_from: each stage keeps its own weights
         self.pp_group = topo.mesh["pp"].get_group()
-        self.n_stages = self.plan.pp * self.plan.vpp
+        self.n_stages = self.plan.pp * self.plan.engine_plan.vpp
         self._tp_mesh = topo.mesh["tp"] if self.plan.tp > 1 else None
         accum = self.plan.batch.accum
         # The loss the training schedule calls for each microbatch on the last stage, held here, where
@@ -100,7 +100,7 @@ class PipelineEngine(NativeEngine):
         """The schedule a validation pass of ``n_microbatches`` micro batches runs (see the module's doc)."""
         from .schedules import is_v_shaped
 
-        if n_microbatches == self.plan.batch.accum and not is_v_shaped(self.plan.pp_schedule):
+        if n_microbatches == self.plan.batch.accum and not is_v_shaped(self.plan.engine_plan.pp_schedule):
             return self.schedule  # its loss: one microbatch's over accum microbatches' tokens, as needed
         if n_microbatches not in self._eval_schedules:
             self._eval_schedules[n_microbatches] = self._schedule(

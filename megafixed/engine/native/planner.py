@@ -1,4 +1,4 @@
-"""How ``megafixed plan`` sizes the torch engine's layouts (its registry record's ``planner``):
+"""How ``megafixed plan`` sizes the torch engine's layouts (``megafixed.engines.Planner``):
 FSDP2 shards parameters, gradients and optimizer state over the DP shard degree (``dp /
 dp_replicate``), as ZeRO-3, keeping fp32 masters and fp32 gradients (``megafixed.parallel.memory``'s
 docstring has the whole account). Light: arithmetic only."""
@@ -32,6 +32,11 @@ def make_layout(cfg, tp, pp, dp, replicate, micro, sp, part):
     return Layout(tp, pp, dp, 3 if dp // replicate > 1 else 0, micro, sp, cfg.train.activation_checkpointing, part,
                   cfg.train.engine, replicate, accum, cfg.torch_engine.reshard_after_forward, par.pp_schedule,
                   par.vpp, par.pp_input_head_layers)
+
+
+def stage_bounds(weights: list, parts: int, method: str) -> list[int]:
+    """Its pipeline splits in its own plan (``pipeline_estimate``; ``schedules.stage_spans``), not by a partitioner."""
+    raise NotImplementedError("train.engine=torch splits its pipeline in its own plan (pipeline_estimate)")
 
 
 def model_state_bytes(n_params: int, layout, precision: str) -> tuple[float, float, float]:
@@ -99,6 +104,10 @@ def intro(precision: str):
             "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads, "
             "reduce-scattered every micro batch, all-reduced over the replicas once per step; pp > 1 through "
             "torch.distributed.pipelining (its schedule reduces once, after the last microbatch)")
+
+
+def accumulation_note(m, gpus: int, global_batch: int, precision: str):
+    return None  # its reductions per micro batch are in the intro
 
 
 def grads_note(precision: str) -> str:

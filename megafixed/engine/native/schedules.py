@@ -134,8 +134,8 @@ def _constructor_refusal(name: str, pp: int, vpp: int, microbatches: int):
 
 def check_pipeline(cfg, plan) -> None:
     """Every refusal of the torch engine's pipeline, one line each (``plan.pp > 1``)."""
-    p, vpp, m = plan.pp, plan.vpp, plan.batch.accum
-    name = canonical_name(plan.pp_schedule)
+    p, vpp, m = plan.pp, plan.engine_plan.vpp, plan.batch.accum
+    name = canonical_name(plan.engine_plan.pp_schedule)
     multi = is_multi_stage(name)
     if not multi and vpp != 1:
         raise LayoutError(f"parallel.pp_schedule={name} runs one stage per rank, but parallel.vpp={vpp}; set "
@@ -159,4 +159,4 @@ def check_pipeline(cfg, plan) -> None:
     if why:
         raise LayoutError(f"parallel.pp_schedule={name} with parallel.pp={p}, parallel.vpp={vpp} and {m} "
                           f"microbatches per step: {why}")
-    stage_spans(cfg.model.n_layers, p * vpp, plan.pp_input_head_layers)
+    stage_spans(cfg.model.n_layers, p * vpp, plan.engine_plan.pp_input_head_layers)

@@ -38,9 +38,10 @@ def _check_fused_first_stage(cfg, plan) -> None:
 
     if not getattr(cfg.model, "fused_first_layer", False):
         return
-    first = stage_spans(cfg.model.n_layers, plan.pp * plan.vpp, plan.pp_input_head_layers)[0]
+    own = plan.engine_plan
+    first = stage_spans(cfg.model.n_layers, plan.pp * own.vpp, own.pp_input_head_layers)[0]
     if not first.blocks:
         raise LayoutError(f"model.fused_first_layer=true computes block 0 from the token ids, but the first "
                           f"pipeline stage holds the input alone (model.n_layers={cfg.model.n_layers} over "
-                          f"{plan.pp * plan.vpp} stages, parallel.pp_input_head_layers={plan.pp_input_head_layers}); "
+                          f"{plan.pp * own.vpp} stages, parallel.pp_input_head_layers={own.pp_input_head_layers}); "
                           f"lower parallel.pp_input_head_layers or parallel.vpp, or set model.fused_first_layer=false")
