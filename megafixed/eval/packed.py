@@ -15,9 +15,8 @@ plain length-sorted batches, and computed the 49k-vocabulary head at every one o
   scored continuation token (about a third of the positions on these tasks).
 
 Each kept position computes what a plain causal forward of its own request computes (same keys,
-same positions); only matmul shapes differ, hence float rounding. The blocks' own modules are
-called (norms, projections, MLP): this file re-does only the attention's wiring (positions per
-token, a mask), which ``GPT.forward`` does not take, so training's forward stays untouched.
+same positions); only matmul shapes differ, hence float rounding. The rows run through the model's
+own forward (``GPT.forward`` with ``positions`` and ``attn_mask``), so eval runs training's model.
 """
 from __future__ import annotations
 
@@ -107,42 +106,11 @@ def _tensors(rows: list[Row], device) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids.to(device), pos.to(device), mask[:, None].to(device)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``megafixed.model.gpt.apply_rope`` with a position per token (cos/sin ``[B, T, hd/2]``)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
-
-
-def _attention(attn, x, cos, sin, mask) -> torch.Tensor:
-    """``Attention.forward`` (megafixed.model.gpt) with per-token positions and an explicit mask."""
-    B, T = x.shape[:2]
-    q = _rope(attn.wq(x).view(B, T, -1, attn.head_dim), cos, sin)
-    k = _rope(attn.wk(x).view(B, T, -1, attn.head_dim), cos, sin)
-    v = attn.wv(x).view(B, T, -1, attn.head_dim)
-    if attn.group > 1:
-        k = k.repeat_interleave(attn.group, dim=2)
-        v = v.repeat_interleave(attn.group, dim=2)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return attn.wo(y.transpose(1, 2).reshape(B, T, -1))
-
-
-def hidden_states(model, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The last block's output ``[B, T, d]`` (before the head's norm)."""
-    cos, sin = model.rotary(model.cfg.max_seq_len, ids.device)
-    cos, sin = cos[pos], sin[pos]
-    x = model.input(ids)
-    for block in model.blocks:
-        x = x + _attention(block.attn, block.norm1(x), cos, sin, mask)  # eval: dropout is identity
-        x = x + block.mlp(block.norm2(x))
-    return x
-
-
 def score_rows(model, rows: list[Row], device) -> list[tuple[int, int, float, bool]]:
     """One forward over ``rows``: (group, request, log-likelihood, is_greedy) per request. The head
     runs only at the scored locations; log-softmax in fp32 as the harness does."""
     ids, pos, mask = _tensors(rows, device)
-    h = hidden_states(model, ids, pos, mask)
+    h = model(ids, positions=pos, attn_mask=mask, head=False)  # the last block's output, before the head
     flat, spans, targets = [], [], []
     for b, row in enumerate(rows):
         for gi, ri, where, cont in row.targets:

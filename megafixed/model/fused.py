@@ -15,6 +15,8 @@ every other block.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -27,8 +29,9 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def fused_first_block(block, code_input, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``block(code_input(ids), cos, sin)`` for an RMSNorm block, through the folded weights.
+def fused_first_block(block, code_input, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``block(code_input(ids), cos, sin, attn_mask=attn_mask)`` for an RMSNorm block, through the folded weights.
 
     ``code_input``: the model's ``FixedCodeInput`` (its code, and the dtype it would write the code
     in, so that the residual stream after this block has the unfused model's dtype).
@@ -45,6 +48,6 @@ def fused_first_block(block, code_input, ids: torch.Tensor, cos: torch.Tensor, s
     linears = (attn.wq, attn.wk, attn.wv)
     q, k, v = first_layer_qkv(ids, code_input.code, block.norm1.weight, block.norm1.eps, [m.weight for m in linears],
                               [None if m.bias is None else _local(m.bias) for m in linears], local=_local)
-    y = block.drop(attn.attend(q, k, v, cos, sin))
+    y = block.drop(attn.attend(q, k, v, cos, sin, attn_mask=attn_mask))
     x = code_input(ids, y)  # the first residual add: x0 = code(ids) made in the add's epilogue
     return x + block.drop(block.mlp(block.norm2(x)))

@@ -68,9 +68,12 @@ class Rotary(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + hd/2]) -- the GPT-NeoX/Llama half split -- in fp32."""
+    """Rotate pairs (x[i], x[i + hd/2]) -- the GPT-NeoX/Llama half split -- in fp32.
+
+    ``cos``/``sin``: ``[T, hd/2]`` (positions 0..T-1 of every row) or ``[B, T, hd/2]`` (a position
+    per token); either broadcasts over the heads of ``x`` (``[B, T, heads, hd]``)."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
@@ -85,22 +88,32 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, *,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``cache`` (generation only): this layer's key/value cache (``megafixed.model.generate``);
-        ``cos``/``sin`` then start at the cache's position."""
-        return self.attend(self.wq(x), self.wk(x), self.wv(x), cos, sin, cache)
+        ``cos``/``sin`` then start at the cache's position. ``attn_mask``: see ``GPT.forward``."""
+        return self.attend(self.wq(x), self.wk(x), self.wv(x), cos, sin, cache, attn_mask=attn_mask)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache=None) -> torch.Tensor:
+               cache=None, *, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention from the projections on: RoPE, SDPA, the output projection. Its own method so that
-        the fused first layer (``megafixed.model.fused``), which makes q/k/v from token ids, runs the rest."""
+        the fused first layer (``megafixed.model.fused``), which makes q/k/v from token ids, runs the rest.
+
+        ``attn_mask`` (boolean, True = may attend, broadcastable to ``[B, heads, T, T]``) replaces the
+        causal mask; without it SDPA runs with ``is_causal``, its fastest kernels."""
         # B and T from q, not from the block's input: under sequence parallelism that holds T/tp
-        # positions and the projections return all T.
+        # positions and the projections return all T. The tables' position axis is the second-last
+        # one, whether shared ([S, hd/2]) or per token ([B, T, hd/2]).
         B, T = q.shape[:2]
-        q = apply_rope(q.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
-        k = apply_rope(k.view(B, T, -1, self.head_dim), cos[:T], sin[:T])
+        cos, sin = cos[..., :T, :], sin[..., :T, :]
+        q = apply_rope(q.view(B, T, -1, self.head_dim), cos, sin)
+        k = apply_rope(k.view(B, T, -1, self.head_dim), cos, sin)
         v = v.view(B, T, -1, self.head_dim)
         mask, causal = None, True
+        if attn_mask is not None:
+            if cache is not None:
+                raise ValueError("attn_mask with a key/value cache is not supported")
+            mask, causal = attn_mask, False
         if cache is not None:
             k, v = cache.append(k, v)  # all positions so far; queries are the last T of them
             S = k.shape[1]
@@ -140,16 +153,17 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, cache=None, *,
-                ids: Optional[torch.Tensor] = None, code_input: Optional[nn.Module] = None) -> torch.Tensor:
+                ids: Optional[torch.Tensor] = None, code_input: Optional[nn.Module] = None,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``ids`` with ``code_input`` (the model's fixed-code input module) in place of ``x = code_input(ids)``:
         the fused first layer (``megafixed.model.fused``). It runs here, in the block's own forward, so
         that whatever wraps a block wraps it too: FSDP2's all-gather of the block's parameters before
-        its forward, activation checkpointing, ``torch.compile``."""
+        its forward, activation checkpointing, ``torch.compile``. ``attn_mask``: see ``GPT.forward``."""
         if ids is not None:
             from .fused import fused_first_block
 
-            return fused_first_block(self, code_input, ids, cos, sin)
-        x = x + self.drop(self.attn(self.norm1(x), cos, sin, cache))
+            return fused_first_block(self, code_input, ids, cos, sin, attn_mask)
+        x = x + self.drop(self.attn(self.norm1(x), cos, sin, cache, attn_mask=attn_mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -265,18 +279,29 @@ class GPT(nn.Module):
             init_parameters(self, cfg, seed)  # on the meta device the parallel layer does it per shard
 
     def forward(self, ids: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, cache=None, *,
-                hidden: Optional[torch.Tensor] = None, layers: Optional[range] = None, head: bool = True):
+                hidden: Optional[torch.Tensor] = None, layers: Optional[range] = None, head: bool = True,
+                positions: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None):
         """Logits ``[B, T, V]``, or the mean next-token loss when ``targets`` is given.
 
         ``cache``: a ``megafixed.model.generate.KVCache`` for incremental decoding; ``ids`` are then
         the positions after the ones it holds.
+
+        Several sequences in one row, as the packed zero-shot scorer runs them
+        (``megafixed.eval.packed``): ``positions`` (``[B, T]``) is each token's RoPE position in place
+        of 0..T-1, and ``attn_mask`` (boolean ``[B, 1, T, T]``, True = may attend) replaces the causal
+        mask. Without them (training, generation) attention is SDPA's plain causal kernel.
 
         A part of the model, as a pipeline stage runs it (``megafixed.engine.native.pipeline``):
         ``hidden`` starts from these hidden states instead of from ``ids`` (a stage after the
         first), ``layers`` runs only the blocks with these indices (default all), and ``head=False``
         stops after them, returning the hidden states."""
         layers = range(len(self.blocks)) if layers is None else layers
-        if hidden is None:
+        if positions is not None:
+            if cache is not None:
+                raise ValueError("positions with a key/value cache are not supported")
+            cos, sin = self.rotary(self.cfg.max_seq_len, positions.device)
+            cos, sin = cos[positions], sin[positions]
+        elif hidden is None:
             start = cache.length if cache is not None else 0
             cos, sin = self.rotary(start + ids.shape[1], ids.device)
             cos, sin = cos[start:], sin[start:]
@@ -293,6 +318,8 @@ class GPT(nn.Module):
         for i in layers:
             block = self.blocks[i]
             kwargs = dict(ids=ids, code_input=self.input) if fused and i == 0 else {}
+            if attn_mask is not None:
+                kwargs["attn_mask"] = attn_mask
             if self.activation_checkpointing and block.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False, **kwargs)
             else:
