@@ -1,13 +1,19 @@
-"""DeepSpeed's compiled ops (one cache folder per environment, no shm op build, a line before a build),
-and the megatron-core warnings that do not apply to a megafixed run."""
+"""DeepSpeed's compiled ops (one cache folder per environment, no build for one rank, a line before a
+build), its Muon modules not imported by a megafixed engine, and the megatron-core warnings that do
+not apply to a megafixed run."""
 from __future__ import annotations
 
+import importlib.util
+import re
 import sys
 import types
 import warnings
+from pathlib import Path
 
 import pytest
+import torch
 
+from megafixed.engine.deepspeed import muon as ds_muon
 from megafixed.engine.deepspeed import ops as ds_ops
 from megafixed.engine.deepspeed.env import quiet_library_noise
 
@@ -36,6 +42,15 @@ def test_no_world_size_builds_the_shm_op_and_gpus_are_left_alone(monkeypatch):
     assert table[ds_ops.SHM_OP] is False  # DeepSpeed's build_shm_op returns None: no compile, one rank or many
 
 
+def _shown(message: str, module: str, cuda: bool) -> bool:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        quiet_library_noise(cuda)
+        warnings.warn_explicit(message, UserWarning, "x.py", 1, module=module)
+    return bool(caught)
+
+
 def test_deepspeeds_own_build_shm_op_builds_nothing_after_prepare_ops(monkeypatch):
     """The table entry ``prepare_ops`` sets is the one DeepSpeed 0.19.8's ``build_shm_op`` reads: a DeepSpeed
     that builds the op some other way fails here (its builder refuses to load), not with minutes of compiling."""
@@ -58,15 +73,6 @@ def test_deepspeeds_own_build_shm_op_builds_nothing_after_prepare_ops(monkeypatc
     assert ds_comm_torch.build_shm_op() is None
 
 
-def _shown(message: str, module: str, cuda: bool) -> bool:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.resetwarnings()
-        warnings.simplefilter("always")
-        quiet_library_noise(cuda)
-        warnings.warn_explicit(message, UserWarning, "x.py", 1, module=module)
-    return bool(caught)
-
-
 def test_megatron_warnings_that_do_not_apply_are_filtered_precisely():
     te = "Transformer Engine and Apex are not installed. Falling back to Torch optimizers."
     cuda_hint = ("When using sequence parallelism it is recommended to set the environment variable "
@@ -77,3 +83,44 @@ def test_megatron_warnings_that_do_not_apply_are_filtered_precisely():
     assert not _shown(cuda_hint, "megatron.core.tensor_parallel.layers", cuda=False)
     assert _shown(cuda_hint, "megatron.core.tensor_parallel.layers", cuda=True)  # on GPUs it is advice
     assert _shown("some other megatron warning", "megatron.core.optimizer", cuda=False)
+
+
+def _names_deepspeed_imports_from_muon() -> set[tuple[str, str]]:
+    """(module, name) for every ``from <muon module> import name`` in DeepSpeed outside its muon package."""
+    root = Path(importlib.util.find_spec("deepspeed").origin).parent
+    pattern = re.compile(r"from (deepspeed\.runtime\.zero\.muon\.\w+) import (\w+)")
+    found = set()
+    for path in root.rglob("*.py"):
+        if "muon" not in path.parent.name:
+            found.update(pattern.findall(path.read_text(errors="replace")))
+    return found
+
+
+def test_deepspeeds_muon_checks_get_the_answers_they_would_without_importing_muon(monkeypatch):
+    for name in (ds_muon.MUON_MODULE, ds_muon.MUON_KERNELS):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    ds_muon.skip_muon_import()
+    imported = _names_deepspeed_imports_from_muon()
+    # every name DeepSpeed imports at its Muon checks is answered by a stand-in (a DeepSpeed upgrade
+    # that imports something new fails here, not with an ImportError mid-run)
+    assert imported and {m for m, _ in imported} <= {ds_muon.MUON_MODULE, ds_muon.MUON_KERNELS}
+    for module, name in imported:
+        assert hasattr(sys.modules[module], name), (module, name)
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    from megafixed.run.optim import SkippableAdamW
+
+    ours = SkippableAdamW([torch.nn.Parameter(torch.ones(2, 2))], lr=1e-3)
+    assert not isinstance(ours, MuonWithAuxAdam)  # what the real class answers for our optimizer
+    with pytest.raises(ImportError, match="stand-in"):
+        MuonWithAuxAdam([])
+    with pytest.raises(RuntimeError, match="stand-in"):
+        sys.modules[ds_muon.MUON_KERNELS].muon_update(torch.ones(2, 2), torch.ones(2, 2), 0.9)
+
+
+def test_a_real_muon_already_imported_is_never_shadowed(monkeypatch):
+    real = types.ModuleType(ds_muon.MUON_KERNELS)
+    monkeypatch.delitem(sys.modules, ds_muon.MUON_MODULE, raising=False)
+    monkeypatch.setitem(sys.modules, ds_muon.MUON_KERNELS, real)
+    ds_muon.skip_muon_import()
+    assert sys.modules[ds_muon.MUON_KERNELS] is real and ds_muon.MUON_MODULE not in sys.modules

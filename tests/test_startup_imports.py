@@ -1,8 +1,10 @@
-"""No process imports what it does not use.
+"""No process imports what it does not use, and the stand-ins that make that so match the real libraries.
 
 Commands run in ``tests/import_probe.py`` (forked children of one interpreter: a few seconds in all); each
-asserts the heavy modules its command must not load. ``model/empty.py`` is checked against
-``Module.to_empty``.
+asserts the heavy modules its command must not load. The stand-ins are checked against what they
+replace: ``run/dynamo_free.py`` against torch's own optimizer step, ``engine/deepspeed/megatron_tp.py``
+against the completed megatron-core packages, ``engine/deepspeed/ops.py``'s table against DeepSpeed's probe,
+``model/empty.py`` against ``Module.to_empty``.
 """
 from __future__ import annotations
 
@@ -57,10 +59,11 @@ def test_training_imports_only_its_engine(tmp_path):
                   for name in ("deepspeed", "torch"))
     results = probe(tmp_path, [ds, native])
     assert results[ds]["code"] == 0 and results[native]["code"] == 0
-    # DeepSpeed without TP: no megatron-core at all, no wandb. (The compiler stack comes with torch's optimizer
-    # step and DeepSpeed's Muon checks, as it comes with the torch engine.)
+    # DeepSpeed without TP: no megatron-core at all, no compiler stack (train.compile is off), no wandb.
     assert "deepspeed" in results[ds]["modules"]
-    assert loaded(results[ds]["modules"], ("megatron",) + EXTRAS) == []
+    assert loaded(results[ds]["modules"], ("megatron",) + COMPILER + EXTRAS) == []
+    # torch.fx's symbolic shapes (sympy) came from Module.to_empty's meta path: not needed (model/empty.py).
+    assert loaded(results[ds]["modules"], ("sympy",)) == []
     assert loaded(results[native]["modules"], ENGINES + ("wandb", "lm_eval", "transformers")) == []
 
 
@@ -81,6 +84,116 @@ def test_the_torch_engines_plan_and_accelerator_never_touch_deepspeed(tmp_path):
             "sorted(m for m in sys.modules if m.startswith(('deepspeed', 'megatron'))))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split(None, 1) == ["cpu", "[]\n"], proc.stdout + proc.stderr[-2000:]
+
+
+MEGATRON_CHECK = """
+import json, sys, torch
+from megafixed.engine.deepspeed.megatron_tp import load
+ns = load()
+light = sorted(sys.modules)
+import megatron.core, megatron.core.tensor_parallel as tp, megatron.core.jit as jit
+same = [tp.ColumnParallelLinear is ns.layers.ColumnParallelLinear,
+        tp.RowParallelLinear is ns.layers.RowParallelLinear,
+        tp.VocabParallelEmbedding is ns.layers.VocabParallelEmbedding,
+        tp.vocab_parallel_cross_entropy is ns.cross_entropy.vocab_parallel_cross_entropy,
+        megatron.core.ModelParallelConfig is ns.ModelParallelConfig,
+        megatron.core.parallel_state is ns.parallel_state, megatron.core.mpu is ns.parallel_state,
+        jit.jit_fuser is torch.compile]
+missing = {name: [n for n in sys.modules[name].__all__ if not hasattr(sys.modules[name], n)]
+           for name in ("megatron.core", "megatron.core.tensor_parallel")}
+from megatron.core.transformer import TransformerConfig  # completes the third deferred package
+# megatron.core.utils' DTensor checks through the stand-ins, against a real DTensor (1-rank gloo world)
+import megatron.core.utils as mu, torch.distributed as dist
+plain_is_dtensor = isinstance(torch.zeros(1), mu.DTensor)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+dt = DTensor.from_local(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Shard(0)])
+dtensor = [mu.HAVE_DTENSOR, not plain_is_dtensor, isinstance(dt, mu.DTensor), isinstance(dt.placements[0], mu.Shard),
+           not isinstance(torch.zeros(1), mu.DTensor), mu.to_local_if_dtensor(dt).equal(dt.to_local()),
+           mu.DTensor.from_local is DTensor.from_local]
+deferred = ("megatron.core", "megatron.core.tensor_parallel", "megatron.core.transformer")
+print(json.dumps({"light": light, "same": same, "missing": missing, "dtensor": dtensor,
+                  "leftover": [n for n in deferred if "__megafixed_deferred__" in vars(sys.modules[n])]}))
+"""
+
+
+def test_megatron_tp_layers_without_the_rest_of_megatron_core():
+    """``load()`` gives megatron-core's own TP classes without its __init__'s imports (nor DTensor), a later
+    use of the rest completes each package into exactly what ``import megatron.core`` makes, and megatron's
+    DTensor checks answer through the stand-ins as through the real classes."""
+    proc = subprocess.run([sys.executable, "-c", MEGATRON_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded(got["light"], COMPILER + ("wandb", "megatron.core.distributed", "megatron.core.inference",
+                                            "megatron.core.transformer.transformer_config",
+                                            "torch.distributed.tensor", "sympy")) == []
+    assert all(got["same"]), got["same"]
+    assert all(got["dtensor"]), got["dtensor"]
+    assert got["missing"] == {"megatron.core": [], "megatron.core.tensor_parallel": []}
+    assert got["leftover"] == []
+
+
+def test_compile_on_first_call_defers_the_decorator():
+    from megafixed.engine.deepspeed.megatron_tp import _compile_on_first_call
+
+    applied = []
+
+    def decorator(fn):
+        applied.append(fn)
+        return lambda x: fn(x) * 10
+
+    def f(x):
+        return x + 1
+    g = _compile_on_first_call(decorator)(f)
+    assert applied == [] and g.__wrapped__ is f and g.__name__ == "f"
+    assert g(1) == 20 and g(2) == 30 and applied == [f]  # applied once, at the first call
+
+
+DYNAMO_CHECK = """
+import copy, json, sys, torch
+from megafixed.run.dynamo_free import DEFERRED_METHODS, defer_dynamo_disable, unwrapped_step
+from megafixed.run.optim import SkippableAdamW
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+twin = copy.deepcopy(model)
+grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
+def steps(opt, params):
+    for g in grads:
+        opt.zero_grad()
+        for p, gp in zip(params, g):
+            p.grad = gp.clone()
+        opt.step()
+    opt.load_state_dict(opt.state_dict())
+groups = lambda m: [{"params": list(m[0].parameters()), "weight_decay": 0.1}, {"params": list(m[1:].parameters()),
+                                                                              "weight_decay": 0.0}]
+ours = SkippableAdamW(groups(model), lr=1e-2)
+steps(ours, list(model.parameters()))
+free = "torch._dynamo" not in sys.modules
+recognised = [defer_dynamo_disable(), unwrapped_step(torch.optim.AdamW.step) is not None]
+ref = torch.optim.AdamW(groups(twin), lr=1e-2)  # torch's own wrappers (they import torch._dynamo)
+steps(ref, list(twin.parameters()))
+equal = all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+moments = all(torch.equal(ours.state[a][k], ref.state[b][k]) for a, b in zip(model.parameters(), twin.parameters())
+              for k in ("exp_avg", "exp_avg_sq", "step"))
+ours.zero_grad()  # torch._dynamo is imported now: the deferred disable hands over to the real one
+fn = torch.optim.Optimizer.zero_grad.__wrapped__
+handed = not getattr(fn.__dynamo_disable, "megafixed_until_dynamo", False)
+print(json.dumps({"free": free, "recognised": recognised, "equal": equal, "moments": moments, "handed": handed,
+                  "all": list(DEFERRED_METHODS)}))
+"""
+
+
+def test_optimizer_without_dynamo_matches_torch():
+    """SkippableAdamW steps, zeroes, saves and loads without importing torch._dynamo, bit for bit as torch's
+    AdamW with its own wrappers; the wrappers are recognised on this torch (else the stand-ins have drifted)."""
+    proc = subprocess.run([sys.executable, "-c", DYNAMO_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["free"], "torch._dynamo was imported by the optimizer"
+    assert got["recognised"] == [got["all"], True]
+    assert got["equal"] and got["moments"]
+    assert got["handed"]
 
 
 def test_to_empty_matches_module_to_empty():
@@ -184,3 +297,24 @@ def test_bench_startup_by_world_size_times_each_phase_from_its_log_line(tmp_path
     for bad in ("1,2", "two"):
         with pytest.raises(ConfigError, match="--world"):
             startup.run(p.parse_args(["--world", bad]))
+
+
+KEPT_PATCHES = ("megafixed.run.dynamo_free", "megafixed.engine.deepspeed.muon",
+                "megafixed.engine.deepspeed.megatron_tp")
+
+
+@pytest.mark.parametrize("module", KEPT_PATCHES)
+def test_kept_patches_name_the_installed_versions(module):
+    """Each patch of a library's internals that start-up keeps (it saves over a CPU-second per rank with no
+    public route) was written against one minor version of that library: another one fails here, so the
+    patch is re-checked (or dropped) before it can change behaviour or quietly stop saving anything."""
+    import importlib
+    from importlib.metadata import version
+
+    dist, written = importlib.import_module(module).WRITTEN_AGAINST
+    installed = version(dist)
+    minor = lambda v: v.split("+")[0].split(".")[:2]  # noqa: E731
+    assert minor(installed) == minor(written), (
+        f"{module} patches {dist} {written}'s internals, and {dist} {installed} is installed: re-check it "
+        f"against the new version (its docstring names what it relies on), then update WRITTEN_AGAINST")
+

@@ -164,6 +164,7 @@ def _engine(cfg, module):
     import deepspeed
 
     from megafixed.engine.deepspeed.config import deepspeed_config
+    from megafixed.engine.deepspeed.muon import skip_muon_import
     from megafixed.engine.deepspeed.ops import prepare_ops
     from megafixed.parallel import setup_distributed
     from megafixed.parallel.layout import batch_layout
@@ -174,6 +175,7 @@ def _engine(cfg, module):
     layout = batch_layout(cfg.train, topo.dp)
     opt = build_optimizer(module, cfg.optimizer)
     prepare_ops(accelerator_is_cpu=topo.device.type == "cpu")  # as engine/deepspeed/build.py: no shm op JIT build
+    skip_muon_import()
     engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=deepspeed_config(cfg, layout, "fp32"))
     return engine, opt, layout
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import OptimizerConfig
+from .dynamo_free import defer_dynamo_disable, step_without_dynamo
 
 
 def param_groups(model: nn.Module, opt: OptimizerConfig) -> list[dict]:
@@ -38,9 +39,13 @@ class SkippableAdamW(torch.optim.AdamW):
     optimizer step itself at the accumulation boundary. The trainer decides (identically on every
     rank, after an all-reduce) and sets ``skip_next_step``; the step then leaves parameters and
     moments untouched. ZeRO 1/2 additionally skip on non-finite gradients on their own.
+
+    The step and the bookkeeping methods do not import ``torch._dynamo`` when nothing compiles
+    (``run/dynamo_free.py``: about a CPU-second per rank at start-up).
     """
 
     def __init__(self, *args, **kwargs):
+        defer_dynamo_disable()  # before super().__init__: it calls add_param_group
         super().__init__(*args, **kwargs)
         self.skip_next_step = False
         # Asked once, at the first step() call of an update, where the engine already holds the update's
@@ -56,7 +61,7 @@ class SkippableAdamW(torch.optim.AdamW):
             self.skip_next_step = bool(ask())
         if self.skip_next_step:
             return None
-        return super().step(closure)
+        return step_without_dynamo(self, torch.optim.AdamW.step, closure)
 
 
 def build_optimizer(model: nn.Module, opt: OptimizerConfig) -> SkippableAdamW:

@@ -16,12 +16,14 @@ def build(cfg, topo, layout, precision: str, checks=None):
     from .grads import TPGradSync
     from .model import build_model
     from .mpu import topology_mpu
+    from .muon import skip_muon_import
     from .ops import prepare_ops
     from .pipeline import build_pipeline
 
     ds_config = deepspeed_config(cfg, layout, precision)
     # Before anything starts deepspeed.comm (the pipeline grid inside build_model, or initialize).
     prepare_ops(accelerator_is_cpu=topo.device.type == "cpu")
+    skip_muon_import()  # our optimizer is never Muon: DeepSpeed's checks need not import it (muon.py)
     model = build_model(cfg.model, topo, seed=cfg.train.seed, pp_partition=cfg.parallel.pp_partition,
                         activation_checkpointing=cfg.train.activation_checkpointing,
                         compute_dtype=COMPUTE_DTYPES[precision], build_stages=build_pipeline)

@@ -10,7 +10,7 @@ def megatron_groups(plan) -> dict:
     # megatron-core's default order (tp-cp-ep-dp-pp) is the plan's grid order.
     from .megatron_tp import load
 
-    ps = load().parallel_state
+    ps = load().parallel_state  # without the rest of megatron-core (megatron_tp.py)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
                                      create_gloo_process_groups=False)

@@ -7,7 +7,7 @@ The layers are megatron-core's (``ColumnParallelLinear``, ``RowParallelLinear``,
 ``VocabParallelEmbedding``, ``vocab_parallel_cross_entropy``): they carry the communication and
 mark their sharded parameters ``tensor_model_parallel=True``, which is what DeepSpeed's gradient
 norm reads to count each parameter once. They come through ``megatron_tp.load()``, which imports
-them on first use (only a TP or PP run pays for megatron-core's import). We do not use
+them without the rest of megatron-core (its ``__init__`` costs seconds per rank). We do not use
 megatron's GPTModel (CUDA-only paths) and keep our own model: ``apply_tp`` swaps the Linear modules
 named in ``TP_PLAN`` in place on a model built on the meta device;
 ``megafixed.engine.deepspeed.model.build_model`` then materialises each rank's shards with the
@@ -149,7 +149,7 @@ def apply_tp(model: GPT, topo) -> GPT:
     """
     from .megatron_tp import load
 
-    layers = load().layers
+    layers = load().layers  # megatron-core's TP layers without the rest of it (megatron_tp.py)
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding = (
         layers.ColumnParallelLinear, layers.RowParallelLinear, layers.VocabParallelEmbedding)
 
