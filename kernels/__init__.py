@@ -10,8 +10,8 @@ if __name__ == "kernels":
     # Imported as a top-level `kernels`: a checkout's root is on sys.path (`python -m pytest` or `python -m
     # megafixed.cli` run from it puts the working directory first), and this folder shadows the registry's
     # `kernels` package (HF's hub kernels), which transformers >= 5.25 imports whenever it is installed
-    # (seen 2026-12-03: `megafixed export hf` failed on "cannot import name 'CUDAProperties' from
-    # 'kernels'"). Hand the name to the installed package, found on the rest of sys.path, or to none.
+    # (else "cannot import name 'CUDAProperties' from 'kernels'"). Hand the name to the installed package,
+    # found on the rest of sys.path, or to none.
     import importlib.machinery
     import importlib.util
     import os

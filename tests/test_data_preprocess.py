@@ -218,7 +218,7 @@ def test_ctrl_c_leaves_no_complete_looking_pair(data, tmp_path):
 @pytest.mark.parametrize("moved", [1, 2, 4])  # the first shard's .bin alone; its .bin and .idx; two shards
 def test_an_interrupt_mid_commit_leaves_no_half_shard(data, tmp_path, monkeypatch, moved):
     """scancel's SIGTERM (a SystemExit, commands/preprocess_submit.py) can land while the shards are being
-    moved into place (seen 2026-12-03: a final .bin with no .idx or meta). The output must then hold no shard
+    moved into place (which could leave a final .bin with no .idx or meta). The output must then hold no shard
     at all, so the group reads as not done, not as done with a damaged or missing shard."""
     import megafixed.data.preprocess as pre
 

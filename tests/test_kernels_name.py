@@ -2,7 +2,7 @@
 
 `python -m ...` run from the root puts it first on sys.path, where `kernels/` (our Triton kernels, installed
 as `megafixed.kernels`) is a top-level package too. transformers >= 5.25 imports the registry's `kernels`
-whenever it is installed, so `megafixed export hf` run that way failed (2026-12-03). Each check runs in a
+whenever it is installed, so `megafixed export hf` run that way would fail. Each check runs in a
 fresh interpreter started in the root, as the README's commands are."""
 from __future__ import annotations
 

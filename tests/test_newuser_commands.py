@@ -1,6 +1,6 @@
 """Documented commands a new user runs first, and what they print when something is missing.
 
-Each test here failed on the main branch of 2026-12-01 (issue 24); the docs test
+Each test here checks a first-run path a new user meets; the docs test
 (tests/test_readme_commands.py) runs the README's commands themselves."""
 from __future__ import annotations
 

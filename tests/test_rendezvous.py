@@ -167,7 +167,7 @@ except Exception as exc:
 def test_a_term_while_the_different_code_verdict_waits_for_rank0_keeps_the_verdicts_code(tmp_path):
     port = _free_port()
     # srun reports the highest task code: a rank ended by srun after rank 0's verdict (exit 2) must
-    # exit 2 too, not the 143 of "TERM during the rendezvous" (CI, 2026-12-02: job exit 143:0, rank 1
+    # exit 2 too, not the 143 of "TERM during the rendezvous" (a job exit 143:0, with rank 1
     # still polling the rendezvous when rank 0 refused). Rank 1 here waits for the TERM in its verdict's wait.
     procs = [subprocess.Popen([sys.executable, "-c", _MEET_WITH_OTHER_CODE, str(r), str(port)], cwd=ROOT,
                               env=launch_free_env(RANK=str(r), OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,

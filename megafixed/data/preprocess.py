@@ -238,7 +238,7 @@ class _ShardedOutput:
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()
-        # a commit interrupted (scancel's SIGTERM lands mid-way, seen 2026-12-03) leaves no half shard: a .bin
+        # a commit interrupted (scancel's SIGTERM can land mid-way) leaves no half shard: a .bin
         # moved into place without its .idx, or a shard set missing its tail. .idx first: never an .idx without its .bin
         for prefix in [*self.committed, *self.done]:
             for p in (idx_path(prefix), meta_path(prefix), bin_path(prefix)):

@@ -8,7 +8,7 @@ encodes the input sample and the probe texts, and sends back the ids and the tok
 (vocabulary size, EOD id, ``describe()``), while the parent already tokenizes with gigatoken into
 temporary shards. The parent compares before anything is renamed into place; on a mismatch the
 fast output is discarded and the run redone with the reference. The check still decides; the
-run only no longer waits for it.
+run does not wait for it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The DeepSpeed engine's model builder (moved from ``megafixed/parallel/__init__.py``): this rank's
-part of the GPT (plain, megatron-core TP layers, or a pipeline stage) with exactly the
-single-process initial values. ``megafixed.bench.bare_loop`` builds its bare model with it too, so
-the bare loop's model is the engine's."""
+"""The DeepSpeed engine's model builder: this rank's part of the GPT (plain, megatron-core TP layers,
+or a pipeline stage) with exactly the single-process initial values. ``megafixed.bench.bare_loop``
+builds its bare model with it too, so the bare loop's model is the engine's."""
 from __future__ import annotations
 
 

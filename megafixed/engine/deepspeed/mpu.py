@@ -1,5 +1,5 @@
-"""DeepSpeed's model-parallel unit, answered from the Topology (moved from ``megafixed/parallel/
-topology.py``: only the DeepSpeed engine asks for one)."""
+"""DeepSpeed's model-parallel unit, answered from the Topology (only the DeepSpeed engine asks
+for one)."""
 from __future__ import annotations
 
 

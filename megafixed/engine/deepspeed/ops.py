@@ -5,8 +5,8 @@ and ~180 CPU-seconds on 2 cores) the first time ``deepspeed.comm`` starts, in ev
 serves only ``inference_all_reduce`` (DeepSpeed's inference tensor parallelism, ``module_inject``);
 training collectives go through ``torch.distributed`` whether it is built or not, and
 ``inference_all_reduce`` itself falls back to ``torch.distributed.all_reduce`` without it. So
-``skip_unneeded_ops`` turns the build off for every world size: a new user's first multi-rank run (and
-every CI run) no longer waits two minutes for an op it never calls.
+``skip_unneeded_ops`` turns the build off for every world size: no run waits two minutes for an op it never
+calls.
 
 Any other op DeepSpeed might JIT-build still gets a cache of its own: torch's ``cpp_extension`` keys a
 build by its sources and flags only, inside ``TORCH_EXTENSIONS_DIR``; two environments (another venv's
