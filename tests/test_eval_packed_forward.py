@@ -114,3 +114,20 @@ def test_positions_or_a_mask_with_a_cache_are_refused():
         model(ids, cache=KVCache(2, 8), positions=torch.arange(4)[None])
     with torch.no_grad(), pytest.raises(ValueError, match="cache"):
         model(ids, cache=KVCache(2, 8), attn_mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+def test_training_after_an_inference_mode_eval_in_the_same_process(monkeypatch):
+    """The RoPE tables are a process-wide cache: made first by an eval under ``torch.inference_mode`` (the
+    packed scorer, or any scorer), they must still serve a training step's backward afterwards (an inference
+    tensor cannot be saved for backward)."""
+    from megafixed.model import gpt
+
+    monkeypatch.setattr(gpt, "_ROPE_TABLES", {})  # this test makes them, whatever ran before it
+    model = _model("gf2", False)
+    _packed(model)
+    assert all(not t.is_inference() for pair in gpt._ROPE_TABLES.values() for t in pair)
+    model.train()
+    ids = torch.randint(0, 300, (2, 16))
+    loss = model(ids, ids)
+    loss.backward()
+    assert all(p.grad is not None for p in model.blocks.parameters())

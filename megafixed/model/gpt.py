@@ -61,8 +61,11 @@ class Rotary(nn.Module):
     def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (*self.key, str(device))
         if key not in _ROPE_TABLES:
-            cos, sin = rope_cache(*self.key)
-            _ROPE_TABLES[key] = (cos.to(device), sin.to(device))
+            # Normal tensors even when the first caller is an inference-mode eval: an inference tensor in
+            # this process-wide cache could not be saved for backward by a later training step.
+            with torch.inference_mode(False):
+                cos, sin = rope_cache(*self.key)
+                _ROPE_TABLES[key] = (cos.to(device), sin.to(device))
         cos, sin = _ROPE_TABLES[key]
         return cos[:seq_len], sin[:seq_len]
 
