@@ -7,7 +7,8 @@ a NaN and a damaged checkpoint.
 
 The schedule's seed is printed (``MEGAFIXED_SOAK_SEED`` picks another). Nothing races the clock: the SIGSTOP and
 the damage happen at pause points (``MEGAFIXED_PAUSE``), the other faults at known steps, and the hang timeout
-is only the bound the watchdog names a hang within.
+is only the bound the watchdog names a hang within (if it names the paused rank before a slow supervisor acts, the
+supervisor damages the checkpoint or counts the stop all the same, ``tools/soak.py``'s ``_supervise``).
 """
 from __future__ import annotations
 

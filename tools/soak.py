@@ -258,25 +258,50 @@ class Soak:
 
     def _supervise(self, launch: Launch, pause: Optional[Fault], marker: Path, damaged: set) -> dict:
         """Until the launch ends: at the pause, SIGSTOP the rank (and SIGKILL it once the hang is named), or
-        damage the newest checkpoint and kill the rank. Returns what it did, with when."""
+        damage the newest checkpoint and kill the rank. Returns what it did, with when.
+
+        The other ranks' hang watchdog runs on the clock while the rank is paused, so on a busy machine it may
+        end the launch before this loop acts: the pause is then acted on after the launch (the checkpoint is
+        damaged all the same; the rank to stop or kill is already gone), never skipped."""
         acted: dict = {}
         while launch.proc.poll() is None:
             time.sleep(0.05)
-            if pause is not None and not acted and marker.exists():
-                pid = int(marker.read_text().split()[0])
-                if pause.kind == "sigstop":
-                    os.kill(pid, signal.SIGSTOP)
-                else:
-                    tag = latest(self.run_dir)
-                    acted["file"] = str(flip_model_file(self.run_dir / "checkpoints" / tag))
-                    damaged.add(tag)
-                    os.kill(pid, signal.SIGKILL)
-                acted.update(fault=pause, pid=pid, at=time.monotonic())
-                marker.unlink()
+            if pause is not None and not acted:
+                self._act(launch, pause, marker, damaged, acted)
             if acted and acted["fault"].kind == "sigstop" and not acted.get("killed") and launch.first(r"^hang: "):
-                os.kill(acted["pid"], signal.SIGKILL)  # the others named it and leave: the stopped rank goes too
+                with contextlib.suppress(ProcessLookupError):  # torchrun may have ended it already
+                    os.kill(acted["pid"], signal.SIGKILL)  # the others named it and leave: the stopped rank goes too
                 acted["killed"] = True
+        if pause is not None and not acted:
+            self._act(launch, pause, marker, damaged, acted)
         return acted
+
+    @staticmethod
+    def _paused_pid(launch: Launch, pause: Fault, marker: Path) -> Optional[int]:
+        """The paused rank's pid: from its marker file, or (the launch has ended it, and the pause removed its
+        marker on the way out) from its "paused at" line; None while it has not paused."""
+        with contextlib.suppress(FileNotFoundError):
+            return int(marker.read_text().split()[0])
+        lines = [line for _, line in list(launch.lines) if line.startswith(f"paused at train.step@{pause.step}:")]
+        m = re.search(r"; pid (\d+) on ", lines[0]) if lines else None
+        return int(m.group(1)) if m else None
+
+    def _act(self, launch: Launch, pause: Fault, marker: Path, damaged: set, acted: dict) -> None:
+        """Stop the paused rank, or damage the newest checkpoint and kill the rank, once it has paused. A launch
+        that is over is signalled no more: its ranks are gone, and a pid of theirs may be another process's now."""
+        pid = self._paused_pid(launch, pause, marker)
+        if pid is None:
+            return
+        if pause.kind == "damage":
+            tag = latest(self.run_dir)
+            acted["file"] = str(flip_model_file(self.run_dir / "checkpoints" / tag))
+            damaged.add(tag)
+        alive = launch.proc.poll() is None
+        if alive:
+            with contextlib.suppress(ProcessLookupError):  # ended by the watchdog's verdict first: gone either way
+                os.kill(pid, signal.SIGSTOP if pause.kind == "sigstop" else signal.SIGKILL)
+        acted.update(fault=pause, pid=pid, at=time.monotonic(), alive=alive)
+        marker.unlink(missing_ok=True)
 
     def _read_faults(self, launch: Launch, acted: dict, resumed: int) -> None:
         """Which faults this launch met, named by which line, how soon, and what they cost."""
@@ -310,13 +335,15 @@ class Soak:
                     self._stopped(f, t, t0, last, launch.exits() + named)
         f = acted.get("fault")
         if f is not None and f.kind == "sigstop":
-            t = launch.first(rf"^hang: .*rank[^;]*never reached step {f.step}", after=acted["at"])
-            self._stopped(f, t, acted["at"], last, f"SIGSTOP; {launch.exits()}; the hang named; the stopped rank "
-                                                   "SIGKILLed")
+            # from the pause, not from the SIGSTOP: on a busy machine the watchdog may name it before we act
+            since = launch.first(rf"^paused at train\.step@{f.step}:") or acted["at"]
+            t = launch.first(rf"^hang: .*rank[^;]*never reached step {f.step}", after=since)
+            end = "the stopped rank SIGKILLed" if acted["alive"] else "the launch ended before the SIGSTOP"
+            self._stopped(f, t, since, last, f"SIGSTOP; {launch.exits()}; the hang named; {end}")
         elif f is not None:
             f.tag = Path(acted["file"]).parent.name
-            self._stopped(f, None, acted["at"], last, f"a byte of {f.tag}/{Path(acted['file']).name} flipped; rank 0 "
-                                                      "killed")
+            how = "rank 0 killed" if acted["alive"] else "the launch had ended on the hang watchdog"
+            self._stopped(f, None, acted["at"], last, f"a byte of {f.tag}/{Path(acted['file']).name} flipped; {how}")
 
     def _after_relaunch(self, launch: Launch, resumed: int) -> None:
         """At a relaunch's end: what each stop it follows cost, and the damage it must have passed over."""
