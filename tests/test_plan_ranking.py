@@ -130,14 +130,13 @@ def test_submit_layout_best_dry_run_applies_row_one(tmp_path, capsys, monkeypatc
 
 def test_submit_layout_best_records_the_plan_in_the_job_record_and_the_runs_own_record(tmp_path, capsys,
                                                                                          monkeypatch):
-    """The job's record (slurm/jobs.jsonl) and, through the job script's environment, every checkpoint's run
-    record name the plan row the job runs."""
-    import subprocess
-
+    """The job's record (slurm/jobs.jsonl) and, through <run_dir>/plan_choice.json, every checkpoint's run
+    record name the plan row the job runs; the job script carries no hidden variable for it."""
     from _train_data import tiny_overrides, write_shards
     from megafixed.config import load_config
     from megafixed.launch import sbatch as slurm
     from megafixed.parallel import setup_distributed
+    from megafixed.run import plan_choice
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
@@ -151,15 +150,22 @@ def test_submit_layout_best_records_the_plan_in_the_job_record_and_the_runs_own_
     chosen = entry["layout_chosen_by_plan"]
     assert entry["job_id"] == "4242" and chosen["overrides"] == first and chosen["row"] == 1
     assert "megafixed plan" in chosen["chosen_by"] and "--gpus 8" in chosen["chosen_by"]
-    # the script exports it; what bash makes of that line is what the ranks see
+    # the run directory keeps it, in a file; the script exports nothing for it
     (script,) = [p for p in tmp_path.rglob("*.sbatch")]
-    line = next(ln for ln in script.read_text().splitlines() if ln.startswith(f"export {slurm.LAYOUT_ENV}="))
-    env = subprocess.run(["bash", "-c", f"{line}; printenv {slurm.LAYOUT_ENV}"], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert json.loads(env) == chosen
-    # a run started with that environment keeps it in its run record
-    monkeypatch.setenv(slurm.LAYOUT_ENV, env)
-    run_dir = tmp_path / "run"
+    run_dir = script.parent.parent
+    assert plan_choice.read(run_dir) == chosen and "LAYOUT" not in script.read_text()
+    # another row for the same run directory is refused without --overwrite: one line, exit 2
+    plan_choice.write(run_dir, {**chosen, "row": 2}, overwrite=True)
+    capsys.readouterr()
+    assert cli_main(["submit", str(cfg), "--nodes", "2", "--gpus-per-node", "4", "--gpu-mem", MEM,
+                     "--layout", "best"]) == 2
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("# --layout best: ")]
+    assert len(err) == 1 and "plan_choice.json names another layout" in err[0] and "--overwrite" in err[0], err
+    assert plan_choice.read(run_dir)["row"] == 2
+    assert cli_main(["submit", str(cfg), "--nodes", "2", "--gpus-per-node", "4", "--gpu-mem", MEM,
+                     "--layout", "best", "--overwrite"]) == 0
+    assert plan_choice.read(run_dir) == chosen
+    # a run started in that run directory keeps it in its run record
     said: list = []
     conf = load_config(None, tiny_overrides(write_shards(tmp_path / "shards"), run_dir, "train.max_steps=2",
                                             "train.save_interval=2", "train.eval_interval=0"))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -26,8 +25,7 @@ import sys
 
 from ..data import preprocess_groups as pg
 from ..data.errors import DataError
-
-_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")  # Slurm's --time forms
+from ..launch.slurm_values import check_options, first_problem, path_problem
 
 
 def add_arguments(p) -> None:
@@ -92,10 +90,12 @@ def submit(args, inputs: list[str]) -> int:
 
     if args.nodes < 1 or (args.groups is not None and args.groups < 1):
         raise DataError(f"--nodes {args.nodes} / --groups {args.groups} must be >= 1")
-    if args.time is not None and not _TIME.match(args.time):
-        raise DataError(f"--time {args.time!r} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
-    if re.search(r"\s", os.path.abspath(args.output_prefix) + os.getcwd()):
-        raise DataError("--output-prefix and the working directory must not contain whitespace (#SBATCH lines)")
+    check_options(DataError, partition=args.partition, account=args.account, time=args.time)
+    problem = first_problem(path_problem("--output-prefix", os.path.abspath(args.output_prefix),
+                                         "choose another --output-prefix"),
+                            path_problem("working directory", os.getcwd(), "run from another directory"))
+    if problem:
+        raise DataError(problem)
     prefix = os.path.abspath(args.output_prefix)
     plan = pg.make_plan(prefix, inputs, args.groups or args.nodes, _options(args))
     plan_file, manifest = pg.plan_path(prefix), pg.manifest_path(prefix)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import re
 import sys
 
 from .. import exit_codes
@@ -49,6 +50,9 @@ def add_arguments(p):
     p.add_argument("--layout", choices=["best"], default=None,
                    help="best: run the first row of `megafixed plan` for these GPUs (its TP, PP, sharding and micro "
                         "batch as overrides; the job record names the plan that chose it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --layout best: replace the run directory's plan_choice.json when it names another "
+                        "row; without: remove it")
     p.add_argument("--gpu-mem", default="80GB", help="with --layout best: memory per GPU (default 80GB)")
     p.add_argument("--gpu-type", default="H100 80GB HBM3",
                    help="with --layout best: the GPU the plan's step-time bound is for (default H100 80GB HBM3)")
@@ -89,8 +93,8 @@ def run(args) -> int:
                    # A chained job must end at its limit: requeued, it would never end, and the job after it
                    # (afterany) would wait until the whole run is done, then start with nothing left to do.
                    requeue=not args.no_requeue and args.chain == 1,
-                   job_name=args.job_name or os.path.basename(run_dir.rstrip(os.sep)) or "megafixed",
-                   python=sys.executable, workdir=os.getcwd(), layout_chosen=choice.as_dict() if choice else None)
+                   job_name=args.job_name or _default_job_name(run_dir),
+                   python=sys.executable, workdir=os.getcwd())
     text = render(spec)
     if choice is not None:  # on stderr: stdout stays the script
         print(f"# --layout best: {' '.join(choice.overrides)} (row 1 of the {choice.fitting} rows that fit, step >= "
@@ -103,6 +107,7 @@ def run(args) -> int:
         return exit_codes.OK
     from ..atomic import atomic_write_text
 
+    _keep_plan_choice(run_dir, choice.as_dict() if choice else None, args.overwrite)
     os.makedirs(spec.log_dir, exist_ok=True)
     script = _new_script_path(spec.log_dir)
     atomic_write_text(script, text)
@@ -116,6 +121,26 @@ def run(args) -> int:
               f"{os.path.join(spec.log_dir, job_id + '.out')}", file=sys.stderr)
         previous = job_id
     return exit_codes.OK
+
+
+def _keep_plan_choice(run_dir: str, chosen, overwrite: bool) -> None:
+    """``--layout best``: the chosen row goes to ``<run_dir>/plan_choice.json``, where every rank's trainer reads
+    it for the run record (``megafixed.run.plan_choice``). Without it, an earlier choice is removed only with
+    ``--overwrite`` (the run may still be laid out that way), and a line says it stays."""
+    from ..run import plan_choice
+
+    if chosen is not None:
+        plan_choice.write(run_dir, chosen, overwrite=overwrite)
+    elif overwrite:
+        plan_choice.remove(run_dir)
+    elif os.path.exists(plan_choice.path(run_dir)):
+        print(f"note: {plan_choice.path(run_dir)} (an earlier `submit --layout best`) stays, and run records keep "
+              f"naming that plan row; pass --overwrite to remove it", file=sys.stderr)
+
+
+def _default_job_name(run_dir: str) -> str:
+    """The run dir's name in Slurm's job-name characters (a given --job-name is checked, not changed)."""
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", os.path.basename(run_dir.rstrip(os.sep))) or "megafixed"
 
 
 def _check_plan(cfg, world: int, gpu: bool, data: bool) -> None:

@@ -21,11 +21,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
+from .slurm_values import check_options, first_problem, path_problem
 from .world import LaunchError
 
 _PLACEHOLDER = re.compile(r"{{([A-Z_]+)}}")
-LAYOUT_ENV = "MEGAFIXED_LAYOUT_CHOSEN_BY_PLAN"  # the job script's plan row (JSON), for the trainer's run record
-_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")  # Slurm's --time forms: MM, HH:MM:SS, D-HH[:MM[:SS]]
 
 
 @dataclasses.dataclass
@@ -47,7 +46,6 @@ class JobSpec:
     job_name: str = "megafixed"
     python: str = sys.executable
     workdir: str = os.getcwd()
-    layout_chosen: Optional[dict] = None  # `submit --layout best`'s plan row: each run record carries it
 
     @property
     def world(self) -> int:
@@ -63,34 +61,35 @@ def template_text() -> str:
 
 
 def render(spec: JobSpec, submitted: Optional[str] = None) -> str:
-    """The job script for ``spec``: pure text, nothing touched."""
-    for what, path in (("run dir", spec.log_dir), ("working directory", spec.workdir)):
-        if re.search(r"\s", path):
-            raise LaunchError(f"the {what} {path!r} contains whitespace, which #SBATCH lines cannot carry; choose a "
-                              f"path without spaces (train.run_dir=...)")
-    if spec.time is not None and not _TIME.match(spec.time):
-        raise LaunchError(f"--time {spec.time!r} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS")
+    """The job script for ``spec``: pure text, nothing touched. A value that bash reads is ``shlex.quote``d;
+    a value in an ``#SBATCH`` line must be Slurm's to take (``slurm_values``), else one line, exit 2."""
+    fix = "choose a path without them (train.run_dir=..., or submit from another directory)"
+    problem = first_problem(path_problem("run dir", spec.log_dir, fix), path_problem("working directory",
+                                                                                      spec.workdir, fix))
+    if problem:
+        raise LaunchError(problem)
+    check_options(LaunchError, partition=spec.partition, account=spec.account, qos=spec.qos, time=spec.time,
+                  job_name=spec.job_name)
     options = []
     if not spec.cpu:
-        options.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
+        options.append(f"#SBATCH --gpus-per-node={int(spec.gpus_per_node)}")
     for flag, value in (("time", spec.time), ("partition", spec.partition), ("account", spec.account),
                         ("qos", spec.qos)):
         if value:
             options.append(f"#SBATCH --{flag}={value}")
     ranged = spec.min_nodes is not None and spec.min_nodes < spec.nodes
     values = {
-        "NODES": f"{spec.min_nodes}-{spec.nodes}" if ranged else spec.nodes,
-        "TASKS_PER_NODE": spec.gpus_per_node, "PER_NODE": per_node_request(spec, ranged),
+        "NODES": f"{int(spec.min_nodes)}-{int(spec.nodes)}" if ranged else int(spec.nodes),
+        "TASKS_PER_NODE": int(spec.gpus_per_node), "PER_NODE": per_node_request(spec, ranged),
         "WORLD": f"{spec.min_nodes * spec.gpus_per_node}-{spec.world}" if ranged else spec.world,
-        "CPUS_PER_TASK": spec.cpus_per_task,
-        "SUBMITTED": submitted or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "JOB_NAME": re.sub(r"[^A-Za-z0-9_.-]", "_", spec.job_name), "SIGNAL_BEFORE": spec.signal_before,
+        "CPUS_PER_TASK": int(spec.cpus_per_task),
+        "SUBMITTED": " ".join((submitted or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                              .split()),  # a comment line: no newline may end it
+        "JOB_NAME": spec.job_name, "SIGNAL_BEFORE": int(spec.signal_before),
         "LOG_DIR": spec.log_dir, "WORKDIR": spec.workdir, "SBATCH_OPTIONS": "\n".join(options),
+        "RUN_DIR": shlex.quote(spec.run_dir),
         "PYTHON": shlex.quote(spec.python), "REQUEUE": int(spec.requeue),
         "TRAIN_ARGS": " ".join(shlex.quote(a) for a in [spec.config, *spec.overrides]),
-        "LAYOUT_CHOSEN": "" if spec.layout_chosen is None else (
-            "# The layout is row 1 of the plan below (`submit --layout best`); the run record keeps it.\n"
-            f"export {LAYOUT_ENV}={shlex.quote(json.dumps(spec.layout_chosen, sort_keys=True))}"),
     }
 
     def fill(m):

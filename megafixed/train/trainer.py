@@ -33,6 +33,7 @@ from .. import pause as pauses
 from ..atomic import atomic_write_text
 from ..config import Config, save_config
 from ..engine import StepChecks, build_engine
+from ..run import plan_choice
 from ..run.bad_steps import BadStepGuard
 from ..run.faults import ENV, FaultPlan, InjectError
 from ..run.run_dir import RunDirectory, tag_step
@@ -251,23 +252,7 @@ def _say_drills(faults, skips, checkpointer, say) -> None:
     if faults is not None:
         checkpointer.note(fault_injection=os.environ.get(ENV))
         say(f"fault injection: {'; '.join(f.spelled() for f in faults.every_rank)} ({ENV})")
-    _note_chosen_layout(checkpointer, say)
-
-
-def _note_chosen_layout(checkpointer, say) -> None:
-    """A job of ``submit --layout best`` runs its plan's row 1: every run record says which plan chose it."""
-    from ..launch.sbatch import LAYOUT_ENV
-
-    raw = os.environ.get(LAYOUT_ENV)
-    if not raw:
-        return
-    try:
-        chosen = json.loads(raw)
-    except json.JSONDecodeError:
-        say(f"warning: {LAYOUT_ENV} is not JSON ({raw[:80]!r}); the run record does not name the plan")
-        return
-    checkpointer.note(layout_chosen_by_plan=chosen)
-    say(f"layout: row {chosen.get('row')} of `{chosen.get('chosen_by')}` ({' '.join(chosen.get('overrides', []))})")
+    plan_choice.note(checkpointer, say)
 
 
 def _datasets(cfg) -> dict:
