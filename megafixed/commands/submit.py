@@ -64,6 +64,10 @@ def run(args) -> int:
     from ..launch.sbatch import JobSpec, record, render, sbatch
     from ..launch.world import LaunchError
 
+    from ..launch.slurm_values import check_options
+
+    check_options(LaunchError, partition=args.partition, account=args.account, qos=args.qos, time=args.time,
+                  job_name=args.job_name)  # before anything is built: a wrapper's bad value fails at once
     min_nodes, args.nodes = parse_nodes(args.nodes)
     for flag, value, low in (("--nodes", min_nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
                              ("--cpus-per-task", args.cpus_per_task, 1), ("--chain", args.chain, 1),

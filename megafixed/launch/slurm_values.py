@@ -14,9 +14,10 @@ from typing import Optional
 # Slurm names (partitions, accounts, QOS, job names): letters, digits and ``_ . - +``. A partition
 # or QOS may be a comma-separated list (``--partition=a,b``: the first that can start the job).
 _NAME = r"[A-Za-z0-9_.+-]+"
-NAME = re.compile(rf"^{_NAME}$")
-NAME_LIST = re.compile(rf"^{_NAME}(,{_NAME})*$")
-TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")  # Slurm's --time forms: MM, HH:MM:SS, D-HH[:MM[:SS]]
+# fullmatch, never ``$``: ``$`` also matches before a final newline, the very character to keep out.
+NAME = re.compile(_NAME)
+NAME_LIST = re.compile(rf"{_NAME}(,{_NAME})*")
+TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")  # Slurm's --time forms: MM, HH:MM:SS, D-HH[:MM[:SS]]
 # A path sbatch carries as is: no whitespace or control character (ends the option or the line), no quote
 # or backslash (sbatch strips them), no ``%`` (a filename pattern in --output, e.g. %j).
 _PATH_BAD = re.compile(r"[\s\x00-\x1f\x7f\"'\\%]")
@@ -26,7 +27,7 @@ def name_problem(flag: str, value: Optional[str], lists: bool = False) -> Option
     """Why ``value`` cannot be written as ``#SBATCH --<flag>=value`` (None when it can, or is unset)."""
     if value is None or value == "":
         return None
-    if (NAME_LIST if lists else NAME).match(value):
+    if (NAME_LIST if lists else NAME).fullmatch(value):
         return None
     allowed = "letters, digits and _ . - +" + (" (a list: comma-separated)" if lists else "")
     return (f"--{flag} {value!r} holds characters a Slurm {flag} name cannot have; use {allowed}, as "
@@ -34,7 +35,7 @@ def name_problem(flag: str, value: Optional[str], lists: bool = False) -> Option
 
 
 def time_problem(value: Optional[str]) -> Optional[str]:
-    if value is None or TIME.match(value):
+    if value is None or TIME.fullmatch(value):
         return None
     return f"--time {value!r} is not a Slurm time limit; use HH:MM:SS or D-HH:MM:SS"
 
