@@ -62,9 +62,8 @@ def add_arguments(p):
 
 def run(args) -> int:
     from ..launch.sbatch import JobSpec, record, render, sbatch
-    from ..launch.world import LaunchError
-
     from ..launch.slurm_values import check_options
+    from ..launch.world import LaunchError
 
     check_options(LaunchError, partition=args.partition, account=args.account, qos=args.qos, time=args.time,
                   job_name=args.job_name)  # before anything is built: a wrapper's bad value fails at once
