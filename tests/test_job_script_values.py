@@ -118,8 +118,9 @@ def test_preprocess_scripts_quote_what_bash_reads_and_pass_bash_n(tmp_path, monk
     work = tmp_path / "w$(touch${IFS}PWNED)"
     work.mkdir()
     monkeypatch.chdir(work)
-    array, manifest = preprocess_submit.render(_preprocess_args(tmp_path, partition="cpu"),
-                                               str(work / "c`touch${IFS}PWNED`.plan.json"), [0, 1], str(work / "c.slurm"))
+    plan = str(work / "c`touch${IFS}PWNED`.plan.json")
+    array, manifest = preprocess_submit.render(_preprocess_args(tmp_path, partition="cpu"), plan, [0, 1],
+                                               str(work / "c.slurm"))
     for text in (array, manifest):
         assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
         assert "#SBATCH --partition=cpu" in text
