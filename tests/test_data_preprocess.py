@@ -103,7 +103,7 @@ def test_bad_records_are_counted_and_never_shift_documents(data):
     rep = _run([str(root / "bad.jsonl")], root / "bad", tok_path, workers=2, batch_records=2)
     tok = load_tokenizer(tok_path)
     assert _docs(root / "bad") == [tok.encode(t) + [tok.eod_id] for t in good]
-    assert rep.bad == {"undecodable": 1, "bad_json": 1, "missing_key": 1, "bad_type": 1, "empty": 1}
+    assert rep.bad == {"undecodable": 1, "bad_json": 1, "missing_key": 1, "bad_type": 1, "empty": 1, "too_long": 0}
     assert rep.blank_lines == 1 and any("bad.jsonl:2" in e for e in rep.bad_examples)
     assert "skipped bad records" in rep.summary()
     strict_in = root / "in_strict.jsonl"

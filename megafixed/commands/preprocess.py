@@ -35,6 +35,9 @@ def add_arguments(p):
                         "else HF tokenizers/sentencepiece (one line says why); gigatoken: refuse if not exact")
     p.add_argument("--verify-chars", type=int, default=65536,
                    help="characters of input the start-up check compares gigatoken and the reference on")
+    p.add_argument("--max-record-bytes", type=int, default=None, metavar="BYTES",
+                   help="a longer record (JSONL line, text line, paragraph or file) is a bad record, counted and "
+                        "named, read through without holding it (default 64 MiB)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", default=None, help="also write the report as JSON here")
     p.add_argument("--overwrite", action="store_true",
@@ -48,13 +51,20 @@ def _check_numbers(args) -> None:
     from ..data.errors import DataError
 
     for flag, value, low in (("--workers", args.workers, 1), ("--batch-size", args.batch_size, 1),
-                             ("--verify-chars", args.verify_chars, 0)):
+                             ("--verify-chars", args.verify_chars, 0),
+                             ("--max-record-bytes", args.max_record_bytes, 1)):
         if value is not None and value < low:
             raise DataError(f"{flag} {value} must be >= {low}")
     if not args.chunk_mb > 0:
         raise DataError(f"--chunk-mb {args.chunk_mb} must be > 0")
     if args.code_bits is not None and not 1 <= args.code_bits <= 31:
         raise DataError(f"--code-bits {args.code_bits} must be in 1..31")
+
+
+def max_record_bytes(args) -> int:
+    from ..data.readers import DEFAULT_MAX_RECORD_BYTES
+
+    return args.max_record_bytes or DEFAULT_MAX_RECORD_BYTES
 
 
 def output_files(prefix: str, json_keys: list) -> list:
@@ -89,7 +99,7 @@ def run(args) -> int:
             workers=args.workers, append_eod=args.append_eod, shard_size_mb=args.shard_size_mb, strict=args.strict,
             text_split=args.text_split, code_bits=args.code_bits, batch_records=args.batch_size,
             chunk_mb=args.chunk_mb, backend=args.backend, verify_chars=args.verify_chars,
-            progress=not args.no_progress))
+            max_record_bytes=max_record_bytes(args), progress=not args.no_progress))
         if args.report:
             ensure_parent(args.report)
             atomic_write_text(args.report, json.dumps(report.to_dict(), indent=1))

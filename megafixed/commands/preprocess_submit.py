@@ -42,10 +42,13 @@ def add_arguments(p) -> None:
 
 
 def _options(args) -> dict:
+    from .preprocess import max_record_bytes
+
     return {"tokenizer": os.path.abspath(args.tokenizer), "json_keys": list(args.json_keys), "workers": args.workers,
             "append_eod": args.append_eod, "shard_size_mb": args.shard_size_mb, "strict": args.strict,
             "text_split": args.text_split, "code_bits": args.code_bits, "batch_records": args.batch_size,
-            "chunk_mb": args.chunk_mb, "backend": args.backend, "verify_chars": args.verify_chars}
+            "chunk_mb": args.chunk_mb, "backend": args.backend, "verify_chars": args.verify_chars,
+            "max_record_bytes": max_record_bytes(args)}
 
 
 def _header(name: str, log: str, args, extra: list[str]) -> list[str]:
@@ -143,6 +146,7 @@ def submit(args, inputs: list[str]) -> int:
 # ----------------------------------------------------------------------------------- the tasks
 def _run_group(plan_file: str, index: int) -> int:
     from ..data.preprocess import PreprocessOptions, preprocess
+    from ..data.readers import DEFAULT_MAX_RECORD_BYTES
 
     # scancel / a time limit sends SIGTERM: unwind so the writer removes its temp files (no half shard)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -155,6 +159,7 @@ def _run_group(plan_file: str, index: int) -> int:
             workers=o["workers"], append_eod=o["append_eod"], shard_size_mb=o["shard_size_mb"], strict=o["strict"],
             text_split=o["text_split"], code_bits=o["code_bits"], batch_records=o["batch_records"],
             chunk_mb=o["chunk_mb"], backend=o["backend"], verify_chars=o["verify_chars"], progress=False,
+            max_record_bytes=o.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES),  # a plan written before it
             group=index))
 
     rec = pg.run_group(plan, index, run)

@@ -36,7 +36,7 @@ from . import fast_backend
 from .errors import DataError, check_vocab_fits
 from .fast_backend import BACKENDS, GigatokenEncoder, PreparedFast, ReferenceEncoder, select_backend
 from .indexed import ShardWriter, bin_path, dtype_for_vocab, idx_path, meta_path
-from .readers import BAD_KINDS, Batch, decode_batch, expand_inputs, iter_batches
+from .readers import BAD_KINDS, DEFAULT_MAX_RECORD_BYTES, Batch, decode_batch, expand_inputs, iter_batches
 from .reference_check import ReferenceCheck
 from .tokenizers import Tokenizer, load_tokenizer, tokenizer_kind, tokenizer_sha256
 
@@ -57,6 +57,7 @@ class PreprocessOptions:
     chunk_mb: float = 4.0  # and at most this many MB of raw input per batch
     backend: str = "auto"  # auto | gigatoken | reference (see fast_backend.select_backend)
     verify_chars: int = 65536  # characters of input the start-up check compares the backends on
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # a longer record is a bad record ("too_long"), never held
     progress: bool = True
     extra_meta: dict = field(default_factory=dict)  # stored in every shard's .meta.json
     group: Optional[int] = None  # the input-file group of a ``--submit`` array task (MEGAFIXED_PAUSE's group=)
@@ -151,14 +152,16 @@ def _encode(batch: Batch):
     return _tokenize(batch, decode_batch(batch, _STATE["keys"], _STATE["strict"]), _STATE)
 
 
-def _startup_sample(paths: list, keys: list, text_split: str, max_chars: int, max_files: int = 4) -> list:
+def _startup_sample(paths: list, keys: list, text_split: str, max_chars: int, max_files: int = 4,
+                    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> list:
     """(where, text) documents from the start of up to ``max_files`` inputs spread over the list."""
     picks = sorted({round(i * (len(paths) - 1) / max(1, max_files - 1)) for i in range(min(max_files, len(paths)))})
     budget = max(1, max_chars // len(picks))
     sample = []
     for p in picks:
         seen = 0
-        for batch in iter_batches([paths[p]], keys, 1, batch_bytes=1 << 16, text_split=text_split):
+        for batch in iter_batches([paths[p]], keys, 1, batch_bytes=1 << 16, text_split=text_split,
+                                  max_record_bytes=max_record_bytes):
             dec = decode_batch(batch, keys)
             for k in keys:
                 for text in dec.texts[k]:
@@ -284,7 +287,8 @@ def preprocess(opts: PreprocessOptions) -> PreprocessReport:
         raise DataError(f"--backend {opts.backend!r} unknown; use one of {BACKENDS}")
     sample, prepared = [], None
     if opts.backend != "reference":
-        sample = _startup_sample(paths, keys, opts.text_split, opts.verify_chars)
+        sample = _startup_sample(paths, keys, opts.text_split, opts.verify_chars,
+                                 max_record_bytes=opts.max_record_bytes)
         if _checked_beside(opts.tokenizer):
             report, note = _fast_with_check_beside(opts, paths, keys, sample)
             if report is not None:
@@ -386,7 +390,7 @@ def _run(opts: PreprocessOptions, paths: list, keys: list, tok, encoder, note: s
     t0 = time.perf_counter()
     batch_records = opts.batch_records or (16384 if encoder.name != "reference" else 256)
     batches = iter_batches(paths, keys, batch_records, batch_bytes=int(opts.chunk_mb * (1 << 20)),
-                           text_split=opts.text_split)
+                           text_split=opts.text_split, max_record_bytes=opts.max_record_bytes)
     pause, written = pauses.armed("preprocess.batch", group=opts.group), [0]  # MEGAFIXED_PAUSE: tests, drills
 
     def consume(result) -> None:
@@ -472,8 +476,9 @@ def _check_written(report: PreprocessReport, paths: list, keys: list) -> None:
         # shard would only fail later, far from the cause; _run's except removes the temp files.
         skipped = {k: v for k, v in report.bad.items() if v}
         example = f" (e.g. {report.bad_examples[0]})" if report.bad_examples else ""
-        raise DataError(f"no document written: every record was skipped as bad {skipped}{example}; "
-                        f"check --json-keys {' '.join(keys)} against the records' fields, or the input format")
+        fix = (f"check --json-keys {' '.join(keys)} against the records' fields, or the input format"
+               if set(skipped) != {"too_long"} else "raise --max-record-bytes if such records are real documents")
+        raise DataError(f"no document written: every record was skipped as bad {skipped}{example}; {fix}")
 
 
 def _commit(outputs: dict, report: PreprocessReport, tok, opts: PreprocessOptions, dtype, paths: list) -> None:

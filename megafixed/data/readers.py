@@ -6,7 +6,11 @@ worker processes -- turns them into texts and counts bad records. So JSON parsin
 decoding scale with the workers, and output order never depends on the worker count.
 
 Nothing here holds a whole file in memory: JSONL is read line by line through the
-decompressor, parquet one record batch at a time (``ParquetFile.iter_batches``).
+decompressor, parquet one record batch at a time (``ParquetFile.iter_batches``). Nor a whole record
+past ``max_record_bytes`` (``--max-record-bytes``): a longer line, paragraph or file is read through
+in blocks, never held, and comes out as an :class:`Oversized` record, counted as a bad record
+("too_long") and named with its file and line like the others -- a corpus from elsewhere with a
+1 GiB line without a newline costs a line in the report, not the machine's memory.
 """
 from __future__ import annotations
 
@@ -24,7 +28,30 @@ from .errors import DataError
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 TEXT_SPLITS = ("paragraph", "line", "file")
-BAD_KINDS = ("undecodable", "bad_json", "missing_key", "bad_type", "empty")
+BAD_KINDS = ("undecodable", "bad_json", "missing_key", "bad_type", "empty", "too_long")
+DEFAULT_MAX_RECORD_BYTES = 64 << 20  # a document far past any real one, far below a node's memory
+
+
+class Oversized(bytes):
+    """A record longer than the limit, in place of its bytes (which were read through, not kept).
+    Empty bytes, so that batching sums and pickling to the workers cost nothing; ``size``: its bytes
+    (at least, when ``exact`` is False: reading stopped at the limit)."""
+
+    def __new__(cls, size: int, limit: int, exact: bool = True):
+        self = super().__new__(cls)
+        self.size, self.limit, self.exact = size, limit, exact
+        return self
+
+    def __reduce__(self):
+        return (Oversized, (self.size, self.limit, self.exact))
+
+    def problem(self) -> str:
+        return (f"a record of {'more than ' if not self.exact else ''}{self.size:,} bytes, over the limit of "
+                f"{self.limit:,} (--max-record-bytes); skipped")
+
+
+def _too_long(line: bytes, limit: int) -> bool:
+    return len(line) - line.endswith(b"\n") > limit
 
 
 @dataclass
@@ -86,18 +113,23 @@ def open_binary(path: str):
 
 
 def iter_batches(paths: list[str], json_keys: list[str], batch_records: int = 256,
-                 batch_bytes: int = 4 << 20, text_split: str = "paragraph") -> Iterator[Batch]:
-    """Cut every input, in order, into batches of at most ``batch_records`` records."""
+                 batch_bytes: int = 4 << 20, text_split: str = "paragraph",
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Batch]:
+    """Cut every input, in order, into batches of at most ``batch_records`` records; a record over
+    ``max_record_bytes`` comes as an :class:`Oversized` one."""
     if text_split not in TEXT_SPLITS:
         raise DataError(f"text split {text_split!r} unknown; use one of {TEXT_SPLITS}")
+    if max_record_bytes < 1:
+        raise DataError(f"--max-record-bytes {max_record_bytes} must be >= 1")
     for path in paths:
         fmt = file_format(path)
         if fmt == "parquet":
             yield from _parquet_batches(path, json_keys, batch_records)
         elif fmt == "jsonl":
-            yield from _jsonl_batches(path, batch_records, batch_bytes)
+            yield from _jsonl_batches(path, batch_records, batch_bytes, max_record_bytes)
         else:
-            yield from _line_batches(path, "text", _text_records(path, text_split), batch_records, batch_bytes)
+            yield from _line_batches(path, "text", _text_records(path, text_split, max_record_bytes), batch_records,
+                                     batch_bytes)
 
 
 def _line_batches(path, kind, records, batch_records, batch_bytes) -> Iterator[Batch]:
@@ -114,25 +146,46 @@ def _line_batches(path, kind, records, batch_records, batch_bytes) -> Iterator[B
         yield batch
 
 
-def _jsonl_batches(path: str, batch_records: int, batch_bytes: int) -> Iterator[Batch]:
+def _jsonl_batches(path: str, batch_records: int, batch_bytes: int, limit: int) -> Iterator[Batch]:
     """A JSONL file's lines (each keeps its newline, as iterating the file gives them) in batches of
     at most ``batch_records`` lines, cut from blocks read ``batch_bytes`` at a time: ``readlines`` of
-    a block runs in C, where iterating the file line by line cost a third of the JSON parse."""
-    first, pending = 1, []  # pending: the start of a line that runs past the block read so far
+    a block runs in C, where iterating the file line by line cost a third of the JSON parse. A line
+    longer than ``limit`` is dropped as soon as it is, read through to its newline in blocks, and
+    stands as an :class:`Oversized` record."""
+    first, pending, held = 1, [], 0  # pending: the start of a line that runs past the block read so far
+    skipped = 0  # > 0: bytes of an over-long line whose newline is not read yet
     try:
         with open_binary(path) as fh:
             while True:
                 block = fh.read(max(1, batch_bytes))
                 if not block:
                     break
+                if skipped:
+                    end = block.find(b"\n")
+                    if end < 0:
+                        skipped += len(block)
+                        continue
+                    yield Batch(path, first, "jsonl", [Oversized(skipped + end, limit)], skipped + end + 1)
+                    first, skipped, block = first + 1, 0, block[end + 1:]
+                    if not block:
+                        continue
                 if b"\n" not in block:
                     pending.append(block)
+                    held += len(block)
+                    if held > limit:  # no newline within the limit: let go of it
+                        skipped, pending, held = held, [], 0
                     continue
                 data = b"".join(pending) + block if pending else block
                 lines = io.BytesIO(data).readlines()
                 pending = [] if lines[-1].endswith(b"\n") else [lines.pop()]
+                held = len(pending[0]) if pending else 0
+                nbytes = len(data) - held
+                if held > limit:
+                    skipped, pending, held = held, [], 0
+                if len(data) > limit:  # only then can a line in it be too long
+                    lines = [Oversized(len(ln) - 1, limit) if _too_long(ln, limit) else ln for ln in lines]
                 if len(lines) <= batch_records:  # the whole block is one batch: its size needs no sum
-                    yield Batch(path, first, "jsonl", lines, len(data) - (len(pending[0]) if pending else 0))
+                    yield Batch(path, first, "jsonl", lines, nbytes)
                 else:
                     for i in range(0, len(lines), batch_records):
                         part = lines[i:i + batch_records]
@@ -140,7 +193,9 @@ def _jsonl_batches(path: str, batch_records: int, batch_bytes: int) -> Iterator[
                 first += len(lines)
     except _decompression_errors() as exc:
         raise _corrupt(path, exc) from exc
-    if pending:  # a last line without its newline
+    if skipped:  # a last line without its newline, too long
+        yield Batch(path, first, "jsonl", [Oversized(skipped, limit)], skipped)
+    elif pending:  # a last line without its newline
         last = b"".join(pending)
         yield Batch(path, first, "jsonl", [last], len(last))
 
@@ -182,23 +237,54 @@ def _jsonl_records(path: str) -> Iterator[bytes]:
         yield from _guarded(path, fh)  # one record per line, blank lines included so line numbers stay true
 
 
-def _text_records(path: str, split: str) -> Iterator[bytes]:
+def _bounded_lines(fh, limit: int) -> Iterator[bytes]:
+    """The lines of ``fh``; one longer than ``limit`` is read through in 1 MiB pieces and comes as
+    :class:`Oversized` (``readline`` of a line without a newline would hold all of it)."""
+    while True:
+        line = fh.readline(limit + 1)
+        if not line:
+            return
+        if not _too_long(line, limit):
+            yield line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n"):
+            line = fh.readline(1 << 20)
+            if not line:
+                break
+            size += len(line)
+        yield Oversized(size - line.endswith(b"\n"), limit)
+
+
+def _text_records(path: str, split: str, limit: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[bytes]:
     with open_binary(path) as fh:
-        fh = _guarded(path, fh)
-        if split == "file":
-            yield b"".join(fh)
-        elif split == "line":
-            yield from fh
-        else:  # paragraphs: runs of non-blank lines separated by blank lines
-            para: list[bytes] = []
-            for line in fh:
-                if line.strip():
-                    para.append(line)
-                elif para:
-                    yield b"".join(para)
+        if split == "file":  # the whole file is one document: read up to the limit, never past it
+            try:
+                data = fh.read(limit + 1)
+            except _decompression_errors() as exc:
+                raise _corrupt(path, exc) from exc
+            yield data if len(data) <= limit else Oversized(len(data) - 1, limit, exact=False)
+            return
+        lines = _guarded(path, _bounded_lines(fh, limit))
+        if split == "line":
+            yield from lines
+            return
+        # paragraphs: runs of non-blank lines separated by blank lines; one past the limit is let go of as it grows
+        para: list[bytes] = []
+        size, over = 0, False
+        for line in lines:
+            if isinstance(line, Oversized) or line.strip():
+                size += line.size if isinstance(line, Oversized) else len(line)
+                over = over or isinstance(line, Oversized) or size > limit
+                if over:
                     para = []
-            if para:
-                yield b"".join(para)
+                else:
+                    para.append(line)
+            elif over or para:
+                yield Oversized(size, limit) if over else b"".join(para)
+                para, size, over = [], 0, False
+        if over or para:
+            yield Oversized(size, limit) if over else b"".join(para)
 
 
 def _parquet_batches(path: str, json_keys: list[str], batch_records: int) -> Iterator[Batch]:
@@ -311,6 +397,9 @@ def decode_batch(batch: Batch, json_keys: list[str], strict: bool = False) -> De
 def _decode_record(out: Decoded, batch: Batch, i: int, raw: bytes, json_keys: list[str], strict: bool) -> None:
     """The exact path for one record (``json``, every check, the bad-record counts and messages)."""
     where = f"{batch.path}:{batch.first_record + i}"
+    if isinstance(raw, Oversized):
+        _bad(out, "too_long", where, strict, raw.problem())
+        return
     if not raw.strip():
         out.blank += 1  # a blank line holds no record (JSONL, or text split by lines); not an error
         return
