@@ -15,10 +15,17 @@ bytecodes), waits up to twice the timeout (two connect tries), and dies with c10
   is refused, naming it, before any process group exists.
 
 The records stay available (``peers()``) so that a later lost-peer failure can name the node of an address.
+
+What the store exposes: torch's TCPStore has no authentication. Rank 0 listens on MASTER_PORT at the
+address MASTER_ADDR names (``master_listen_fd``: a socket bound here; every interface only when that
+address is not this node's), and anyone who reaches it can read the records and write keys -- the
+cluster network is trusted, as torch itself assumes. A one-process run meets nobody: its store is an
+in-memory ``HashStore``, and no socket is opened for it (docs/security.md).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -141,11 +148,13 @@ def _open_store(world: World, addr: str, port: int, deadline: float, wait: float
         base = dist.TCPStore(addr, port, world.size, is_master=False,
                              timeout=timedelta(seconds=max(_remaining(deadline), 1.0)))
         return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    if world.size == 1:  # nobody to meet: an in-memory store, no socket
+        return dist.HashStore()
     if world.rank == 0:
         try:
             # wait_for_workers=False: the wait for the workers happens below, in Python, under our deadline
             return dist.TCPStore(addr, port, world.size, is_master=True, timeout=timedelta(seconds=wait),
-                                 wait_for_workers=False)
+                                 wait_for_workers=False, master_listen_fd=_socket_at(addr, port))
         except (RuntimeError, OSError) as exc:
             raise RendezvousError(f"rendezvous failed: rank 0 cannot listen on port {port} "
                                   f"({_first_line(exc)}); another job or process holds it: pick another "
@@ -158,6 +167,29 @@ def _open_store(world: World, addr: str, port: int, deadline: float, wait: float
         raise RendezvousError(f"rendezvous failed: rank {world.rank} reached {addr}:{port} but could not join the "
                               f"store there ({_first_line(exc)}); is MASTER_PORT another service's port?",
                               every_rank=True) from None
+
+
+def _socket_at(addr: str, port: int) -> Optional[int]:
+    """A socket bound to ``addr:port`` for the store to listen on (its file descriptor; TCPStore takes it
+    over), so that the store is reachable where MASTER_ADDR says and not on every interface. None when
+    ``addr`` is not an address of this node (a name behind NAT, say): then torch listens on every
+    interface, as it does by itself. A port already taken raises OSError (the caller names it)."""
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return None
+    for family, kind, proto, _name, where in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own server socket
+            sock.bind(where)
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise
+            continue
+        return sock.detach()
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -304,11 +336,17 @@ def init_process_group(world: World, backend: str, collective_timeout_s: float =
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from .world import _free_port
-
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if world.size == 1 and not addr:  # a lone process: a free loopback port, kept out of the environment
-        addr, port = "127.0.0.1", str(_free_port())
+    if world.size == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # a lone process meets nobody: an in-memory store (_open_store), no port; gloo's own listener
+        # (gloo opens one per group, even for one rank) on loopback unless an interface was chosen
+        addr, port = addr or "127.0.0.1", port or "0"
+        if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            from .head import interface_of
+
+            loopback = interface_of("127.0.0.1")
+            if loopback:
+                os.environ["GLOO_SOCKET_IFNAME"] = loopback
     try:
         port_n = int(port)
     except (TypeError, ValueError):

@@ -200,8 +200,3 @@ def ranges(ranks: list[int]) -> str:
             start = b
     return ",".join(out)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
