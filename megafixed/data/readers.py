@@ -232,11 +232,6 @@ def _guarded(path: str, records: Iterator[bytes]) -> Iterator[bytes]:
         raise DataError(f"input {path} is a directory; pass files or a glob like '{path}/*.jsonl'") from exc
 
 
-def _jsonl_records(path: str) -> Iterator[bytes]:
-    with open_binary(path) as fh:
-        yield from _guarded(path, fh)  # one record per line, blank lines included so line numbers stay true
-
-
 def _bounded_lines(fh, limit: int) -> Iterator[bytes]:
     """The lines of ``fh``; one longer than ``limit`` is read through in 1 MiB pieces and comes as
     :class:`Oversized` (``readline`` of a line without a newline would hold all of it)."""
