@@ -87,6 +87,41 @@ def test_text_split_file_reads_no_further_than_the_limit(tmp_path):
     assert texts == [] and bad == 1 and examples[0].startswith(f"{big}:1: a record of more than 100 bytes")
 
 
+def test_strict_stops_at_a_record_over_the_limit_naming_it(tmp_path):
+    from megafixed.data.errors import DataError
+
+    path = _write(tmp_path / "c.jsonl", _line(GOOD[0]) + _line("x" * 500))
+    with pytest.raises(DataError, match=rf"{path}:2: a record of 512 bytes, over the limit of 100 .*--strict"):
+        for batch in iter_batches([path], ["text"], max_record_bytes=LIMIT):
+            decode_batch(batch, ["text"], strict=True)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> str:
+    from megafixed.data import BUNDLED_CORPUS
+    from megafixed.data.tokenizers import train_tokenizer
+
+    return train_tokenizer([BUNDLED_CORPUS], str(tmp_path_factory.mktemp("tok") / "tok.json"), 300)
+
+
+def test_the_documents_around_a_long_record_are_written_as_without_it(tmp_path, tok):
+    from megafixed.data.indexed import IndexedShard
+    from megafixed.data.preprocess import PreprocessOptions, preprocess
+
+    with_long = _write(tmp_path / "with.jsonl.gz", _line(GOOD[0]) + _line("x" * 5000) + _line(GOOD[1]))
+    without = _write(tmp_path / "without.jsonl.gz", _line(GOOD[0]) + _line(GOOD[1]))
+    reports = {}
+    for name, path in (("with", with_long), ("without", without)):
+        reports[name] = preprocess(PreprocessOptions(inputs=[path], output_prefix=str(tmp_path / name), tokenizer=tok,
+                                                     max_record_bytes=1000, progress=False))
+    assert reports["with"].bad["too_long"] == 1 and reports["without"].bad["too_long"] == 0
+    assert reports["with"].bad_examples == [f"{with_long}:2: a record of 5,012 bytes, over the limit of 1,000 "
+                                            f"(--max-record-bytes); skipped"]
+    assert "skipped bad records: {'too_long': 1}" in reports["with"].summary()
+    docs = {name: [IndexedShard(str(tmp_path / name))[i].tolist() for i in range(2)] for name in reports}
+    assert docs["with"] == docs["without"] and reports["with"].documents == 2
+
+
 # ----------------------------------------------------------------------------------- the CLI, in bounded memory
 HUGE = 256 << 20
 
@@ -120,11 +155,7 @@ def _preprocess(tmp_path, corpus, tok, name) -> tuple[subprocess.CompletedProces
     return out, int(peak.read_text()) << 10
 
 
-def test_a_256_mib_one_line_gzipped_jsonl_is_one_line_and_bounded_memory(tmp_path):
-    from megafixed.data import BUNDLED_CORPUS
-    from megafixed.data.tokenizers import train_tokenizer
-
-    tok = train_tokenizer([BUNDLED_CORPUS], str(tmp_path / "tok.json"), 300)
+def test_a_256_mib_one_line_gzipped_jsonl_is_one_line_and_bounded_memory(tmp_path, tok):
     small = tmp_path / "small.jsonl.gz"
     small.write_bytes(gzip.compress(_line("a" * 1000)))
     huge = tmp_path / "huge.jsonl.gz"
