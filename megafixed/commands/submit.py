@@ -127,7 +127,7 @@ def run(args) -> int:
 
 
 def _keep_plan_choice(run_dir: str, chosen, overwrite: bool) -> None:
-    """``--layout best``: the chosen row goes to ``<run_dir>/plan_choice.json``, where every rank's trainer reads
+    """``--layout best``: the chosen row goes to ``<run_dir>/slurm/plan_choice.json``; every rank's trainer reads
     it for the run record (``megafixed.run.plan_choice``). Without it, an earlier choice is removed only with
     ``--overwrite`` (the run may still be laid out that way), and a line says it stays."""
     from ..run import plan_choice
