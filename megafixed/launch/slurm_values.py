@@ -23,6 +23,9 @@ TIME = re.compile(r"(\d+-)?\d{1,2}(:\d{2}){0,2}|\d+")  # Slurm's --time forms: M
 _PATH_BAD = re.compile(r"[\s\x00-\x1f\x7f\"'\\%]")
 
 
+_LISTED_BY = {"partition": "sinfo -s", "account": "sacctmgr show assoc user=$USER", "qos": "sacctmgr show qos"}
+
+
 def name_problem(flag: str, value: Optional[str], lists: bool = False) -> Optional[str]:
     """Why ``value`` cannot be written as ``#SBATCH --<flag>=value`` (None when it can, or is unset)."""
     if value is None or value == "":
@@ -30,8 +33,9 @@ def name_problem(flag: str, value: Optional[str], lists: bool = False) -> Option
     if (NAME_LIST if lists else NAME).fullmatch(value):
         return None
     allowed = "letters, digits and _ . - +" + (" (a list: comma-separated)" if lists else "")
-    return (f"--{flag} {value!r} holds characters a Slurm {flag} name cannot have; use {allowed}, as "
-            f"`sinfo`/`sacctmgr show {flag}` spell it")
+    where = _LISTED_BY.get(flag)
+    return (f"--{flag} {value!r} holds characters a Slurm {flag} name cannot have; use {allowed}"
+            + (f", as `{where}` spells it" if where else ""))
 
 
 def time_problem(value: Optional[str]) -> Optional[str]:
