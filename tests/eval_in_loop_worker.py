@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -25,6 +25,22 @@ def reset_model_parallel() -> None:
     ps = load().parallel_state
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+
+
+def load_weights(engine, cfg, state_path: str, scratch: Path) -> None:
+    """The saved weights into the engine's module: the engine's own loader (``scratch``: a folder every
+    rank sees), except under ZeRO-3, whose module-only load of a converted checkpoint finds no files
+    (DeepSpeed looks for ZeRO-3 shards): there, each partitioned parameter gathered and set from rank 0."""
+    if cfg.train.engine == "deepspeed" and cfg.zero.stage == 3:
+        import deepspeed
+
+        state = torch.load(state_path)
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                missing = engine.module.load_state_dict(state, strict=False).missing_keys
+                assert not [k for k in missing if not k.endswith("_extra_state")], missing
+        return
+    engine.load_weights(lambda: torch.load(state_path), scratch)
 
 
 def main(argv: list[str]) -> int:
@@ -46,8 +62,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(str(bundled("quickstart.yaml")), [*common, *extra.split(",")])
         topo = setup_distributed(RunPlan.for_launch(cfg))
         engine = build_engine(cfg, topo)
-        with tempfile.TemporaryDirectory() as scratch:
-            engine.load_weights(lambda: torch.load(state_path), scratch)
+        load_weights(engine, cfg, state_path, Path(f"{out_prefix}.scratch.{case}"))
         engine.module.train()
         values = score_zero_shot(engine.module, tasks=tasks, limit=limit, tokenizer=load_tokenizer(cfg.data.tokenizer),
                                  batch_size=4, group=topo.dp_group, device=engine.device)
