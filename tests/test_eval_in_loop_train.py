@@ -90,14 +90,24 @@ def test_two_data_parallel_ranks_log_megafixed_eval_of_their_checkpoints(data, t
     assert_logged_as_megafixed_eval(two, tmp_path)
 
 
-def test_unknown_task_and_a_tp_layout_are_refused_in_one_line(data, tmp_path):
-    for extra, message in ((["eval.tasks=[piqa,hellaswagg]", "eval.interval=2"],
-                            "eval.tasks: unknown task 'hellaswagg'; known tasks: hellaswag"),
-                           ([*EVAL, "parallel.tp=2"], "eval.interval needs parallel.tp=1 and parallel.pp=1")):
-        run_dir = tmp_path / "refused"
-        empty = tmp_path / "empty.yaml"
-        empty.write_text("{}\n")
-        proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", str(empty),
-                               *overrides(data, run_dir, *extra)], capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-        assert message in proc.stderr and "Traceback" not in proc.stderr
+def _refusal(data, tmp_path: Path, *extra: str, dry_run: bool = False) -> str:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    flags = ["--dry-run", "--world-size", "2", "--target", "cpu"] if dry_run else []
+    proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", *flags, str(empty),
+                           *overrides(data, tmp_path / "refused", *extra)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    return proc.stderr
+
+
+def test_an_unknown_task_is_refused_in_one_line(data, tmp_path):
+    assert "eval.tasks: unknown task 'hellaswagg'; known tasks: hellaswag" in _refusal(
+        data, tmp_path, "eval.tasks=[piqa,hellaswagg]", "eval.interval=2")
+
+
+def test_a_tensor_or_pipeline_parallel_layout_is_refused_at_config_check_time(data, tmp_path):
+    """The layout is known at the config check (a dry run for 2 ranks): refused there, before any rank starts."""
+    for layout in ("parallel.tp=2", "parallel.pp=2"):
+        err = _refusal(data, tmp_path, *EVAL, layout, "train.global_batch=8", dry_run=True)
+        assert "eval.interval needs parallel.tp=1 and parallel.pp=1" in err, err
