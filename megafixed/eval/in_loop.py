@@ -23,19 +23,24 @@ import torch
 
 @contextlib.contextmanager
 def evaluation_of(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode, no autograd, and every RNG state as it was, around scoring a training model. (no_grad,
-    not inference mode: FSDP2 and ZeRO-3 keep gathered parameters across calls, and the training
-    step must not meet inference tensors.)"""
-    from ..train.checkpoint import rng_state, set_rng_state
+    """Eval mode, no autograd, and every RNG state as it was (torch's CPU and this rank's CUDA
+    generator through ``torch.random.fork_rng``, Python's and numpy's), around scoring a training
+    model. (no_grad, not inference mode: FSDP2 and ZeRO-3 keep gathered parameters across calls, and
+    the training step must not meet inference tensors.)"""
+    import random
 
-    was_training, saved = model.training, rng_state()
+    import numpy as np
+
+    was_training, python_state, numpy_state = model.training, random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
             yield
     finally:
         model.train(was_training)
-        set_rng_state(saved)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def _group_size_rank(group) -> tuple[int, int]:
