@@ -4,6 +4,7 @@ engines, ZeRO-1/3 and FSDP2) as in one process, the callback's cadence and names
 the training (mode, RNG, weights)."""
 from __future__ import annotations
 
+import copy
 import json
 import random
 import subprocess
@@ -109,25 +110,17 @@ def test_two_data_parallel_ranks_score_as_one_process(trained, tmp_path):
 
 
 # ----------------------------------------------------------------------------- the callback
-class FakeRun:
-    """A RunContext whose log_metrics records its calls."""
+def recording_run(cfg, engine):
+    """A RunContext (the contract's) whose log_metrics and say record their calls."""
+    from megafixed.parallel.topology import Topology
+    from megafixed.train.callbacks import RunContext
 
-    def __init__(self, cfg, tok: str):
-        from megafixed.parallel.topology import Topology
-
-        self.cfg = cfg
-        self.cfg.data.tokenizer = tok
-        self.topo = Topology(world_size=1, rank=0, local_rank=0, tp=1, pp=1, dp=1)
-        self.engine = type("E", (), {})()
-        self.run_dir = Path(".")
-        self.logged: list[tuple[int, dict]] = []
-        self.said: list[str] = []
-
-    def log_metrics(self, step: int, values: dict) -> None:
-        self.logged.append((step, dict(values)))
-
-    def say(self, line: str) -> None:
-        self.said.append(line)
+    logged: list[tuple[int, dict]] = []
+    said: list[str] = []
+    topo = Topology(world_size=1, rank=0, local_rank=0, tp=1, pp=1, dp=1)
+    run = RunContext(cfg=cfg, topo=topo, engine=engine, run_dir=Path("."), say=said.append,
+                     log_metrics=lambda step, values: logged.append((step, dict(values))))
+    return run, logged, said
 
 
 @needs_data
@@ -138,8 +131,8 @@ def test_callback_logs_at_its_interval_and_the_last_step(trained):
     from megafixed.train.callbacks.zero_shot import EvalConfig, ZeroShotEval, build
 
     _root, tok, cfg, model, _run = trained
-    cfg = type(cfg)(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
-    cfg.train.max_steps = 7
+    cfg = copy.deepcopy(cfg)
+    cfg.train.max_steps, cfg.data.tokenizer = 7, tok
     assert build(EvalConfig(tasks=TASKS), cfg) is None  # interval 0: off
     section = EvalConfig(tasks=TASKS, interval=3, limit=LIMIT, batch_size=4)
     section.validate()
@@ -147,20 +140,20 @@ def test_callback_logs_at_its_interval_and_the_last_step(trained):
     assert isinstance(cb, ZeroShotEval) and isinstance(cb, Callback) and cb.name == "zero_shot"
     cfg.eval = section  # how the lead's Config carries it: the registration list finds it by section name
     assert [type(c) for c in build_callbacks(cfg)] == [ZeroShotEval]
-    run = FakeRun(cfg, tok)
-    run.engine.module, run.engine.device = model, torch.device("cpu")
+    engine = type("Engine", (), {"module": model, "device": torch.device("cpu")})()
+    run, logged, said = recording_run(cfg, engine)
     cb.setup(run)
     cb.on_start()
     for step in range(1, 8):
         cb.before_step(step)
         cb.after_step(step)
     cb.on_stop(7)
-    assert [s for s, _ in run.logged] == [3, 6, 7]
+    assert [s for s, _ in logged] == [3, 6, 7]
     expected = score_zero_shot(model, tasks=TASKS, limit=LIMIT, tokenizer=load_tokenizer(tok), batch_size=4)
     assert sorted(expected) == ["eval/hellaswag/acc", "eval/hellaswag/acc_norm", "eval/lambada/acc",
                                 "eval/lambada/perplexity", "eval/piqa/acc", "eval/piqa/acc_norm"]
-    assert all(values == expected for _, values in run.logged)  # the same weights each time
-    assert len(run.said) == 3 and run.said[0].startswith("step 3: zero-shot hellaswag/acc ")
+    assert all(values == expected for _, values in logged)  # the same weights each time
+    assert len(said) == 3 and said[0].startswith("step 3: zero-shot hellaswag/acc ")
     assert cb.state_dict() == {}
 
 
@@ -205,8 +198,6 @@ def test_evaluation_restores_mode_and_every_generator():
 def test_training_is_bit_identical_with_evaluation_on_or_off(trained):
     """A few steps of a model with dropout (it draws from torch's generator every step): evaluating
     between steps changes no weight bit, and the generators end where they end without it."""
-    import copy
-
     from megafixed.data.tokenizers import load_tokenizer
     from megafixed.eval.in_loop import ZeroShotScorer
 
