@@ -122,6 +122,10 @@ RANGES: dict[str, Range] = {
     "zero.reduce_bucket_size": _at_least(1, "elements per gradient-reduction bucket"),
     # torch_engine
     "torch_engine.dp_replicate": _at_least(1, "HSDP's replicate degree; it must divide the data-parallel size"),
+    # eval (in-loop zero-shot: megafixed/train/callbacks/zero_shot.py)
+    "eval.interval": _at_least(0, "steps between zero-shot evaluations; 0 turns them off"),
+    "eval.limit": _at_least(1, "documents scored per task (per MMLU subject)"),
+    "eval.batch_size": _at_least(1, "packed rows per forward pass"),
 }
 
 # Numeric fields validated where their meaning lives, not by a simple range.

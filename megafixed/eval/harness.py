@@ -3,6 +3,7 @@ log-likelihoods (``scoring.Scorer``) -> metrics, plus the paper-style table."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from . import metrics as M
@@ -22,13 +23,22 @@ def build_requests(task, docs: list[dict], tok, num_fewshot: int = 0, fewshot_do
     return built, groups
 
 
-def evaluate(model, tok, tasks: str | list[str], *, limit: Optional[int] = None, batch_size: int = 32,
-             num_fewshot: int = 0, data_dir: Optional[str] = None, progress: bool = True,
-             share_prefix: bool = True, keep_items: bool = False) -> dict:
-    """``{"results": {task: aggregate}, "groups": {...}, "tasks": {task: source}, "items": ...}``.
+@dataclass
+class Prepared:
+    """Every task's documents as token requests, ready to score (``groups``: one per document, in
+    task order), and what ``summarize`` needs to turn their log-likelihoods into metrics."""
 
-    ``limit``: the first N documents of each task (per MMLU subject), as the harness's --limit.
-    """
+    plan: list  # (name, task, built Docs) per task
+    sources: dict  # task -> {"source", "split"}
+    groups: list  # every document's requests, all tasks in order
+    num_fewshot: int
+    limit: Optional[int]
+
+
+def prepare(tasks: str | list[str], tok, *, limit: Optional[int] = None, num_fewshot: int = 0,
+            data_dir: Optional[str] = None) -> Prepared:
+    """Load each task's first ``limit`` documents (per MMLU subject), as the harness's --limit, and
+    build their requests."""
     names = parse_tasks(tasks)
     if num_fewshot:
         bad = [n for n in names if TASKS[n].fewshot_split is None]
@@ -36,10 +46,7 @@ def evaluate(model, tok, tasks: str | list[str], *, limit: Optional[int] = None,
             raise TaskError(f"--num-fewshot {num_fewshot}: the bundled data has no training split for "
                             f"{', '.join(bad)} to draw examples from (only MMLU ships its dev split); "
                             f"evaluate those zero-shot")
-    scorer = Scorer(model, batch_size=batch_size, progress=progress, share_prefix=share_prefix)
-    t0 = time.perf_counter()
-    plan = []  # (name, task, docs, built, groups)
-    sources = {}
+    plan, sources, all_groups = [], {}, []
     for name in names:
         task = TASKS[name]
         docs, where, split = load_docs(name, data_dir, task.required)
@@ -50,13 +57,17 @@ def evaluate(model, tok, tasks: str | list[str], *, limit: Optional[int] = None,
             if len(shots) < num_fewshot:
                 raise TaskError(f"--num-fewshot {num_fewshot}: {name} has {len(shots)} few-shot examples")
         built, groups = build_requests(task, docs, tok, num_fewshot, shots)
-        plan.append((name, task, docs, built, groups))
+        plan.append((name, task, built))
+        all_groups += groups
         sources[name] = {"source": where, "split": split}
-    # one scoring pass over every task's requests: packing works across tasks
-    all_groups = [g for *_, groups in plan for g in groups]
-    scored = scorer.score(all_groups)
+    return Prepared(plan, sources, all_groups, num_fewshot, limit)
+
+
+def summarize(prepared: Prepared, scored: list, keep_items: bool = False) -> dict:
+    """``{"results": {task: aggregate}, "groups": {...}, "items": ...}`` from the scored requests
+    (``Scorer.score(prepared.groups)``)."""
     results, items, k = {}, {}, 0
-    for name, task, _docs, built, _groups in plan:
+    for name, task, built in prepared.plan:
         task_items = []
         for d in built:
             r = scored[k]
@@ -80,9 +91,29 @@ def evaluate(model, tok, tasks: str | list[str], *, limit: Optional[int] = None,
                 cats[f"mmlu_{cat}"] = M.aggregate_group(members)
         groups.update(cats)
         groups["mmlu"] = M.aggregate_group(cats)
-    out = {"results": results, "groups": groups, "tasks": sources, "num_fewshot": num_fewshot, "limit": limit,
-           "seconds": time.perf_counter() - t0, "forward_passes": scorer.forwards,
-           "requests": sum(len(g) for g in all_groups)}
+    out = {"results": results, "groups": groups}
+    if keep_items:
+        out["items"] = items
+    return out
+
+
+def evaluate(model, tok, tasks: str | list[str], *, limit: Optional[int] = None, batch_size: int = 32,
+             num_fewshot: int = 0, data_dir: Optional[str] = None, progress: bool = True,
+             share_prefix: bool = True, keep_items: bool = False) -> dict:
+    """``{"results": {task: aggregate}, "groups": {...}, "tasks": {task: source}, "items": ...}``.
+
+    ``limit``: the first N documents of each task (per MMLU subject), as the harness's --limit.
+    """
+    t0 = time.perf_counter()
+    prepared = prepare(tasks, tok, limit=limit, num_fewshot=num_fewshot, data_dir=data_dir)
+    scorer = Scorer(model, batch_size=batch_size, progress=progress, share_prefix=share_prefix)
+    # one scoring pass over every task's requests: packing works across tasks
+    scored = scorer.score(prepared.groups)
+    out = summarize(prepared, scored, keep_items)
+    items = out.pop("items", None)
+    out.update({"tasks": prepared.sources, "num_fewshot": num_fewshot, "limit": limit,
+                "seconds": time.perf_counter() - t0, "forward_passes": scorer.forwards,
+                "requests": sum(len(g) for g in prepared.groups)})
     if keep_items:
         out["items"] = items
     return out

@@ -1,5 +1,5 @@
 """A trained model + its tokenizer from a run directory or a checkpoint tag directory, through the
-one loading path (``megafixed.train.evaluate.load_trained_model``: any TP/PP/ZeRO layout)."""
+one loading path (``megafixed.engine.trained.load_trained_model``: any TP/PP/ZeRO layout)."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..run.run_dir import CHECKPOINTS, LATEST, RUN_RECORD, RunDirectory
-from ..train.checkpoint import CheckpointError
+from ..run.run_dir import CHECKPOINTS, LATEST, RUN_RECORD, CheckpointError, RunDirectory
 
 
 @dataclass
@@ -46,9 +45,9 @@ def load(path: str | os.PathLike, tag: Optional[str] = None, tokenizer: Optional
          device: Optional[str] = None, dtype: Optional[str] = None) -> Loaded:
     """The model in eval mode on ``device`` (default: cuda if available), bf16 on GPU unless ``dtype``."""
     from ..data.tokenizers import load_tokenizer
+    from ..engine.trained import _run_config, load_trained_model
     from ..paths import resolve
-    from ..train.evaluate import _run_config, load_trained_model
-    from ..train.resume import read_run_record
+    from ..run.run_record import read_run_record
 
     p = Path(path)
     if not p.exists():

@@ -83,14 +83,12 @@ class Scorer:
         self.share_prefix = share_prefix  # False: every request runs in full (a check, not a speed-up)
         self.forwards = 0
 
-    @torch.inference_mode()
-    def score(self, groups: list[list[Request]]) -> list[list[tuple[float, bool]]]:
-        from tqdm.auto import tqdm
+    def batches(self, groups: list[list[Request]]) -> list[list]:
+        """The forward passes that score ``groups``: lists of packed rows (``packed.Row``), widest
+        first. Each request is in exactly one row; the same groups give the same batches on every
+        process, which lets data-parallel ranks split them (``megafixed.eval.in_loop``)."""
+        from .packed import make_tree, pack
 
-        from .packed import make_tree, pack, score_rows
-
-        self.model.eval()
-        out: list[list[Optional[tuple[float, bool]]]] = [[None] * len(g) for g in groups]
         trees = []
         for gi, group in enumerate(groups):
             inputs = [_model_input(r, self.max_len) for r in group]
@@ -99,22 +97,34 @@ class Scorer:
         # rows as wide as the largest document: first-fit decreasing leaves little padding
         rows = pack(trees, max((t.size for t in trees), default=1))
         rows.sort(key=lambda r: -len(r.ids))  # a forward's rows are of similar width
+        out, s = [], 0
+        while s < len(rows):
+            # the attention scores of a row are heads x width^2 floats (the mask is not causal-only, so
+            # SDPA may take its math path): fewer rows per forward for wide ones (few-shot prompts)
+            width = len(rows[s].ids)
+            n = max(1, min(self.batch_size, ATTENTION_BYTES // (4 * self.model.cfg.n_heads * width * width)))
+            out.append(rows[s:s + n])
+            s += n
+        return out
+
+    @torch.inference_mode()
+    def score(self, groups: list[list[Request]]) -> list[list[tuple[float, bool]]]:
+        from tqdm.auto import tqdm
+
+        from .packed import score_rows
+
+        self.model.eval()
+        out: list[list[Optional[tuple[float, bool]]]] = [[None] * len(g) for g in groups]
         total = sum(len(g) for g in groups)
         if self.progress == "lines":  # not a terminal: a line every 30 s (megafixed/progress_lines.py)
             from ..progress_lines import ProgressLines
             bar = ProgressLines(total, desc="scoring", unit="requests")
         else:
             bar = tqdm(total=total, desc="scoring", unit="req", disable=not self.progress, leave=False)
-        s = 0
-        while s < len(rows):
-            # the attention scores of a row are heads x width^2 floats (the mask is not causal-only, so
-            # SDPA may take its math path): fewer rows per forward for wide ones (few-shot prompts)
-            width = len(rows[s].ids)
-            n = max(1, min(self.batch_size, ATTENTION_BYTES // (4 * self.model.cfg.n_heads * width * width)))
-            for gi, ri, ll, greedy in score_rows(self.model, rows[s:s + n], self.device):
+        for batch in self.batches(groups):
+            for gi, ri, ll, greedy in score_rows(self.model, batch, self.device):
                 out[gi][ri] = (ll, greedy)
             self.forwards += 1
-            bar.update(sum(len(r.targets) for r in rows[s:s + n]))
-            s += n
+            bar.update(sum(len(r.targets) for r in batch))
         bar.close()
         return out  # type: ignore[return-value]
