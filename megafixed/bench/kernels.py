@@ -93,6 +93,10 @@ def add_arguments(p):
     p.add_argument("--csv", type=Path, default=None, help="write rows in Liger-Kernel's CSV schema here")
     p.add_argument("--plot", type=Path, default=None, help="PNG: GB/s against tokens with the roofline (matplotlib)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no timing: compile every Triton kernel for NVIDIA targets (no GPU needed) and print "
+                        "registers, spills, store width and the roofline per token")
+    p.add_argument("--arch", default=None, help="with --compile-only: comma list of sm_80, sm_90, sm_100 (default all)")
 
 
 # ----------------------------------------------------------------------------------- bytes
@@ -440,6 +444,13 @@ def summary(result: dict) -> list[str]:
 
 
 def run(args) -> int:
+    if args.compile_only:
+        from .kernels_compile import run as compile_only
+
+        return compile_only(args)
+    if args.arch:
+        from ..config import ConfigError
+        raise ConfigError("--arch goes with --compile-only (timing runs on the device it finds)")
     from ..outputs import claim_output
 
     spec = _resolve(args)
