@@ -443,6 +443,13 @@ def summary(result: dict) -> list[str]:
     return lines
 
 
+def select_device(device: torch.device) -> None:
+    """Make ``cuda:N`` the current device: Triton launches, and ``do_bench`` times, on the current
+    device's stream, so without this ``--device cuda:1`` would time device 0's stream."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def run(args) -> int:
     if args.compile_only:
         from .kernels_compile import run as compile_only
@@ -469,6 +476,7 @@ def run(args) -> int:
         if pause is not None:
             pause.reached(len(result["rows"]))
 
+    select_device(spec["device"])
     try:
         result = sweep(spec["device"], spec["tokens"], spec["widths"], spec["dtypes"], spec["modes"],
                        spec["providers"], vocab=args.vocab, bits=args.bits, seed=args.seed, warmup=args.warmup,

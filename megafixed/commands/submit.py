@@ -49,7 +49,7 @@ def add_arguments(p):
     p.add_argument("--layout", choices=["best"], default=None,
                    help="best: run the first row of `megafixed plan` for these GPUs (its TP, PP, sharding and micro "
                         "batch as overrides; the job record names the plan that chose it)")
-    p.add_argument("--gpu-mem", default="80GB", help="with --layout best: memory per GPU (default 80GB)")
+    p.add_argument("--gpu-mem", default="80GiB", help="with --layout best: memory per GPU (default 80GiB)")
     p.add_argument("--gpu-type", default="H100 80GB HBM3",
                    help="with --layout best: the GPU the plan's step-time bound is for (default H100 80GB HBM3)")
     p.add_argument("--inter", default="ib-ndr400",

@@ -49,11 +49,11 @@ def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     return judge.relayout_refusal(old, new)
 
 
-def prepare_runtime_env(engine: Optional[str] = None) -> None:
+def prepare_runtime_env(engine: Optional[str] = None, backend: Optional[str] = None) -> None:
     """Call before anything imports the engine's library (DeepSpeed picks its accelerator at
     import); it checks the library's versions. ``engine`` None: the default engine (the commands
-    that convert, evaluate or plan use its library)."""
-    engine_kind(engine).prepare_runtime_env()
+    that convert, evaluate or plan use its library); ``backend``: a training run's ``parallel.backend``."""
+    engine_kind(engine).prepare_runtime_env(backend)
 
 
 def accelerator_name(engine: Optional[str] = None) -> str:
