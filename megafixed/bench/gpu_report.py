@@ -62,7 +62,7 @@ def report(folder: Path, out: Path = None) -> str:
         if isinstance(part, dict) and part.get("complete") is False:
             what = f"{len(part['rows'])} rows measured" if "rows" in part else "the parts checked are in its JSON"
             lines.append(f"`{name}` is partial: {what} before it stopped.")
-    for name in ("engine_bf16", "resume", "memcheck", "eval_generate"):
+    for name in ("engine_bf16", "resume", "resume_dropout", "fused_compile", "memcheck", "eval_generate"):
         if name in parts:
             lines += [f"**{name}**: " + json.dumps(parts[name].get("summary", parts[name]))[:1500], ""]
     v = parts.get("verify")
