@@ -101,8 +101,13 @@ def kernel_is_interpreted() -> bool:
 def _block_sizes(width: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_W, num_warps): ~8K outputs per program, rows of up to 512 contiguous columns.
 
-    512 fp32 columns are 2 KiB of contiguous stores per token, so every warp issues full 128-bit
-    vector stores; narrow widths get more tokens per program to keep each program's work similar.
+    512 fp32 columns are 2 KiB of contiguous stores per token; narrow widths get more tokens per
+    program to keep each program's work similar. The stores are 128-bit vectors (``st.global.v4.b32``)
+    when ``width`` is divisible by 16, which the JIT then specialises on (every paper width; checked for
+    sm_80/90/100 by tests/test_kernel_compile.py). Any other width stores one element per instruction:
+    at 2,056 bf16, 32 ``st.global.b16`` per thread where 2,048 takes 4 vector stores, although its rows
+    are 16-byte aligned (the JIT knows divisibility by 16 only). Such a width costs store throughput,
+    not correctness; pick model widths that are multiples of 16 (docs/gpu.md).
     """
     block_w = min(512, triton.next_power_of_2(max(int(width), 1)))
     block_t = max(16, min(128, 8192 // block_w))
