@@ -157,9 +157,8 @@ class EngineKind(Protocol):
     def engine_config(self, cfg: Config, plan: RunPlan) -> dict:
         """Its own config as JSON, for the machine the plan is for."""
 
-    def prepare_runtime_env(self, backend: Optional[str] = None) -> None:
-        """Before its library is imported: its environment, its versions checked. ``backend``: the
-        run's ``parallel.backend`` (gloo computes on CPU even on a GPU host), None when not training."""
+    def prepare_runtime_env(self) -> None:
+        """Before its library is imported: its environment, its versions checked."""
 
     def accelerator_name(self) -> str:
         """The device kind its library computes on ("cuda", "cpu", ...)."""

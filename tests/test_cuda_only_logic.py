@@ -74,12 +74,12 @@ def test_under_fsdp_the_hidden_states_are_the_compute_dtype():
 
 # ----------------------------------------------------------------------------------- 2: gloo on a GPU host
 def test_gloo_on_a_gpu_host_keeps_deepspeed_on_cpu(monkeypatch):
-    from megafixed.engine.deepspeed import env
+    from megafixed.engine import prepare_runtime_env
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for backend, want in (("gloo", "cpu"), ("nccl", None), (None, None)):
         monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-        env.prepare_runtime_env(backend)
+        prepare_runtime_env("deepspeed", backend)
         assert os.environ.get("DS_ACCELERATOR") == want, backend
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
 
 from ...versions import check_engines
 from .ops import extensions_dir
@@ -70,13 +69,11 @@ def quiet_library_noise(cuda: bool | None = None) -> None:
             logger.addFilter(_DropHarmless(needles))
 
 
-def prepare_runtime_env(backend: Optional[str] = None) -> None:
-    """``backend="gloo"`` computes on CPU even on a GPU host (the plan says device cpu there): DeepSpeed
-    would otherwise pick ``cuda:LOCAL_RANK`` at import and hand gloo CUDA tensors."""
+def prepare_runtime_env() -> None:
     check_engines()  # an untested DeepSpeed/megatron-core fails here with one line, not mid-run
     import torch
 
-    cuda = torch.cuda.is_available() and backend != "gloo"
+    cuda = torch.cuda.is_available()
     quiet_library_noise(cuda)  # first: megatron-core warns at import
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

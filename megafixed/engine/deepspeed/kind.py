@@ -63,10 +63,10 @@ class DeepSpeedKind:
 
         return deepspeed_config(cfg, plan.batch, plan.precision, gpu=plan.on_gpu)
 
-    def prepare_runtime_env(self, backend=None) -> None:
+    def prepare_runtime_env(self) -> None:
         from .env import prepare_runtime_env
 
-        prepare_runtime_env(backend)
+        prepare_runtime_env()
 
     def accelerator_name(self) -> str:
         """The one DeepSpeed picked at import."""

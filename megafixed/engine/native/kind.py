@@ -73,7 +73,7 @@ class TorchKind:
 
         return engine_config(cfg, plan)
 
-    def prepare_runtime_env(self, backend=None) -> None:
+    def prepare_runtime_env(self) -> None:
         """Nothing to set before torch: it has no accelerator to pick at import, and no library outside
         torch whose version to check (DeepSpeed's check is DeepSpeed's)."""
 
