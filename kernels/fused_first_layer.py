@@ -28,6 +28,7 @@ import torch
 
 from megafixed.codes import FixedCode
 
+from .launch import KernelLaunch
 from .token_codes import HAVE_TRITON, _rows_on, _wants_kernel, kernel_is_interpreted, tl, triton
 
 if HAVE_TRITON:
@@ -139,23 +140,53 @@ def _launch_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def code_qkv_kernel(ids: torch.Tensor, code: FixedCode, folded: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Triton forward of :func:`code_qkv_reference`: ``[*ids.shape, out]`` in ``folded.dtype``."""
-    n_out, bits = folded.shape
-    assert bits == code.bits, f"folded weights have {bits} columns for a {code.bits}-bit code"
+def code_qkv_launch(ids: torch.Tensor, code: FixedCode, folded: torch.Tensor,
+                    alpha: float) -> tuple[torch.Tensor, Optional[KernelLaunch]]:
+    """(output, launch) of :func:`code_qkv_kernel`: allocation and arguments only (``None``: no tokens)."""
+    n_out = folded.shape[0]
     out = torch.empty(*ids.shape, n_out, dtype=folded.dtype, device=ids.device)
     n = ids.numel()
     if n == 0:
-        return out
-    flat = ids.reshape(-1).contiguous()
-    f = folded.contiguous()
-    block_n, block_o = 64, 128
+        return out, None
+    # 8 warps: with 4, the 64 x 128 fp32 accumulator and the unrolled bit loop spill ~25 KB per
+    # thread on sm_90/sm_100 (ptxas -v; tests/test_kernel_compile.py); 8 warps fit in 80 registers.
+    block_n, block_o, num_warps = 64, 128, 8
     grid = (triton.cdiv(n, block_n), triton.cdiv(n_out, block_o))
-    with _launch_guard(ids):
-        _code_qkv_kernel[grid](flat, _rows_on(tuple(code.rows), ids.device), f, out, n, n_out, int(code.shift),
-                               float(alpha), BITS=code.bits, CANONICAL=code.is_identity, BLOCK_N=block_n,
-                               BLOCK_O=block_o, num_warps=4)
+    return out, KernelLaunch(_code_qkv_kernel, grid,
+                             (ids.reshape(-1).contiguous(), _rows_on(tuple(code.rows), ids.device),
+                              folded.contiguous(), out, n, n_out, int(code.shift), float(alpha)),
+                             dict(BITS=code.bits, CANONICAL=code.is_identity, BLOCK_N=block_n, BLOCK_O=block_o,
+                                  num_warps=num_warps))
+
+
+def code_qkv_kernel(ids: torch.Tensor, code: FixedCode, folded: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Triton forward of :func:`code_qkv_reference`: ``[*ids.shape, out]`` in ``folded.dtype``."""
+    bits = folded.shape[1]
+    assert bits == code.bits, f"folded weights have {bits} columns for a {code.bits}-bit code"
+    out, launch = code_qkv_launch(ids, code, folded, alpha)
+    if launch is not None:
+        with _launch_guard(ids):
+            launch()
     return out
+
+
+def add_code_launch(y: torch.Tensor, ids: torch.Tensor, code: FixedCode,
+                    code_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[KernelLaunch]]:
+    """(output, launch) of :func:`add_code_kernel`: allocation and arguments only (``None``: no tokens)."""
+    width = y.shape[-1]
+    out = torch.empty(y.shape, dtype=torch.promote_types(code_dtype, y.dtype), device=y.device)
+    n = ids.numel()
+    if n == 0:
+        return out, None
+    pos, neg = _rounded(code.scale, code_dtype), _rounded(-code.scale, code_dtype)
+    block_w = min(512, triton.next_power_of_2(width))
+    block_t = max(16, min(128, 8192 // block_w))
+    grid = (triton.cdiv(n, block_t), triton.cdiv(width, block_w))
+    return out, KernelLaunch(_add_code_kernel, grid,
+                             (ids.reshape(-1).contiguous(), _rows_on(tuple(code.rows), ids.device), y.contiguous(),
+                              out, n, width, int(code.shift), pos, neg),
+                             dict(BITS=code.bits, CANONICAL=code.is_identity, BLOCK_T=block_t, BLOCK_W=block_w,
+                                  num_warps=4))
 
 
 def add_code_kernel(y: torch.Tensor, ids: torch.Tensor, code: FixedCode,
@@ -164,21 +195,16 @@ def add_code_kernel(y: torch.Tensor, ids: torch.Tensor, code: FixedCode,
 
     The result has torch's promoted dtype of the two (as the unfused add does): the code's +-scale
     is rounded to ``code_dtype`` first, then added to ``y`` in fp32 and rounded once to the result.
+    ``y`` must be ``ids.shape + (width,)``: the kernel indexes ``y`` by token, so any other shape
+    would read and write out of bounds; it raises as the torch path's broadcast does.
     """
-    code_dtype = code_dtype or y.dtype
-    width = y.shape[-1]
-    out = torch.empty(y.shape, dtype=torch.promote_types(code_dtype, y.dtype), device=y.device)
-    n = ids.numel()
-    if n == 0:
-        return out
-    pos, neg = _rounded(code.scale, code_dtype), _rounded(-code.scale, code_dtype)
-    block_w = min(512, triton.next_power_of_2(width))
-    block_t = max(16, min(128, 8192 // block_w))
-    grid = (triton.cdiv(n, block_t), triton.cdiv(width, block_w))
-    with _launch_guard(ids):
-        _add_code_kernel[grid](ids.reshape(-1).contiguous(), _rows_on(tuple(code.rows), ids.device),
-                               y.contiguous(), out, n, width, int(code.shift), pos, neg, BITS=code.bits,
-                               CANONICAL=code.is_identity, BLOCK_T=block_t, BLOCK_W=block_w, num_warps=4)
+    if tuple(y.shape[:-1]) != tuple(ids.shape):
+        raise ValueError(f"add_code: y has shape {tuple(y.shape)} but the ids {tuple(ids.shape)} need "
+                         f"{tuple(ids.shape)} + (width,)")
+    out, launch = add_code_launch(y, ids, code, code_dtype or y.dtype)
+    if launch is not None:
+        with _launch_guard(ids):
+            launch()
     return out
 
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Optional
 
 import torch
 
 from megafixed.codes import MAX_BITS, CodeError, FixedCode
+
+from .launch import KernelLaunch
 
 try:  # Triton only exists in the `kernels` extra; the torch path must keep working without it.
     import triton
@@ -98,8 +101,13 @@ def kernel_is_interpreted() -> bool:
 def _block_sizes(width: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_W, num_warps): ~8K outputs per program, rows of up to 512 contiguous columns.
 
-    512 fp32 columns are 2 KiB of contiguous stores per token, so every warp issues full 128-bit
-    vector stores; narrow widths get more tokens per program to keep each program's work similar.
+    512 fp32 columns are 2 KiB of contiguous stores per token; narrow widths get more tokens per
+    program to keep each program's work similar. The stores are 128-bit vectors (``st.global.v4.b32``)
+    when ``width`` is divisible by 16, which the JIT then specialises on (every paper width; checked for
+    sm_80/90/100 by tests/test_kernel_compile.py). Any other width stores one element per instruction:
+    at 2,056 bf16, 32 ``st.global.b16`` per thread where 2,048 takes 4 vector stores, although its rows
+    are 16-byte aligned (the JIT knows divisibility by 16 only). Such a width costs store throughput,
+    not correctness; pick model widths that are multiples of 16 (docs/gpu.md).
     """
     block_w = min(512, triton.next_power_of_2(max(int(width), 1)))
     block_t = max(16, min(128, 8192 // block_w))
@@ -132,6 +140,27 @@ def token_codes_reference(ids: torch.Tensor, code: FixedCode, width: int,
     return code.encode(ids, width, dtype=dtype)
 
 
+def token_codes_launch(ids: torch.Tensor, code: FixedCode, width: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, Optional[KernelLaunch]]:
+    """(output, launch) of :func:`token_codes_kernel`, allocation and arguments only (no checks, no
+    launch; ``None`` for no tokens), so meta tensors give the compile-only check the real launch."""
+    out = torch.empty(*ids.shape, width, dtype=dtype, device=ids.device)
+    n_tokens = ids.numel()
+    if n_tokens == 0:
+        return out, None
+    flat = ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    rows = _rows_on(tuple(code.rows), ids.device)
+    block_t, block_w, num_warps = _block_sizes(width)
+    grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(width, block_w))
+    pos, neg = _signed_patterns(float(code.scale), dtype)
+    return out, KernelLaunch(_token_codes_kernel, grid,
+                             (flat, rows, out.view(_STORE_AS[dtype]), n_tokens, width, int(code.shift), pos, neg),
+                             dict(BITS=code.bits, CANONICAL=code.is_identity, BLOCK_T=block_t, BLOCK_W=block_w,
+                                  num_warps=num_warps))
+
+
 def token_codes_kernel(ids: torch.Tensor, code: FixedCode, width: int,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Launch the Triton kernel. Does NOT validate the id range: :func:`token_codes` does that.
@@ -154,23 +183,13 @@ def token_codes_kernel(ids: torch.Tensor, code: FixedCode, width: int,
         raise RuntimeError(f"the Triton kernel got ids on {ids.device}: it needs CUDA tensors, or "
                            f"TRITON_INTERPRET=1 set before triton is first imported to run on CPU")
     code.check_width(width)
-    out = torch.empty(*ids.shape, width, dtype=dtype, device=ids.device)
-    n_tokens = ids.numel()
-    if n_tokens == 0:
+    out, launch = token_codes_launch(ids, code, width, dtype)
+    if launch is None:
         return out  # nothing to write; a zero-size grid is not a valid launch
-    flat = ids.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    rows = _rows_on(tuple(code.rows), ids.device)
-    block_t, block_w, num_warps = _block_sizes(width)
-    grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(width, block_w))
-    pos, neg = _signed_patterns(float(code.scale), dtype)
     # Triton launches on the current CUDA device; make that the ids' device (no-op on CPU).
     guard = torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext()
     with guard:
-        _token_codes_kernel[grid](flat, rows, out.view(_STORE_AS[dtype]), n_tokens, width, int(code.shift),
-                                  pos, neg, BITS=code.bits, CANONICAL=code.is_identity, BLOCK_T=block_t,
-                                  BLOCK_W=block_w, num_warps=num_warps)
+        launch()
     return out
 
 

@@ -48,19 +48,31 @@ def _planned_values(cfg: Config, keys: tuple) -> tuple:
     return tuple(values)
 
 
-def resolve_precision(cfg: Config, gpu: Optional[bool] = None) -> str:
-    """``auto`` means bf16 on a GPU and fp32 on CPU (CPU bf16 matmuls are slow and inexact).
+def _bf16_here(here: bool) -> bool:
+    """Whether this machine's GPU computes bf16 (pre-Ampere ones, e.g. V100 and T4, do not); a plan for
+    other machines (``gpu`` given) assumes they do."""
+    if not here:
+        return True
+    import torch
+
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def resolve_precision(cfg: Config, gpu: Optional[bool] = None, *, here: Optional[bool] = None) -> str:
+    """``auto`` means bf16 on a GPU and fp32 on CPU (CPU bf16 matmuls are slow and inexact), and fp32
+    on a GPU of this machine without bf16 (``here``: the run is for this machine; default ``gpu is None``).
 
     ``gpu`` is the machine the run is *for*: ``--dry-run`` on a CPU login node plans a GPU run.
     Not DeepSpeed's business: every engine trains in the precision the plan names.
     """
+    here = gpu is None if here is None else here
     if gpu is None:
         import torch
 
         gpu = torch.cuda.is_available()
     p = cfg.train.precision
     if p == "auto":
-        return "bf16" if gpu else "fp32"
+        return "bf16" if gpu and _bf16_here(here) else "fp32"
     if p in ("bf16", "fp16") and not gpu:
         raise ConfigError(f"train.precision={p} needs a GPU; on CPU use train.precision=fp32 (or auto)")
     return p
@@ -113,7 +125,7 @@ class RunPlan:
             where = "this machine has none (torch sees no CUDA device)" if here else "the run is planned for CPUs"
             raise _layout.LayoutError(f"parallel.backend=nccl needs CUDA GPUs, and {where}; use "
                                       f"parallel.backend=gloo (or auto) on CPU")
-        precision = resolve_precision(cfg, gpu=on_gpu)
+        precision = resolve_precision(cfg, gpu=on_gpu, here=here)
         batch = _layout.validate_layout(cfg, world_size, precision)  # every cross-field rule, once
         kind = engine_kind(cfg.train.engine, error=ConfigError)
         dims = ParallelDims.of(dp=batch.dp, **_layout.model_parallel_axes(cfg.parallel))

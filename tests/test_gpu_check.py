@@ -248,3 +248,65 @@ def test_the_resume_stage_also_resumes_the_torch_engine_exactly_within_the_stage
     limit = int(re.search(r"^stage resume (\d+) ", script, re.M).group(1))
     budget = int(re.search(r'BUDGET="\$\{GPU_CHECK_BUDGET_S:-(\d+)\}"', script).group(1))
     assert limit <= 80 and budget == 280  # the torch engine's runs fit the stage's limit and the check's budget
+
+
+def test_the_dropout_resume_stage_draws_from_the_rng_and_catches_a_wrong_restore(tmp_path, monkeypatch):
+    """The dropout stage's wiring, on CPU: both engines run with model.dropout > 0 (dropout is a step's only
+    draw from the CUDA RNG), each resumed curve against its own reference; a restore that lost the RNG
+    (a different curve after the cut) is named. The script runs it after the plain resume stage."""
+    from megafixed.bench import gpu_stages
+
+    calls = []
+
+    class Result:
+        def __init__(self, resumed):
+            self.resumed_from = resumed
+
+    def fake_train(overrides, *, mock=True):
+        keys = dict(o.split("=", 1) for o in overrides)
+        calls.append(keys)
+        steps, cut = int(keys["train.max_steps"]), int(keys["train.save_interval"])
+        run = Path(keys["train.run_dir"]).name
+        start = cut if not run.startswith("reference") and steps > cut else 0
+        curve = {k: 10.0 - k / 100 for k in range(start + 1, steps + 1)}
+        if start and lost_rng == run:
+            curve[start + 1] += 1e-3  # the first step after the restore drew other dropout masks
+        return curve, Result(f"step_{start:08d}" if start else None)
+
+    monkeypatch.setattr(gpu_stages, "_train", fake_train)
+    lost_rng = None
+    res = gpu_stages.resume_dropout(tmp_path)
+    assert res["bench"] == "resume_dropout" and res["summary"]["ok"], res["failures"]
+    assert calls and all(float(c["model.dropout"]) > 0 for c in calls)
+    assert {c["train.engine"] for c in calls} == {"deepspeed", "torch"}
+    calls.clear()
+    lost_rng = "dropout_torch"
+    res = gpu_stages.resume_dropout(tmp_path)
+    assert res["failures"] == ["dropout_torch: the resumed loss curve differs from the uninterrupted one at steps [4]"]
+    script = (ROOT / "tools/gpu_check.sh").read_text()
+    order = re.findall(r"^stage (\w+) ", script, re.M)
+    assert order.index("resume") < order.index("resume_dropout") < order.index("fused_compile")
+
+
+def test_the_fused_compile_stage_compares_compiled_with_eager(monkeypatch):
+    """The fused-first-layer-under-compile stage's wiring, on CPU: the torch engine, the fused first
+    layer, compile on and off; a compiled run that drifts past bf16 accuracy is named."""
+    from megafixed.bench import gpu_stages
+
+    calls = []
+
+    def fake_train(overrides, *, mock=True):
+        keys = dict(o.split("=", 1) for o in overrides)
+        calls.append(keys)
+        shift = drift if keys["train.compile"] == "true" else 0.0
+        return {k: 10.0 - k / 100 + shift for k in range(1, int(keys["train.max_steps"]) + 1)}, None
+
+    monkeypatch.setattr(gpu_stages, "_train", fake_train)
+    drift = 0.0
+    res = gpu_stages.fused_compile()
+    assert res["summary"]["ok"] and res["compiled_vs_eager_max_rel"] == 0.0
+    assert [(c["train.engine"], c["model.fused_first_layer"], c["train.compile"]) for c in calls] == [
+        ("torch", "true", "false"), ("torch", "true", "true")]
+    drift = 0.5
+    res = gpu_stages.fused_compile()
+    assert len(res["failures"]) == 1 and res["failures"][0].startswith("compiled vs eager losses differ by")

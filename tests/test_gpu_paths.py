@@ -48,6 +48,7 @@ def test_cuda_rng_state_is_the_ranks_own_device(monkeypatch):
     states = {i: torch.full((8,), i, dtype=torch.uint8) for i in range(4)}
     restored = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # this process computes on CUDA
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[device].clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.__setitem__(device, s))

@@ -114,16 +114,18 @@ stage train_canonical 60 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1
     train.precision=bf16 train.activation_checkpointing=false train.compile=false train.micro_batch=4 \
     train.global_batch=8 "train.run_dir=$WORK/run_canonical" --steps 8 --warmup-steps 2 --json "$RES/train_canonical.json"
 stage resume 80 "${GC[@]}" resume "$RES/resume.json" "$WORK/resume"
+stage resume_dropout 60 "${GC[@]}" resume_dropout "$RES/resume_dropout.json" "$WORK/resume_dropout"
+stage fused_compile 60 "${GC[@]}" fused_compile "$RES/fused_compile.json"
 stage kernels_forward 30 "${MF[@]}" bench kernels --device cuda --mode forward --dtype bfloat16,float32 \
     --tokens 16k,256k,1m --width 2048,8192 --warmup 5 --rep 20 --json "$RES/kernels_forward.json" \
     --csv "$RES/kernels_forward.csv" --plot "$RES/kernels_forward.png"
-stage memcheck 30 "${GC[@]}" memcheck "$RES/memcheck.json"
+stage memcheck 60 "${GC[@]}" memcheck "$RES/memcheck.json"
 stage fp16 20 "${MF[@]}" train "$REPO"/examples/configs/quickstart.yaml "${SMALL[@]}" train.precision=fp16 \
     train.max_steps=20 train.save_interval=1000 "train.run_dir=$WORK/run_fp16"
 stage train_learned 45 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1.7b-learned.yaml data.mock=true \
     train.precision=bf16 train.activation_checkpointing=false train.compile=false train.micro_batch=4 \
     train.global_batch=8 "train.run_dir=$WORK/run_learned" --steps 6 --warmup-steps 2 --json "$RES/train_learned.json"
-stage paper_settings 50 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1.7b-canonical.yaml data.mock=true \
+stage paper_settings 90 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1.7b-canonical.yaml data.mock=true \
     train.precision=bf16 train.activation_checkpointing=true train.compile=true train.micro_batch=4 \
     train.global_batch=8 "train.run_dir=$WORK/run_paper" --steps 4 --warmup-steps 2 --no-bare \
     --json "$RES/train_paper_settings.json"

@@ -62,7 +62,7 @@ def report(folder: Path, out: Path = None) -> str:
         if isinstance(part, dict) and part.get("complete") is False:
             what = f"{len(part['rows'])} rows measured" if "rows" in part else "the parts checked are in its JSON"
             lines.append(f"`{name}` is partial: {what} before it stopped.")
-    for name in ("engine_bf16", "resume", "memcheck", "eval_generate"):
+    for name in ("engine_bf16", "resume", "resume_dropout", "fused_compile", "memcheck", "eval_generate"):
         if name in parts:
             lines += [f"**{name}**: " + json.dumps(parts[name].get("summary", parts[name]))[:1500], ""]
     v = parts.get("verify")
@@ -95,14 +95,16 @@ def report(folder: Path, out: Path = None) -> str:
                   "| run | input | tokens/step | loop | step ms | tokens/s | MFU | peak memory | overhead |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for n, t in trains.items():
-            for loop in ("bare", "framework"):
+            # every engine the bench ran (a two-engine run keys each by name; "framework" is the first's alias)
+            engines = [e for e in t.get("engines", []) if isinstance(t.get(e), dict)] or ["framework"]
+            for loop in ("bare", *engines):
                 if loop in t:
                     s = t[loop]
                     lines.append(f"| {n} | {t['input']} | {t['tokens_per_step']:,} | {loop} | "
                                  f"{s['step_s_median'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} | "
                                  f"{_fmt(s['mfu'], '.1f', 100, '%') if s['mfu'] is not None else 'unknown'} | "
                                  f"{_fmt(s['peak_memory_bytes'], '.1f', 2 ** -30, ' GiB')} | "
-                                 f"{_fmt(t.get('overhead'), '+.1f', 100, '%') if loop == 'framework' else ''} |")
+                                 f"{_fmt(s.get('overhead'), '+.1f', 100, '%') if loop != 'bare' else ''} |")
         lines.append("")
     md = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)

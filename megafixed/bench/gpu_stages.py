@@ -10,6 +10,10 @@ Each writes one JSON (``summary`` says what was compared and what came out) and 
   shorter run: its three runs cost about one of DeepSpeed's, so the stage keeps its time): every resumed
   loss curve must equal its uninterrupted one exactly (same kernels, same order, same data); DIR keeps
   the runs (eval/generate use one);
+* ``resume_dropout OUT.json DIR``: the same with ``model.dropout=0.1`` (DeepSpeed sync and the torch engine,
+  shorter): dropout is what a step draws from the CUDA RNG, so a wrong save or restore of it shows only here;
+* ``fused_compile OUT.json``: the fused first layer (gf2) on the torch engine with ``train.compile=true``
+  against the same run eager (losses within bf16 accuracy): Dynamo over the kernels' autograd.Functions;
 * ``memcheck OUT.json``: ``compute-sanitizer --tool memcheck`` on the three Triton kernels (token codes,
   the fused residual add, the fused QKV product) at a ragged shape; skipped, saying why, where the tool is
   missing or the machine refuses it;
@@ -79,12 +83,19 @@ RESUMES = (("sync", ["train.engine=deepspeed"], 16, 8, False),
            ("torch", ["train.engine=torch"], 8, 4, False))
 
 
-def resume(root: Path) -> dict:
+# The same comparison with dropout on: the only draws a step takes from the CUDA RNG, so a checkpoint
+# that saved or restored the CUDA generator wrongly shows here (with dropout 0 nothing reads it).
+DROPOUT_RESUMES = (("dropout_deepspeed", ["train.engine=deepspeed"], 6, 3, False),
+                   ("dropout_torch", ["train.engine=torch"], 6, 3, False))
+DROPOUT = ["model.dropout=0.1"]
+
+
+def resume(root: Path, runs: tuple = RESUMES, extra: tuple = ()) -> dict:
     out, failures, refs = {}, [], {}
-    for mode, engine_keys, steps, cut, async_save in RESUMES:
+    for mode, engine_keys, steps, cut, async_save in runs:
         # decay_steps fixed: otherwise the schedule follows train.max_steps, and the first half would differ
         common = [*engine_keys, f"train.precision={PRECISION}", f"train.save_interval={cut}",
-                  "model.fused_first_layer=true", f"schedule.decay_steps={steps}", "schedule.warmup_steps=4"]
+                  "model.fused_first_layer=true", f"schedule.decay_steps={steps}", "schedule.warmup_steps=4", *extra]
         key = (tuple(engine_keys), steps)
         if key not in refs:  # one uninterrupted run per engine and length
             refs[key], _ = _train(common + [f"train.max_steps={steps}", f"train.run_dir={root}/reference_{mode}"],
@@ -106,7 +117,37 @@ def resume(root: Path) -> dict:
             "summary": {"ok": not failures, "failures": failures,
                         "runs": {m: {"engine": out[m]["engine"], "steps": out[m]["steps"], "resumed_at":
                                      out[m]["resumed_at"], "exact": not out[m]["steps_differing"]}
-                                 for m, *_ in RESUMES}}}
+                                 for m, *_ in runs}}}
+
+
+def resume_dropout(root: Path) -> dict:
+    """``resume`` with ``model.dropout`` > 0 (``DROPOUT_RESUMES``): the CUDA RNG's save and restore."""
+    return {**resume(root, DROPOUT_RESUMES, tuple(DROPOUT)), "bench": "resume_dropout"}
+
+
+# The fused first layer compiled: Dynamo traces its autograd.Functions (a device guard, an lru-cached
+# row table, the Triton launches) on CUDA, which the CPU suite cannot (there it traces the torch path).
+FUSED_COMPILE = ["train.engine=torch", "model.fused_first_layer=true", "model.input=gf2", "train.max_steps=8",
+                 "train.save_interval=1000"]
+
+
+def fused_compile() -> dict:
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, compiled in (("eager", False), ("compiled", True)):
+            losses, _ = _train(FUSED_COMPILE + [f"train.precision={PRECISION}",
+                                                f"train.compile={'true' if compiled else 'false'}",
+                                                f"train.run_dir={tmp}/{name}"])
+            runs[name] = [losses[k] for k in sorted(losses)]
+    a, b = runs["eager"], runs["compiled"]
+    failures = [f"{n}: non-finite loss" for n, v in runs.items() if not all(math.isfinite(x) for x in v)]
+    if len(a) != len(b) or not a:
+        failures.append(f"the runs logged {len(a)} and {len(b)} losses")
+    rel = max((abs(x - y) / abs(x) for x, y in zip(a, b)), default=float("nan"))
+    if rel > 2e-2:  # Inductor fuses and reorders the rest of the model: bf16 accuracy, as the engine stage
+        failures.append(f"compiled vs eager losses differ by {rel:.2e} (relative) > 2e-2")
+    return {"bench": "fused_compile", "losses": runs, "compiled_vs_eager_max_rel": rel, "failures": failures,
+            "summary": {"compiled_vs_eager_max_rel": rel, "ok": not failures, "failures": failures}}
 
 
 MEMCHECK_SCRIPT = """
@@ -177,6 +218,10 @@ def main(name: str, args: list) -> int:
         res = engine()
     elif name == "resume":
         res = resume(Path(args[1]))
+    elif name == "resume_dropout":
+        res = resume_dropout(Path(args[1]))
+    elif name == "fused_compile":
+        res = fused_compile()
     elif name == "memcheck":
         res = memcheck()
     else:

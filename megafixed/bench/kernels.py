@@ -93,6 +93,10 @@ def add_arguments(p):
     p.add_argument("--csv", type=Path, default=None, help="write rows in Liger-Kernel's CSV schema here")
     p.add_argument("--plot", type=Path, default=None, help="PNG: GB/s against tokens with the roofline (matplotlib)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no timing: compile every Triton kernel for NVIDIA targets (no GPU needed) and print "
+                        "registers, spills, store width and the roofline per token")
+    p.add_argument("--arch", default=None, help="with --compile-only: comma list of sm_80, sm_90, sm_100 (default all)")
 
 
 # ----------------------------------------------------------------------------------- bytes
@@ -439,7 +443,21 @@ def summary(result: dict) -> list[str]:
     return lines
 
 
+def select_device(device: torch.device) -> None:
+    """Make ``cuda:N`` the current device: Triton launches, and ``do_bench`` times, on the current
+    device's stream, so without this ``--device cuda:1`` would time device 0's stream."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def run(args) -> int:
+    if args.compile_only:
+        from .kernels_compile import run as compile_only
+
+        return compile_only(args)
+    if args.arch:
+        from ..config import ConfigError
+        raise ConfigError("--arch goes with --compile-only (timing runs on the device it finds)")
     from ..outputs import claim_output
 
     spec = _resolve(args)
@@ -458,6 +476,7 @@ def run(args) -> int:
         if pause is not None:
             pause.reached(len(result["rows"]))
 
+    select_device(spec["device"])
     try:
         result = sweep(spec["device"], spec["tokens"], spec["widths"], spec["dtypes"], spec["modes"],
                        spec["providers"], vocab=args.vocab, bits=args.bits, seed=args.seed, warmup=args.warmup,

@@ -21,16 +21,19 @@ def parse_bytes(text: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
         raise ConfigError(f"--gpu-mem {text!r} must be a positive size like 80GB, 40GiB or 24G")
-    unit = (m.group(2) or "GB").upper().rstrip("B").rstrip("I")
-    scale = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}[unit]
-    return float(m.group(1)) * scale
+    # SI as the data sheets write it (80GB = 80e9 bytes); KiB/MiB/GiB/TiB are powers of 1,024
+    unit = (m.group(2) or "GB").upper().rstrip("B")
+    binary = unit.endswith("I")
+    power = " KMGT".index(unit.rstrip("I") or " ")
+    return float(m.group(1)) * (1024 if binary else 1000) ** power
 
 
 def add_arguments(p):
     p.add_argument("config", help="YAML run config")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
-    p.add_argument("--gpu-mem", default="80GB", help="memory per GPU (default 80GB)")
+    p.add_argument("--gpu-mem", default="80GiB", help="memory per GPU: 80GB = 80e9 bytes, 80GiB = 80 x 2^30 "
+                                                      "(default 80GiB, an H100's)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     p.add_argument("--top", type=int, default=20, help="rows to print, the fastest first (default 20)")

@@ -53,7 +53,7 @@ def add_arguments(p):
     p.add_argument("--overwrite", action="store_true",
                    help="with --layout best: replace the run directory's plan_choice.json when it names another "
                         "row; without: remove it")
-    p.add_argument("--gpu-mem", default="80GB", help="with --layout best: memory per GPU (default 80GB)")
+    p.add_argument("--gpu-mem", default="80GiB", help="with --layout best: memory per GPU (default 80GiB)")
     p.add_argument("--gpu-type", default="H100 80GB HBM3",
                    help="with --layout best: the GPU the plan's step-time bound is for (default H100 80GB HBM3)")
     p.add_argument("--inter", default="ib-ndr400",

@@ -71,7 +71,8 @@ def _train(args, stop) -> int:
     cfg = load_config(args.config, args.overrides)
     from ..engine import prepare_runtime_env
 
-    prepare_runtime_env(cfg.train.engine)  # the run's engine's: before anything imports its library
+    # the run's engine's, before anything imports its library; gloo keeps DeepSpeed on CPU on a GPU host
+    prepare_runtime_env(cfg.train.engine, cfg.parallel.backend)
     # torch comes in with the plan, after the config: a refusal of the config answers without it
     from ..data.prepare import prepare_data
     from ..parallel import setup_distributed

@@ -49,10 +49,18 @@ def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     return judge.relayout_refusal(old, new)
 
 
-def prepare_runtime_env(engine: Optional[str] = None) -> None:
+def prepare_runtime_env(engine: Optional[str] = None, backend: Optional[str] = None) -> None:
     """Call before anything imports the engine's library (DeepSpeed picks its accelerator at
     import); it checks the library's versions. ``engine`` None: the default engine (the commands
-    that convert, evaluate or plan use its library)."""
+    that convert, evaluate or plan use its library); ``backend``: a training run's ``parallel.backend``.
+
+    ``backend="gloo"`` computes on CPU even on a GPU host (the plan says device cpu there), so a library
+    that picks its accelerator at import must pick the CPU: DeepSpeed would otherwise take
+    ``cuda:LOCAL_RANK`` and hand gloo CUDA tensors."""
+    if backend == "gloo":
+        import os
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     engine_kind(engine).prepare_runtime_env()
 
 

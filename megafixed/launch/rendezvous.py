@@ -327,12 +327,14 @@ def _wait_for_rank0_to_print(error: BaseException, seconds: float = 3.0) -> None
         time.sleep(seconds)
 
 
-def init_process_group(world: World, backend: str, collective_timeout_s: float = 600) -> None:
+def init_process_group(world: World, backend: str, collective_timeout_s: float = 600, device_id=None) -> None:
     """The rendezvous (``meet``), then ``torch.distributed.init_process_group`` on its store.
 
     ``collective_timeout_s`` bounds every collective of every group afterwards -- the default group
     and the groups megatron-core and DeepSpeed create, which would otherwise get torch's 30 minutes
-    -- so a rank whose peer died mid-step fails after that long instead of hanging."""
+    -- so a rank whose peer died mid-step fails after that long instead of hanging. ``device_id`` (NCCL):
+    this rank's GPU, bound to the group at once (torch then connects NCCL eagerly on that device and never
+    guesses the device from the rank)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -371,7 +373,7 @@ def init_process_group(world: World, backend: str, collective_timeout_s: float =
     store.set_timeout(timeout)
     with signals_end_the_rendezvous(world.rank, world.size):
         dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=world.rank,
-                                world_size=world.size, timeout=timeout)
+                                world_size=world.size, timeout=timeout, device_id=device_id)
     if world.size > 1:
         start_heartbeat(store, world.rank)
 

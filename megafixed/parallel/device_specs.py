@@ -39,6 +39,16 @@ SPECS: dict[str, DeviceSpec] = {
 }
 
 
+# The part each compile target's roofline is drawn for (``bench kernels --compile-only``): the SXM part
+# of each architecture, the fastest memory of its generation that the data sheets list.
+ARCH_PART = {80: "A100-SXM4-80GB", 90: "H100 80GB HBM3", 100: "B200"}
+
+
+def arch_spec(arch: int) -> Optional[DeviceSpec]:
+    """The data-sheet entry that ``sm_<arch>``'s roofline uses, or None for an arch not listed."""
+    return SPECS.get(ARCH_PART[arch]) if arch in ARCH_PART else None
+
+
 def normalise(device_name: str) -> str:
     name = " ".join(device_name.split()).upper()
     return name[len("NVIDIA "):] if name.startswith("NVIDIA ") else name

@@ -16,6 +16,7 @@ TP group (used by its layers) and DeepSpeed's pipeline grid agree.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -91,6 +92,14 @@ def check_machine(plan: _RunPlan) -> None:
                           "use parallel.backend=gloo")
 
 
+def check_local_rank(local_rank: int, visible: int) -> None:
+    """One GPU per local rank: refuse more ranks on a node than it shows GPUs (else "invalid device ordinal")."""
+    if local_rank >= visible:
+        raise LayoutError(f"local rank {local_rank} needs GPU {local_rank}, but this node shows {visible} "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most "
+                          f"{visible} ranks per node (--nproc-per-node / --gpus-per-node)")
+
+
 def setup_distributed(plan: _RunPlan, world=None) -> Topology:
     """Initialise torch.distributed and ``plan``'s groups for this process; return its Topology.
 
@@ -121,13 +130,15 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
     tp, pp, dp = plan.tp, plan.pp, plan.dp
     device = torch.device("cuda", local_rank) if plan.on_gpu else torch.device("cpu")
     if plan.on_gpu:
+        check_local_rank(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         from ..launch import rendezvous
 
         launch.set_master_env(lw)  # a lone process gets a free loopback port, so two runs never collide
         # gives up after MEGAFIXED_RDZV_TIMEOUT, naming the missing ranks/nodes; collectives get their own bound
-        rendezvous.init_process_group(lw, plan.backend, plan.collective_timeout_s)
+        rendezvous.init_process_group(lw, plan.backend, plan.collective_timeout_s,
+                                      device_id=device if plan.backend == "nccl" else None)
         launch.check_agreement(lw)  # same job, same master, every node of the step in this one world
     at = plan.dims.coords(rank)
     from ..engines import kind_of

@@ -62,9 +62,11 @@ def rng_state(torch_only: bool = False) -> dict:
     state = {"torch": torch.get_rng_state()}
     if not torch_only:
         state.update(python=random.getstate(), numpy=np.random.get_state())
-    if torch.cuda.is_available():
-        # This rank's own device only: a state per visible GPU (get_rng_state_all) cannot be restored
-        # where fewer GPUs are visible (one per rank under Slurm/torchrun), and the others' are not ours.
+    if torch.cuda.is_initialized():
+        # Only where this process computes on CUDA: a gloo run on a GPU host never initialises it, and
+        # asking would open a context on GPU 0 in every rank. This rank's own device only: a state per
+        # visible GPU (get_rng_state_all) cannot be restored where fewer GPUs are visible (one per rank
+        # under Slurm/torchrun), and the others' are not ours.
         state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 

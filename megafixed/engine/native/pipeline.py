@@ -104,7 +104,6 @@ def _apply_fsdp_stage(stage: StageModule, mesh, precision: str) -> None:
 def build_stages(cfg, topo):
     """(parts, stage modules, stage ids) of this rank: meta -> TP -> split -> AC/compile -> FSDP2 -> init."""
     from ...model.gpt import meta_gpt
-    from ..dtypes import COMPUTE_DTYPES
     from .materialize import materialize
     from .schedules import is_v_shaped, stage_ids, stage_spans
 
@@ -114,8 +113,7 @@ def build_stages(cfg, topo):
         from .tensor import apply_tp
 
         apply_tp(gpt, topo.mesh["tp"], sequence_parallel=plan.sequence_parallel)
-    if gpt.has_fixed_input and plan.precision != "fp32":
-        gpt.input.out_dtype = COMPUTE_DTYPES[plan.precision]
+    set_input_dtype(gpt, plan)
     gpt.activation_checkpointing = bool(cfg.train.activation_checkpointing)  # GPT.forward runs every stage
     own = plan.engine_plan
     spans = stage_spans(cfg.model.n_layers, plan.pp * own.vpp, own.pp_input_head_layers)
@@ -132,9 +130,36 @@ def build_stages(cfg, topo):
     return parts, stages, ids
 
 
+def hidden_dtype(cfg, plan) -> torch.dtype:
+    """The dtype of the hidden states one stage sends the next (sender and receiver must agree on it).
+
+    fp32 trains in fp32. Under FSDP2 (dp > 1) the weights are cast to the 16-bit dtype, and so is
+    everything they make. One data-parallel rank has no FSDP: it runs under autocast over fp32 weights,
+    where the residual stream keeps the input's dtype -- the fixed code's, written in the 16-bit dtype
+    (``set_input_dtype``), or a learned table's fp32 (autocast leaves an embedding lookup in its
+    weight's dtype) -- since each block adds its 16-bit output to it without changing its dtype."""
+    from ...model.interfaces import interface_of
+    from ..dtypes import COMPUTE_DTYPES
+
+    if plan.precision == "fp32":
+        return torch.float32
+    if plan.dp > 1 or interface_of(cfg.model).has_code:
+        return COMPUTE_DTYPES[plan.precision]
+    return torch.float32
+
+
+def set_input_dtype(gpt, plan) -> None:
+    """A fixed-code input writes its codes in the compute dtype (a constant +-scale loses nothing)."""
+    from ..dtypes import COMPUTE_DTYPES
+
+    if gpt.has_fixed_input and plan.precision != "fp32":
+        gpt.input.out_dtype = COMPUTE_DTYPES[plan.precision]
+
+
 def _activation_meta(cfg, plan, span: StageSpan, *, output: bool) -> torch.Tensor:
     """The (meta) tensor a stage receives or sends per microbatch: token ids into the first stage,
-    ``[mb, T/sp, d]`` activations between stages, the (vocabulary-split) logits out of the last."""
+    ``[mb, T/sp, d]`` activations between stages (``hidden_dtype``), the (vocabulary-split) logits out
+    of the last (16-bit from the head's matmul under autocast or FSDP2's cast alike)."""
     from ..dtypes import COMPUTE_DTYPES
 
     mb, seq = plan.batch.micro_batch, plan.batch.seq_len
@@ -145,7 +170,8 @@ def _activation_meta(cfg, plan, span: StageSpan, *, output: bool) -> torch.Tenso
     if output and span.has_head:
         return torch.empty(mb, seq, cfg.model.vocab_size // plan.tp, dtype=dtype, device="meta", requires_grad=True)
     local_seq = seq // plan.tp if plan.sequence_parallel else seq
-    return torch.empty(mb, local_seq, cfg.model.d_model, dtype=dtype, device="meta", requires_grad=True)
+    return torch.empty(mb, local_seq, cfg.model.d_model, dtype=hidden_dtype(cfg, plan), device="meta",
+                       requires_grad=True)
 
 
 def microbatch_loss(parts, plan, tp_mesh, n_microbatches: int) -> Callable:
