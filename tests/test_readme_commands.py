@@ -35,7 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCUMENTS = [README, *(ROOT / "docs" / f"{name}.md" for name in (
-    "install", "codes", "data", "training", "long-runs", "parallelism", "slurm", "eval", "interop", "study", "bench"))]
+    "install", "codes", "data", "training", "long-runs", "parallelism", "slurm", "bench", "interop", "eval", "study"))]
 NOT_RUN = "<!-- not run:"
 BUNDLED_CORPUS = ROOT / "megafixed" / "bundled" / "wiki_vital_en.jsonl.gz"
 
