@@ -1,7 +1,7 @@
 """Documented commands a new user runs first, and what they print when something is missing.
 
 Each test here checks a first-run path a new user meets; the docs test
-(tests/test_readme_commands.py) runs the README's commands themselves."""
+(tests/test_readme_commands.py) runs the commands of the README and its docs pages themselves."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -54,9 +54,9 @@ def test_a_refused_resume_leads_with_the_key_typed_not_the_derived_code_rows(tmp
     assert "model.code_rows" in message  # still listed, after the key the user set
 
 
-def test_the_readme_gf2_example_has_a_run_dir_of_its_own():
-    readme = (ROOT / "README.md").read_text()
-    line = readme[readme.index("examples/configs/quickstart.yaml model.input=gf2"):].split("#")[0]
+def test_the_documented_gf2_example_has_a_run_dir_of_its_own():
+    training = (ROOT / "docs" / "training.md").read_text()  # the configs section, moved from the README
+    line = training[training.index("examples/configs/quickstart.yaml model.input=gf2"):].split("#")[0]
     assert "train.run_dir=" in line and "train.run_dir=runs/quickstart " not in line + " "
 
 
@@ -140,7 +140,7 @@ def test_a_study_without_a_grid_puts_its_runs_in_out_itself(tmp_path, capsys):
     runs = plan_runs(tmp_path, ["learned", "gf2"], [0], [])
     assert [r.run_dir for r in runs] == [tmp_path / "learned-s0", tmp_path / "gf2-s0"]
     gridded = plan_runs(tmp_path, ["gf2"], [0], [("model.n_layers", ["2", "4"])])
-    assert gridded[1].run_dir == tmp_path / "model.n_layers=4" / "gf2-s0"  # the README's probe path
+    assert gridded[1].run_dir == tmp_path / "model.n_layers=4" / "gf2-s0"  # the probe path in docs/study.md
     (tmp_path / "base").mkdir()  # a study begun with the old layout keeps it (its runs are not retrained)
     assert plan_runs(tmp_path, ["gf2"], [0], [])[0].run_dir == tmp_path / "base" / "gf2-s0"
 

@@ -1,6 +1,8 @@
-"""Every command the README documents, run as written.
+"""Every command the README and the manual in docs/ document, run as written.
 
-The convention (explicit, so a new README line cannot slip through untested):
+The files read are ``DOCUMENTS``: the README and the docs pages its manual moved to (not the measured history in
+docs/benchmarks.md or docs/study-small.md, whose commands took minutes to hours). The convention (explicit, so a
+new line in them cannot slip through untested):
 
 * Every line of a fenced ```bash block is a command (a trailing ``\\`` joins the next line); the
   shell expands it (globs, braces, quotes) exactly as it would for a user, and the words after
@@ -12,7 +14,8 @@ The convention (explicit, so a new README line cannot slip through untested):
 * ``CHEAP`` lines run with a flag the README documents for them appended (``--dry-run``): they
   would train for minutes. ``SKIP`` lines are named with the reason and the test that covers them
   instead (installs, GPUs, Slurm). Any other program (pip, torchrun, ...) must be in ``SKIP``.
-* Each ``CHEAP``/``SKIP`` entry must still match a README line, so a stale entry fails too.
+* Each ``CHEAP``/``SKIP`` entry must still match a command, so a stale entry fails too.
+* A block right after a line ``<!-- not run: why -->`` is not run (a sketch whose names are not imported).
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCUMENTS = [README, *(ROOT / "docs" / f"{name}.md" for name in (
+    "install", "codes", "data", "training", "long-runs", "parallelism", "slurm", "bench", "interop", "eval", "study"))]
+NOT_RUN = "<!-- not run:"
 BUNDLED_CORPUS = ROOT / "megafixed" / "bundled" / "wiki_vital_en.jsonl.gz"
 
 SKIP = {
@@ -45,6 +51,7 @@ SKIP = {
     "deepspeed --num_gpus 8": "8 GPUs: tests/test_launch.py runs the deepspeed launcher",
     re.compile(r"megafixed submit (?!.*--dry-run)"): "sbatch: a Slurm login node; tests/test_slurm.py submits to "
     "a real Slurm (the --dry-run line runs here)",
+    "pytest tests/": "the suite's own files, which this suite runs",
     re.compile(r"megafixed preprocess .*--submit"): "sbatch on a Slurm login node over a corpus of many files: "
     "tests/test_preprocess_slurm.py runs a 3-task array on a real Slurm, tests/test_preprocess_groups.py the "
     "--dry-run scripts",
@@ -79,21 +86,28 @@ CLAIMS = {  # prefix -> what the README says the output holds
 
 @dataclass
 class Command:
-    line: int  # README line where it starts
+    line: int  # line where it starts in its document
     text: str  # as written (continuations joined)
     kind: str = "bash"
+    doc: str = "README.md"  # the document, relative to the repository root
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc} line {self.line}"
 
 
-def readme_commands() -> list[Command]:
-    out, block, lines = [], None, README.read_text().splitlines()
+def document_commands(path: Path) -> list[Command]:
+    out, block, lines = [], None, path.read_text().splitlines()
+    doc = str(path.relative_to(ROOT))
     i = 0
     while i < len(lines):
         ln = lines[i]
-        if block is None and ln.startswith("```") and ln.strip("` ") in ("bash", "python"):
-            block, start, body = ln.strip("` "), i + 2, []
+        if block is None and ln.startswith("```"):
+            runnable = ln.strip("` ") in ("bash", "python") and not (i and lines[i - 1].startswith(NOT_RUN))
+            block, start, body = (ln.strip("` ") if runnable else "other"), i + 2, []
         elif block is not None and ln.startswith("```"):
             if block == "python":
-                out.append(Command(start, "\n".join(body), "python"))
+                out.append(Command(start, "\n".join(body), "python", doc))
             block = None
         elif block == "python":
             body.append(ln)
@@ -102,9 +116,14 @@ def readme_commands() -> list[Command]:
             while text.rstrip().endswith("\\"):
                 i += 1
                 text = text.rstrip()[:-1] + " " + lines[i].strip()
-            out.append(Command(first, text.strip()))
+            out.append(Command(first, text.strip(), "bash", doc))
         i += 1
     return out
+
+
+def readme_commands() -> list[Command]:
+    """The commands of every file in ``DOCUMENTS``, in order."""
+    return [command for path in DOCUMENTS for command in document_commands(path)]
 
 
 def _matches(key, text: str) -> bool:
@@ -119,14 +138,14 @@ def _entry(table: dict, text: str):
 def test_every_readme_command_is_run_or_skipped_for_a_reason():
     commands = [c for c in readme_commands() if c.kind == "bash"]
     assert len(commands) > 30
-    loose = [f"README line {c.line}: {c.text}" for c in commands
+    loose = [f"{c.where}: {c.text}" for c in commands
              if not c.text.startswith("megafixed ") and _entry(SKIP, c.text) is None]
     assert not loose, "not a megafixed command and not in SKIP:\n" + "\n".join(loose)
     both = [c.text for c in commands if _entry(SKIP, c.text) and _entry(CHEAP, c.text)]
     assert not both
     for table in (SKIP, CHEAP, CLAIMS):
         stale = [k for k in table if not any(_matches(k, c.text) for c in commands)]
-        assert not stale, f"entries that match no README command (update them with the README): {stale}"
+        assert not stale, f"entries that match no documented command (update them with the docs): {stale}"
 
 
 # ----------------------------------------------------------------------------------- the workspace
@@ -217,7 +236,7 @@ def test_the_readme_commands_work_as_written(workspace, monkeypatch, capsys):
     ran, failed, took = [], [], {}
     for cmd in readme_commands():
         if cmd.kind == "python":
-            exec(compile(cmd.text, f"README.md:{cmd.line}", "exec"), {})
+            exec(compile(cmd.text, f"{cmd.doc}:{cmd.line}", "exec"), {"__name__": "documented"})
             ran.append(cmd.text.splitlines()[0])
             continue
         if _entry(SKIP, cmd.text) or not cmd.text.startswith("megafixed "):
@@ -235,7 +254,7 @@ def test_the_readme_commands_work_as_written(workspace, monkeypatch, capsys):
         said = capsys.readouterr()
         missing = [c for c in CLAIMS.get(_entry(CLAIMS, cmd.text), []) if c not in said.out]
         if code != 0 or missing:
-            failed.append(f"README line {cmd.line}: {cmd.text}\n  exit {code}; missing {missing}; "
+            failed.append(f"{cmd.where}: {cmd.text}\n  exit {code}; missing {missing}; "
                           f"{said.err.strip()[-400:]}")
         ran.append(cmd.text)
     print("\n".join(f"{v:6.1f}s {k}" for k, v in sorted(took.items(), key=lambda kv: -kv[1])))  # with -s
