@@ -42,31 +42,32 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Ten
     return angles.cos().float(), angles.sin().float()
 
 
-_ROPE_TABLES: dict = {}  # (head_dim, max_seq_len, theta, device) -> (cos, sin), shared by every layer
-
-
 class Rotary(nn.Module):
-    """RoPE cos/sin tables, always fp32.
+    """RoPE cos/sin tables, always fp32, made on first use on each device; one per model, shared by
+    every layer (and by the blocks of every pipeline stage).
 
-    Kept as a process-wide cache rather than buffers: a module-wide cast (``.bfloat16()``, which
-    DeepSpeed's engine applies to every module of every pipeline stage) or meta-device construction
-    can then never touch them. bf16 tables carry ~0.4% angle error, which grows into position
-    confusion at long contexts; Megatron keeps them fp32 for the same reason.
+    Plain attributes rather than buffers (torchtitan's ``freqs_cis`` is a non-persistent buffer, but
+    complex): a module-wide cast (``.bfloat16()``, which DeepSpeed's engine applies to every module of
+    every pipeline stage) would cast a real buffer, and meta-device construction would leave it
+    empty; neither touches these, and no state dict or checkpoint carries them. bf16 tables carry
+    ~0.4% angle error, which grows into position confusion at long contexts; Megatron keeps them fp32
+    for the same reason.
     """
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float):
         super().__init__()
         self.key = (head_dim, max_seq_len, float(theta))
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # str(device) -> (cos, sin)
 
     def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (*self.key, str(device))
-        if key not in _ROPE_TABLES:
-            # Normal tensors even when the first caller is an inference-mode eval: an inference tensor in
-            # this process-wide cache could not be saved for backward by a later training step.
+        key = str(device)
+        if key not in self.tables:
+            # Normal tensors even when the first caller is an inference-mode eval: an inference tensor
+            # kept here could not be saved for backward by a later training step of the same model.
             with torch.inference_mode(False):
                 cos, sin = rope_cache(*self.key)
-                _ROPE_TABLES[key] = (cos.to(device), sin.to(device))
-        cos, sin = _ROPE_TABLES[key]
+                self.tables[key] = (cos.to(device), sin.to(device))
+        cos, sin = self.tables[key]
         return cos[:seq_len], sin[:seq_len]
 
 
