@@ -177,11 +177,6 @@ def _guarded(path: str, records: Iterator[bytes]) -> Iterator[bytes]:
         raise DataError(f"input {path} is a directory; pass files or a glob like '{path}/*.jsonl'") from exc
 
 
-def _jsonl_records(path: str) -> Iterator[bytes]:
-    with open_binary(path) as fh:
-        yield from _guarded(path, fh)  # one record per line, blank lines included so line numbers stay true
-
-
 def _text_records(path: str, split: str) -> Iterator[bytes]:
     with open_binary(path) as fh:
         fh = _guarded(path, fh)

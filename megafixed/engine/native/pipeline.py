@@ -30,7 +30,6 @@ clipping.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -234,7 +233,3 @@ def pp_loss_mean(local: torch.Tensor, topo) -> tuple[float, bool]:
     total, bad = host_values(stats)  # one read of both (fake-safe: plan --fake runs this step)
     nonfinite = bad > 0
     return (float("nan") if nonfinite else total / (topo.dp * topo.tp)), nonfinite
-
-
-def finite_or_none(x: float):
-    return x if math.isfinite(x) else None
