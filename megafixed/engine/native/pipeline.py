@@ -127,7 +127,7 @@ def build_stages(cfg, topo):
         if plan.dp > 1:
             _apply_fsdp_stage(stage, topo.mesh, plan.precision)
     parts = PipelineParts(gpt, [spans[i] for i in ids])
-    materialize(parts, cfg.model, cfg.train.seed, topo.device)
+    materialize(parts, cfg.model, cfg.train.seed, topo.device, topo.init_device)
     return parts, stages, ids
 
 
