@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Optional
 
 import torch
 
+from megafixed import env as env_vars
 from megafixed.codes import MAX_BITS, CodeError, FixedCode
 
 from .launch import KernelLaunch
@@ -34,7 +34,6 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
     _TRITON_IMPORT_ERROR = exc
 
 HAVE_TRITON = triton is not None
-FORCE_ENV = "MEGAFIXED_FORCE_TRITON"
 # Output dtype -> the same-width integer type the kernel stores through (see _signed_patterns).
 _STORE_AS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
              torch.float64: torch.int64}
@@ -194,7 +193,7 @@ def token_codes_kernel(ids: torch.Tensor, code: FixedCode, width: int,
 
 
 def _wants_kernel(ids: torch.Tensor, dtype: torch.dtype, force_kernel: bool) -> bool:
-    if force_kernel or os.environ.get(FORCE_ENV, "") == "1":
+    if force_kernel or env_vars.force_triton():
         return True  # token_codes_kernel raises a clear error if it cannot run here
     return HAVE_TRITON and ids.is_cuda and dtype in KERNEL_DTYPES and ids.dtype in KERNEL_ID_DTYPES
 

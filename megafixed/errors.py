@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Optional
 
+from . import env as env_vars
 from . import exit_codes
 
 
@@ -149,7 +150,7 @@ def _is_rank0() -> bool:
 
 
 def traceback_wanted() -> bool:
-    return os.environ.get("MEGAFIXED_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no")
+    return env_vars.traceback_wanted()
 
 
 def report(exc: BaseException, file=None) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import env as env_vars
+
 BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
 BUNDLED_PREFIX = "bundled:"
 
@@ -33,7 +35,7 @@ def cache_dir(*parts: str) -> Path:
     """``$MEGAFIXED_CACHE_DIR``, else ``$XDG_CACHE_HOME/megafixed``, else ``~/.cache/megafixed``,
     joined with ``parts``. Only computes the path: callers create folders when they write into them,
     so a failed or read-only run leaves nothing behind."""
-    root = os.environ.get("MEGAFIXED_CACHE_DIR")
+    root = env_vars.cache_dir()
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME")
         # XDG says a relative XDG_CACHE_HOME is invalid and must be ignored.

@@ -9,7 +9,11 @@ proper are ``MEGAFIXED_INJECT`` (``run/faults.py``); a pause is not a fault and 
   the temporary shards (of input-file group G only: a ``preprocess --submit`` array task);
 * ``train.step@N[:rank=R][:host=H]``: before (log) step N begins, after step N-1's metrics and
   checkpoint are written (the other ranks go on into step N and wait for it in its collectives);
-* ``bench.row@N``: after ``bench kernels`` wrote its N-th row to ``--json``.
+* ``bench.row@N``: after ``bench kernels`` wrote its N-th row to ``--json``;
+* ``checkpoint.file@N``: after the first file of the step-N checkpoint is written and fsynced (the
+  DeepSpeed engine's writer, sync or async: a test kills the process mid-save, however fast the machine).
+  In the async writer's thread no signal ends the pause (signals are seen from the main thread): only
+  the release does, or kill -9.
 
 ``host=H`` matches this machine's hostname (every point). There the process prints one line on
 stderr, writes ``PATH`` (if given; its pid, host and point; ``{rank}``, ``{group}`` and ``{host}`` in it
@@ -25,8 +29,9 @@ pause ends when
 ``PATH`` is removed when the pause ends (a killed process leaves it). A test waits for ``PATH`` to
 appear, which it does only once the process is stopped there. The pause fires once per process; a
 point that is never reached never pauses. Signals are seen from the main thread only (every point
-above runs there). Unset, :func:`armed` returns None and the point costs one ``is None`` test per
-batch, step or row; a malformed value is one :class:`PauseError` line naming this grammar.
+above runs there, but ``checkpoint.file`` under ``train.async_save``). Unset, :func:`armed` returns
+None and the point costs one ``is None`` test per batch, step or row (one environment look-up per
+checkpoint file); a malformed value is one :class:`PauseError` line naming this grammar.
 """
 from __future__ import annotations
 
@@ -38,12 +43,15 @@ import sys
 import threading
 from typing import Mapping, Optional
 
+from . import env as env_vars
 from .atomic import atomic_write_text
 
 ENV = "MEGAFIXED_PAUSE"
-POINTS = {"preprocess.batch": ("group",), "train.step": ("rank",), "bench.row": ()}  # point -> its own keys
+# point -> its own keys
+POINTS = {"preprocess.batch": ("group",), "train.step": ("rank",), "bench.row": (), "checkpoint.file": ()}
 GRAMMAR = ("POINT@N[:KEY=VALUE...][:file=PATH] with POINT one of preprocess.batch (key group), train.step "
-           "(key rank) or bench.row, and host=H for any -- e.g. MEGAFIXED_PAUSE='train.step@4:rank=0:file=/tmp/p'")
+           "(key rank), bench.row or checkpoint.file, and host=H for any -- "
+           "e.g. MEGAFIXED_PAUSE='train.step@4:rank=0:file=/tmp/p'")
 
 
 class PauseError(ValueError):
@@ -126,10 +134,10 @@ class _Known(dict):
 _ARMED: dict = {}  # one Pause per (value, point, where): it fires once per process, however often it is armed
 
 
-def armed(point: str, env: Mapping[str, str] = os.environ, **where) -> Optional[Pause]:
+def armed(point: str, env: Optional[Mapping[str, str]] = None, **where) -> Optional[Pause]:
     """The pause ``MEGAFIXED_PAUSE`` sets at ``point`` for this process (``where``: its rank, group, ...),
     or None: not set, another point, or another rank/group/host."""
-    raw = env.get(ENV, "").strip()
+    raw = env_vars.pause(env)
     if not raw:
         return None
     name, at, keys, path = parse(raw)

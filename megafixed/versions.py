@@ -13,9 +13,10 @@ engines (DeepSpeed picks its accelerator at import; see ``engine/deepspeed/env.p
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import re
 import warnings
+
+from . import env as env_vars
 
 # distribution -> (lowest tested version, first untested version): the ranges setup.py pins.
 TESTED = {
@@ -63,7 +64,7 @@ def check_engines() -> None:
     problems = engine_problems()
     if not problems:
         return
-    if os.environ.get(ALLOW_ENV, "") not in ("", "0"):
+    if env_vars.allow_untested():
         for p in problems:
             warnings.warn(f"{p} (running anyway: {ALLOW_ENV} is set)", RuntimeWarning, stacklevel=2)
         return

@@ -55,9 +55,8 @@ def build_case(overrides: list[str]) -> list:
 
     # As the engine's build does before DeepSpeed's comm starts (build_pipeline): no JIT build of the shm
     # comm op, which a fresh machine would otherwise compile here (~2 min) for an op training never calls.
-    prepare_ops(accelerator_is_cpu=topo.device.type == "cpu")
     gpt.GPT.__init__ = recording_init
-    with LargestAllocation() as mode:
+    with prepare_ops(accelerator_is_cpu=topo.device.type == "cpu"), LargestAllocation() as mode:
         module = build_model(cfg.model, topo, seed=cfg.train.seed, build_stages=build_pipeline)
     gpt.GPT.__init__ = original_init
     local = {n: p.detach().clone() for n, p in module.named_parameters()}

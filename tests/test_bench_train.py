@@ -49,7 +49,8 @@ def _bare_state(precision: str, grad_clip: float = 1.0):
     root = __import__("pathlib").Path(__file__).parent.parent
     cfg = load_config(str(root / "examples/configs/quickstart.yaml"),
                       [*TINY_MODEL, "data.mock=true", f"optimizer.grad_clip={grad_clip}"])
-    topo = SimpleNamespace(tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0, device=torch.device("cpu"))
+    topo = SimpleNamespace(tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0, device=torch.device("cpu"),
+                           init_device=None)
     return cfg, BareLoopState(cfg, topo, precision)
 
 

@@ -175,7 +175,7 @@ def killed_mid_save(shards, tmp_path_factory):
     from megafixed.run import manifest
 
     root = tmp_path_factory.mktemp("killed")
-    env = {**launch_free_env(), "MEGAFIXED_TEST_SLOW_SAVE": TAG4}  # the step-4 save stalls after its first file
+    env = {**launch_free_env(), "MEGAFIXED_PAUSE": "checkpoint.file@4"}  # the step-4 save stalls after its first file
     runs = {}
     for mode in ("sync", "async"):
         extra = ("train.async_save=true",) if mode == "async" else ()

@@ -117,15 +117,13 @@ def test_positions_or_a_mask_with_a_cache_are_refused():
 
 
 def test_training_after_an_inference_mode_eval_in_the_same_process(monkeypatch):
-    """The RoPE tables are a process-wide cache: made first by an eval under ``torch.inference_mode`` (the
-    packed scorer, or any scorer), they must still serve a training step's backward afterwards (an inference
-    tensor cannot be saved for backward)."""
-    from megafixed.model import gpt
-
-    monkeypatch.setattr(gpt, "_ROPE_TABLES", {})  # this test makes them, whatever ran before it
+    """The RoPE tables are kept by the model once made: made first by an eval under ``torch.inference_mode``
+    (the packed scorer, or any scorer), they must still serve a training step's backward afterwards (an
+    inference tensor cannot be saved for backward)."""
     model = _model("gf2", False)
+    assert not model.rotary.tables  # this test makes them
     _packed(model)
-    assert all(not t.is_inference() for pair in gpt._ROPE_TABLES.values() for t in pair)
+    assert model.rotary.tables and all(not t.is_inference() for pair in model.rotary.tables.values() for t in pair)
     model.train()
     ids = torch.randint(0, 300, (2, 16))
     loss = model(ids, ids)

@@ -184,8 +184,8 @@ def test_export_refusals(tmp_path, tokenizer_path, capsys):
 
 # ----------------------------------------------------------------------------------- import
 @contextlib.contextmanager
-def hf_rope_tables():
-    """megafixed's RoPE tables computed the way transformers computes them (fp32 throughout)."""
+def hf_rope_tables(model):
+    """``model``'s RoPE tables computed the way transformers computes them (fp32 throughout)."""
     import megafixed.model.gpt as gpt
 
     def fp32_tables(head_dim, max_seq_len, theta):
@@ -193,12 +193,12 @@ def hf_rope_tables():
         angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq)
         return angles.cos(), angles.sin()
 
-    saved = (gpt.rope_cache, gpt._ROPE_TABLES)
-    gpt.rope_cache, gpt._ROPE_TABLES = fp32_tables, {}
+    saved = (gpt.rope_cache, model.rotary.tables)
+    gpt.rope_cache, model.rotary.tables = fp32_tables, {}
     try:
         yield
     finally:
-        gpt.rope_cache, gpt._ROPE_TABLES = saved
+        gpt.rope_cache, model.rotary.tables = saved
 
 
 def tiny_llama(tmp_path, **kw):
@@ -237,7 +237,7 @@ def test_import_llama_same_logits_and_trains(tmp_path):
     assert ours.abs().max() > 1.0 and (ours - theirs).abs().max().item() <= 1e-5
     # The whole remaining difference is transformers' fp32 RoPE tables (ours are computed in fp64):
     # with its tables the logits are bit-identical, at any length.
-    with hf_rope_tables():
+    with hf_rope_tables(model):
         ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             assert torch.equal(model(ids), hf(ids).logits)

@@ -207,5 +207,6 @@ def test_rope_tables_stay_fp32_after_a_half_precision_cast():
     cos_after, sin_after = model.rotary(16, torch.device("cpu"))
     assert cos_after.dtype == sin_after.dtype == torch.float32 and torch.equal(cos_after, cos_before)
     assert not [n for n, _ in model.named_buffers() if "rope" in n]  # nothing for a cast to reach
+    assert not [k for k in model.state_dict() if "rotary" in k or "rope" in k]  # nor for a checkpoint
 
 

@@ -126,7 +126,7 @@ for rep, shard, tp, precision in ((2, 2, 2, "fp32"), (4, 2, 1, "bf16")):
     else:  # build.py's own path, for a plan that asks for bf16 (a GPU plan: this CPU cannot run one)
         plan = SimpleNamespace(tp=1, dp=rep * shard, precision=precision, sequence_parallel=False)
         cfg.train.compile = cfg.train.activation_checkpointing = True
-        model = build_model(cfg, SimpleNamespace(plan=plan, mesh=mesh, device=torch.device("cpu")))
+        model = build_model(cfg, SimpleNamespace(plan=plan, mesh=mesh, device=torch.device("cpu"), init_device=None))
         for m in (*model.blocks, model.head, model):
             policy = m._get_fsdp_state()._mp_policy
             assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), policy

@@ -96,3 +96,11 @@ def test_a_malformed_value_is_one_line_naming_the_grammar(raw, why):
         pause.armed("train.step", env={"MEGAFIXED_PAUSE": raw}, rank=0)
     text = str(info.value)
     assert why in text and "expected POINT@N" in text and "\n" not in text
+
+
+def test_the_checkpoint_file_point_names_the_step_of_the_save():
+    p = pause.armed("checkpoint.file", env={"MEGAFIXED_PAUSE": "checkpoint.file@4"})
+    assert (p.point, p.at, p.file) == ("checkpoint.file", 4, None)
+    assert pause.armed("checkpoint.file", env={"MEGAFIXED_PAUSE": "train.step@4"}) is None
+    with pytest.raises(pause.PauseError, match="does not take"):
+        pause.armed("checkpoint.file", env={"MEGAFIXED_PAUSE": "checkpoint.file@4:rank=0"})

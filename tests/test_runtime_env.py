@@ -36,10 +36,15 @@ def test_no_world_size_builds_the_shm_op_and_gpus_are_left_alone(monkeypatch):
     fake_ops.__compatible_ops__ = table
     monkeypatch.setitem(sys.modules, "deepspeed.ops", fake_ops)
     monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(ops=fake_ops))
-    ds_ops.prepare_ops(accelerator_is_cpu=False)
-    assert table[ds_ops.SHM_OP] is True  # a GPU accelerator: DeepSpeed's table untouched
-    ds_ops.prepare_ops(accelerator_is_cpu=True)
-    assert table[ds_ops.SHM_OP] is False  # DeepSpeed's build_shm_op returns None: no compile, one rank or many
+    with ds_ops.prepare_ops(accelerator_is_cpu=False):
+        assert table[ds_ops.SHM_OP] is True  # a GPU accelerator: DeepSpeed's table untouched
+    with ds_ops.prepare_ops(accelerator_is_cpu=True):
+        assert table[ds_ops.SHM_OP] is False  # DeepSpeed's build_shm_op returns None: no compile, one rank or many
+    assert table == {ds_ops.SHM_OP: True}  # and DeepSpeed's table as it was once the engine is built
+    del table[ds_ops.SHM_OP]
+    with ds_ops.prepare_ops(accelerator_is_cpu=True):
+        assert table[ds_ops.SHM_OP] is False
+    assert table == {}
 
 
 def _shown(message: str, module: str, cuda: bool) -> bool:
@@ -69,8 +74,8 @@ def test_deepspeeds_own_build_shm_op_builds_nothing_after_prepare_ops(monkeypatc
         raise AssertionError("DeepSpeed went to build the shm comm op")
     monkeypatch.setattr(type(builder), "load", refuse)
     monkeypatch.setattr(type(builder), "jit_load", refuse)
-    ds_ops.prepare_ops(accelerator_is_cpu=True)
-    assert ds_comm_torch.build_shm_op() is None
+    with ds_ops.prepare_ops(accelerator_is_cpu=True):
+        assert ds_comm_torch.build_shm_op() is None
 
 
 def test_megatron_warnings_that_do_not_apply_are_filtered_precisely():

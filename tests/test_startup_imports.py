@@ -300,7 +300,8 @@ def test_bench_startup_by_world_size_times_each_phase_from_its_log_line(tmp_path
 
 
 KEPT_PATCHES = ("megafixed.run.dynamo_free", "megafixed.engine.deepspeed.muon",
-                "megafixed.engine.deepspeed.megatron_tp")
+                "megafixed.engine.deepspeed.megatron_tp", "megafixed.engine.deepspeed.ops",
+                "megafixed.data.gigatoken_arrays")
 
 
 @pytest.mark.parametrize("module", KEPT_PATCHES)

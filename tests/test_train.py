@@ -174,9 +174,9 @@ def _engine(cfg, module):
     topo = setup_distributed(RunPlan.for_launch(cfg))
     layout = batch_layout(cfg.train, topo.dp)
     opt = build_optimizer(module, cfg.optimizer)
-    prepare_ops(accelerator_is_cpu=topo.device.type == "cpu")  # as engine/deepspeed/build.py: no shm op JIT build
     skip_muon_import()
-    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=deepspeed_config(cfg, layout, "fp32"))
+    with prepare_ops(accelerator_is_cpu=topo.device.type == "cpu"):  # as engine/deepspeed/build.py: no shm op build
+        engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=deepspeed_config(cfg, layout, "fp32"))
     return engine, opt, layout
 
 

@@ -135,3 +135,38 @@ def test_rank_0_never_waits_for_an_item_a_poster_has_numbered_but_not_yet_set():
     store.set(f"{warnings_once.PREFIX}/item/1", f'["{digest}", "a.py:1: UserWarning: late"]')
     funnels[0].report()
     assert outs[0].getvalue().splitlines() == ["warning (2 of 2 ranks): a.py:1: UserWarning: late"]
+
+
+def test_flush_puts_back_what_install_replaced(monkeypatch):
+    monkeypatch.setattr(warnings_once, "_FUNNEL", None)
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setattr(logging.StreamHandler, "handle", logging.StreamHandler.handle)
+    before = (warnings.showwarning, logging.StreamHandler.handle)
+    funnel = warnings_once.install(1, 2)
+    assert (warnings.showwarning, logging.StreamHandler.handle) == (warnings_once._python_warning,
+                                                                    warnings_once._handle)
+    warnings_once.flush()
+    assert (warnings.showwarning, logging.StreamHandler.handle) == before
+    stream = io.StringIO()
+    logger = logging.getLogger("megafixed-test-after-flush")
+    logger.propagate, logger.handlers = False, [logging.StreamHandler(stream)]
+    try:
+        logger.warning("printed by its own handler again")
+    finally:
+        logger.handlers = []
+    assert "printed by its own handler again" in stream.getvalue() and not funnel.pending
+
+
+def test_the_stdlib_logging_route_the_patch_relies_on():
+    """``install`` replaces ``StreamHandler.handle``: that is only every console record's route while the
+    logger calls each handler's ``handle`` and ``StreamHandler`` has no ``handle`` of its own (a fresh
+    interpreter: nothing of ours imported)."""
+    import subprocess
+    import sys
+
+    check = ("import inspect, logging; "
+             "assert 'handle' not in vars(logging.StreamHandler), 'StreamHandler has its own handle'; "
+             "assert '.handle(record)' in inspect.getsource(logging.Logger.callHandlers), 'callHandlers changed'")
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert proc.returncode == 0, (f"python {sys.version.split()[0]}'s logging no longer routes records as "
+                                  f"{warnings_once.WRITTEN_AGAINST} did: {proc.stderr[-500:]}")

@@ -177,13 +177,24 @@ def flip_model_file(tag_dir: Path) -> Path:
     return path
 
 
-def latest(run_dir: Path) -> Optional[str]:
-    f = run_dir / "checkpoints" / "latest"
-    return f.read_text().strip() if f.exists() else None
+def latest_tag_dir(run_dir: Path) -> Path:
+    """The checkpoint ``<run_dir>/checkpoints/latest`` names (the library's reader: a missing tag is an error)."""
+    from megafixed.run.run_dir import read_latest
+
+    ckpt = run_dir / "checkpoints"
+    return ckpt / read_latest(ckpt)
 
 
-def tag_step(tag: Optional[str]) -> int:
-    return int(tag.split("_")[1]) if tag else 0
+def final_weights_compared(soaked: Path, reference: Path, read=None) -> tuple[bool, int, list]:
+    """(bit-identical, tensors compared, names that differ) of the final checkpoints of the soaked run and of
+    its fault-free reference; ``read``: a tag directory -> its full state dict (default: the engine's reader)."""
+    import torch
+
+    if read is None:
+        from megafixed.engine.weights import gather_state_dict as read
+    a, b = read(latest_tag_dir(soaked)), read(latest_tag_dir(reference))
+    differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+    return not differ and len(a) > 0, len(a), differ
 
 
 # ------------------------------------------------------------------------------------------- the soak
@@ -224,6 +235,8 @@ class Soak:
                 **extra}
 
     def run(self, say=print) -> None:
+        from megafixed.run.run_dir import tag_step
+
         damaged: set = set()  # tags this supervisor damaged (the relaunch must pass over them)
         for n in range(1, 2 * len(self.faults) + 4):
             tags = [t for t in self._tags() if t not in damaged]
@@ -253,8 +266,9 @@ class Soak:
         raise RuntimeError(f"the soak did not finish within {len(self.launches)} launches: see {self.out}")
 
     def _tags(self) -> list[str]:
-        ckpt = self.run_dir / "checkpoints"
-        return sorted(p.name for p in ckpt.iterdir() if re.fullmatch(r"step_\d+", p.name)) if ckpt.is_dir() else []
+        from megafixed.run.run_dir import checkpoint_tags
+
+        return checkpoint_tags(self.run_dir / "checkpoints")
 
     def _supervise(self, launch: Launch, pause: Optional[Fault], marker: Path, damaged: set) -> dict:
         """Until the launch ends: at the pause, SIGSTOP the rank (and SIGKILL it once the hang is named), or
@@ -293,9 +307,9 @@ class Soak:
         if pid is None:
             return
         if pause.kind == "damage":
-            tag = latest(self.run_dir)
-            acted["file"] = str(flip_model_file(self.run_dir / "checkpoints" / tag))
-            damaged.add(tag)
+            tag_dir = latest_tag_dir(self.run_dir)
+            acted["file"] = str(flip_model_file(tag_dir))
+            damaged.add(tag_dir.name)
         alive = launch.proc.poll() is None
         if alive:
             with contextlib.suppress(ProcessLookupError):  # ended by the watchdog's verdict first: gone either way
@@ -420,14 +434,7 @@ class Soak:
 
     def same_weights(self, ref: Path) -> tuple[bool, int, list]:
         """(bit-identical, tensors compared, names that differ) of the two runs' final checkpoints."""
-        import torch
-
-        from megafixed.engine.weights import gather_state_dict
-
-        a = gather_state_dict(self.run_dir / "checkpoints" / latest(self.run_dir))
-        b = gather_state_dict(ref / "checkpoints" / latest(ref))
-        differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
-        return not differ and len(a) > 0, len(a), differ
+        return final_weights_compared(self.run_dir, ref)
 
 
 def table(faults: list) -> str:

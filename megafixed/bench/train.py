@@ -27,7 +27,7 @@ the one-engine JSON had them (``tools/gpu_check.sh``'s report reads them).
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import gc
 import json
 import resource
@@ -190,7 +190,6 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
     set to it), in the order to measure; default: ``topo``'s own engine only. ``on_partial(result)``
     gets the result so far (``"complete": false``) after each loop's timed steps, so a run stopped at
     a time limit (the 1.7B engine build) still reports the loops measured before."""
-    from ..model.gpt import init_draws_on
     from ..train.metrics import flops_per_token, matmul_param_count, peak_flops_per_gpu
 
     topos = topos or {topo.plan.engine: topo}
@@ -217,17 +216,16 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
         return out
 
     header = _header(cfg, topo, list(topos), warmup=warmup, rounds=rounds, flops_tok=flops_tok, peak=peak)
-    # On a GPU every model is drawn there (model.gpt.init_draws_on): a serial CPU draw of a 1.7B
+    # On a GPU every model is drawn there (Topology.init_device): a serial CPU draw of a 1.7B
     # model costs about a minute per build, and the step times do not depend on the values.
-    def draws():
-        return init_draws_on(device) if on_cuda else contextlib.nullcontext()
+    def draws_here(t):
+        return dataclasses.replace(t, init_device=device) if on_cuda else t
 
     loops: list = []  # the loops alive (alternating); a sequential run keeps only the one being measured
     done: dict = {}  # name -> stats of the loops a sequential run measured and freed
 
     def start(make):
-        with draws():
-            loop = make()
+        loop = make()
         loop.timed(warmup, record=False)
         loops.append(loop)
         if sequential:
@@ -240,10 +238,10 @@ def measure(cfg, topo, *, steps: int, warmup: int, rounds: int, bare: bool, data
                 on_partial(partial())  # the figures so far survive a stop in the next build
 
     if bare:
-        start(lambda: BareLoop(cfg, topo, datasets))
+        start(lambda: BareLoop(cfg, draws_here(topo), datasets))
     rss_bare = _peak_rss_bytes()
     for name, t in topos.items():
-        start(lambda t=t, name=name: EngineLoop(_engine_cfg(cfg, name), t, datasets))
+        start(lambda t=t, name=name: EngineLoop(_engine_cfg(cfg, name), draws_here(t), datasets))
     for _ in range(0 if sequential else rounds):
         for loop in loops:
             loop.timed(per_round)

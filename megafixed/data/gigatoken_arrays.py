@@ -23,6 +23,9 @@ import types
 
 import numpy as np
 
+# The encode_batch -> awkward.unflatten call this stands in for, as this version makes it
+# (tests/test_startup_imports.py fails on another minor version, tests/test_gigatoken_arrays.py on another call)
+WRITTEN_AGAINST = ("gigatoken", "0.10.0")
 _LOCK = threading.RLock()
 _LOCAL = threading.local()  # .active: this thread is inside encode_flat
 _USERS = 0  # threads inside encode_flat with the stand-in installed

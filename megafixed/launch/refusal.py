@@ -23,7 +23,8 @@ import sys
 import threading
 import time
 
-GRACE_ENV = "MEGAFIXED_REFUSAL_GRACE_S"
+from .. import env as env_vars
+
 DEFAULT_GRACE_S = 10.0  # ranks of one launch reach a refusal within seconds of each other
 
 
@@ -37,7 +38,7 @@ def _rank() -> int:
 
 def _grace() -> float:
     try:
-        return max(0.0, float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S)))
+        return max(0.0, float(env_vars.refusal_grace() or DEFAULT_GRACE_S))
     except ValueError:
         return DEFAULT_GRACE_S
 

@@ -38,6 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+from .. import env as env_vars
 from .world import LaunchError, World, ranges
 
 PREFIX = "megafixed/rdzv"
@@ -58,7 +59,7 @@ class RendezvousError(LaunchError):
 def rdzv_timeout() -> float:
     from .world import RDZV_TIMEOUT_S
 
-    raw = os.environ.get("MEGAFIXED_RDZV_TIMEOUT") or str(RDZV_TIMEOUT_S)
+    raw = env_vars.rdzv_timeout() or str(RDZV_TIMEOUT_S)
     try:
         value = float(raw)
     except ValueError:

@@ -17,6 +17,12 @@ it when the world has more than one rank):
 
 Before the store exists a rank keeps what it captured and posts it at ``attach``. A rank that cannot
 reach the store any more prints its own warnings as before, so nothing is lost when rank 0 is.
+
+Capturing the log records replaces ``logging.StreamHandler.handle`` (the stdlib has no hook that sees the
+records of every console handler, the ones libraries add later too): from ``install`` until ``flush``,
+which puts it and ``warnings.showwarning`` back. It relies on ``Logger.callHandlers`` calling each
+handler's ``handle`` and on ``StreamHandler`` inheriting ``Handler.handle`` (``WRITTEN_AGAINST``;
+``tests/test_warnings_once.py`` fails if either changes).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import time
 import warnings
 from typing import Optional
 
+WRITTEN_AGAINST = ("python", "3.11")  # the stdlib logging whose StreamHandler.handle install replaces
 PREFIX = "megafixed/warnings"
 POLL_S = 1.0
 SETTLE_S = 10.0
@@ -48,6 +55,7 @@ class Funnel:
         self.seen: set = set()
         self.items: dict = {}  # rank 0: digest -> [text, count, since (monotonic), printed]
         self.known = 0  # rank 0: items of the store's list read so far
+        self.replaced: Optional[tuple] = None  # (warnings.showwarning, StreamHandler.handle) while installed
 
     # ---- every rank
     def capture(self, key: str, text: str) -> None:
@@ -129,15 +137,13 @@ def _to_console(handler) -> bool:
     return stream is not None and stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
 
 
-_HANDLE = logging.StreamHandler.handle
-
-
 def _handle(self, record):
     if _FUNNEL is not None and record.levelno == logging.WARNING and _to_console(self):
         _FUNNEL.capture(f"log|{record.name}|{record.pathname}|{record.lineno}",
                         f"{record.name}: {record.getMessage()}")
         return True
-    return _HANDLE(self, record)
+    original = _FUNNEL.replaced[1] if _FUNNEL is not None and _FUNNEL.replaced else logging.Handler.handle
+    return original(self, record)
 
 
 def install(rank: int, size: int) -> Optional[Funnel]:
@@ -147,9 +153,17 @@ def install(rank: int, size: int) -> Optional[Funnel]:
         return None
     if _FUNNEL is None:
         _FUNNEL = Funnel(rank, size)
+        _FUNNEL.replaced = (warnings.showwarning, logging.StreamHandler.handle)
         warnings.showwarning = _python_warning
         logging.StreamHandler.handle = _handle  # every console handler, the ones libraries add later too
     return _FUNNEL
+
+
+def uninstall() -> None:
+    """Put back what ``install`` replaced (the funnel stays, for a last ``report``)."""
+    if _FUNNEL is not None and _FUNNEL.replaced is not None:
+        warnings.showwarning, logging.StreamHandler.handle = _FUNNEL.replaced
+        _FUNNEL.replaced = None
 
 
 def attach(store) -> None:
@@ -159,6 +173,8 @@ def attach(store) -> None:
 
 
 def flush() -> None:
-    """The command ends: rank 0 prints every warning not printed yet, with its count so far."""
+    """The command ends: rank 0 prints every warning not printed yet, with its count so far; the
+    process's warnings and console handlers are its own again."""
     if _FUNNEL is not None:
+        uninstall()
         _FUNNEL.report(final=True)

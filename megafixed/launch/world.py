@@ -25,6 +25,7 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from .. import env as env_vars
 from .errors import LaunchError  # also re-exported: the other launch modules import it from here
 
 RDZV_TIMEOUT_S = 120
@@ -41,7 +42,10 @@ class World:
 
 
 def _int(env: Mapping[str, str], name: str) -> Optional[int]:
-    value = env.get(name)
+    return _as_int(name, env.get(name))
+
+
+def _as_int(name: str, value: Optional[str]) -> Optional[int]:
     if value in (None, ""):
         return None
     try:
@@ -97,7 +101,7 @@ def _multi_node(world: World) -> bool:
 def check_world(world: World, env: Optional[Mapping[str, str]] = None) -> None:
     """Refuse an environment that could only hang or split into several worlds (no network needed)."""
     env = os.environ if env is None else env
-    expected = _int(env, "MEGAFIXED_EXPECTED_WORLD")
+    expected = _as_int("MEGAFIXED_EXPECTED_WORLD", env_vars.expected_world(env))
     if expected is not None and world.size != expected:
         raise LaunchError(f"this rank sees a world of {world.size} ranks (from {world.source}) but the job asked for "
                           f"{expected} (MEGAFIXED_EXPECTED_WORLD = nodes x GPUs per node, set by the job script): "

@@ -16,7 +16,6 @@ outside (``megafixed.parallel``), instead of patching methods onto the model:
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 from typing import TYPE_CHECKING, Callable, Optional
@@ -42,31 +41,32 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Ten
     return angles.cos().float(), angles.sin().float()
 
 
-_ROPE_TABLES: dict = {}  # (head_dim, max_seq_len, theta, device) -> (cos, sin), shared by every layer
-
-
 class Rotary(nn.Module):
-    """RoPE cos/sin tables, always fp32.
+    """RoPE cos/sin tables, always fp32, made on first use on each device; one per model, shared by
+    every layer (and by the blocks of every pipeline stage).
 
-    Kept as a process-wide cache rather than buffers: a module-wide cast (``.bfloat16()``, which
-    DeepSpeed's engine applies to every module of every pipeline stage) or meta-device construction
-    can then never touch them. bf16 tables carry ~0.4% angle error, which grows into position
-    confusion at long contexts; Megatron keeps them fp32 for the same reason.
+    Plain attributes rather than buffers (torchtitan's ``freqs_cis`` is a non-persistent buffer, but
+    complex): a module-wide cast (``.bfloat16()``, which DeepSpeed's engine applies to every module of
+    every pipeline stage) would cast a real buffer, and meta-device construction would leave it
+    empty; neither touches these, and no state dict or checkpoint carries them. bf16 tables carry
+    ~0.4% angle error, which grows into position confusion at long contexts; Megatron keeps them fp32
+    for the same reason.
     """
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float):
         super().__init__()
         self.key = (head_dim, max_seq_len, float(theta))
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # str(device) -> (cos, sin)
 
     def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (*self.key, str(device))
-        if key not in _ROPE_TABLES:
-            # Normal tensors even when the first caller is an inference-mode eval: an inference tensor in
-            # this process-wide cache could not be saved for backward by a later training step.
+        key = str(device)
+        if key not in self.tables:
+            # Normal tensors even when the first caller is an inference-mode eval: an inference tensor
+            # kept here could not be saved for backward by a later training step of the same model.
             with torch.inference_mode(False):
                 cos, sin = rope_cache(*self.key)
-                _ROPE_TABLES[key] = (cos.to(device), sin.to(device))
-        cos, sin = _ROPE_TABLES[key]
+                self.tables[key] = (cos.to(device), sin.to(device))
+        cos, sin = self.tables[key]
         return cos[:seq_len], sin[:seq_len]
 
 
@@ -200,7 +200,8 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+def init_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int,
+               device: Optional[torch.device] = None) -> torch.Tensor:
     """The single-process initial value of parameter ``name`` (full shape, fp32, CPU).
 
     Megatron/GPT-NeoX init: N(0, init_std) for matrices, residual output projections scaled by
@@ -216,40 +217,24 @@ def init_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> tor
     std = cfg.init_std
     if name.endswith(("attn.wo.weight", "mlp.w_out.weight")):
         std = std / math.sqrt(2 * cfg.n_layers)
-    dev = _INIT_DEVICE or torch.device("cpu")
+    dev = torch.device("cpu") if device is None else torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(param_seed(seed, name))
     return torch.empty(shape, device=dev).normal_(0.0, std, generator=gen)
-
-
-_INIT_DEVICE: Optional[torch.device] = None
-
-
-@contextlib.contextmanager
-def init_draws_on(device):
-    """Draw initial values with ``device``'s generator instead of the CPU's (benchmarks only).
-
-    A serial CPU draw of a 1.7B model takes about a minute; on the GPU it takes well under a second.
-    The values differ from a CPU-initialised run (another generator), the distribution does not,
-    so step times are the same. Training keeps the CPU draw: identical weights on any layout."""
-    global _INIT_DEVICE
-    before, _INIT_DEVICE = _INIT_DEVICE, torch.device(device)
-    try:
-        yield
-    finally:
-        _INIT_DEVICE = before
 
 
 @torch.no_grad()
 def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int,
                     local_slice: Optional[Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                     name_of: Callable[[str], str] = lambda n: n,
-                    full_shape: Optional[Callable[[str, torch.Tensor], torch.Size]] = None) -> None:
+                    full_shape: Optional[Callable[[str, torch.Tensor], torch.Size]] = None,
+                    device: Optional[torch.device] = None) -> None:
     """Fill every parameter of ``module`` with its single-process initial value.
 
     ``name_of`` maps a local parameter name to its plain-GPT key (pipeline stages rename layers);
     ``full_shape`` gives the unsharded shape and ``local_slice(name, full, param)`` this rank's
     part of it (tensor parallelism). Only one full parameter exists at a time, as in Megatron's
-    CPU initialisation.
+    CPU initialisation. ``device``: where the values are drawn (None: the CPU, which gives identical
+    weights on any layout; ``Topology.init_device`` says where a run draws them).
     """
     seen: set[int] = set()
     for local_name, p in module.named_parameters():
@@ -258,7 +243,7 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int,
         seen.add(id(p))
         name = name_of(local_name)
         shape = full_shape(name, p) if full_shape else p.shape
-        full = init_value(cfg, name, shape, seed)
+        full = init_value(cfg, name, shape, seed, device)
         value = local_slice(name, full, p) if local_slice else full
         p.copy_(value.to(p.dtype))
 

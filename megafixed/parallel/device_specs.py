@@ -12,8 +12,9 @@ NVIDIA's H100/H200/A100/B200 data sheets (the sheets quote bf16 "with sparsity":
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
+
+from .. import env as env_vars
 
 
 class DeviceSpec(NamedTuple):
@@ -61,8 +62,9 @@ def spec_for(device_name: Optional[str]) -> Optional[DeviceSpec]:
 
 def peak_bf16_flops(device_name: Optional[str]) -> Optional[float]:
     """Dense bf16 FLOP/s of one such GPU (``MEGAFIXED_PEAK_TFLOPS`` overrides), or None if unknown."""
-    if os.environ.get("MEGAFIXED_PEAK_TFLOPS"):
-        return float(os.environ["MEGAFIXED_PEAK_TFLOPS"]) * 1e12
+    by_hand = env_vars.peak_tflops()
+    if by_hand is not None:
+        return by_hand * 1e12
     spec = spec_for(device_name)
     return None if spec is None else spec.bf16_tflops * 1e12
 

@@ -58,6 +58,10 @@ class Topology:
     plan: Optional[_RunPlan] = None  # the plan this process was set up for
     # train.engine=torch: the run's DeviceMesh (megafixed.engine.native.mesh); tp_group/dp_group are its groups
     mesh: Optional[Any] = None
+    # Where initial values are drawn (model.gpt.init_parameters). None: the CPU, identical weights on any
+    # layout, what training does. The benchmark draws on the GPU: a serial CPU draw of a 1.7B model takes
+    # about a minute, a GPU one well under a second; other values, the same distribution and step times.
+    init_device: Optional[torch.device] = None
 
     @property
     def is_main(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from .. import env as env_vars
 from ..atomic import atomic_write_text
 from ..run.run_dir import RunDirectory
 
@@ -19,7 +20,7 @@ def peak_flops_per_gpu() -> Optional[float]:
     for a device not in the table. ``MEGAFIXED_PEAK_TFLOPS`` sets it by hand."""
     from ..parallel.device_specs import peak_bf16_flops
 
-    if os.environ.get("MEGAFIXED_PEAK_TFLOPS"):
+    if env_vars.peak_tflops() is not None:
         return peak_bf16_flops(None)
     if not torch.cuda.is_available():
         return None

@@ -38,6 +38,8 @@ from typing import Callable, Optional
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from ... import pause as pauses
+from ...run.run_dir import tag_step
 from ..common import BackgroundSave
 
 
@@ -61,11 +63,6 @@ class _HashingFile:
         self.fh.flush()
 
 
-# Test hook: a save of this tag stalls after its first file until the process is killed, so a test can
-# kill -9 it mid-save however fast the machine (tests/test_ckpt_integrity.py). Unset in real runs.
-SLOW_TAG_ENV = "MEGAFIXED_TEST_SLOW_SAVE"
-
-
 def write_file(obj, path: str, zipfile: bool = True) -> dict:
     """``torch.save`` ``obj`` to ``path``, fsynced; returns its manifest record."""
     with open(path, "wb") as fh:
@@ -73,9 +70,9 @@ def write_file(obj, path: str, zipfile: bool = True) -> dict:
         torch.save(obj, out, _use_new_zipfile_serialization=zipfile)
         fh.flush()
         os.fsync(fh.fileno())
-    slow = os.environ.get(SLOW_TAG_ENV)
-    if slow and os.path.basename(os.path.dirname(path)) == slow:
-        threading.Event().wait()  # never set: no time limit for the test to race
+    pause = pauses.armed("checkpoint.file")  # MEGAFIXED_PAUSE: a test kills the process mid-save
+    if pause is not None:
+        pause.reached(tag_step(os.path.basename(os.path.dirname(path))))
     return {"size": out.n, "sha256": out.h.hexdigest()}
 
 

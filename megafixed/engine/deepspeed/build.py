@@ -21,20 +21,20 @@ def build(cfg, topo, layout, precision: str, checks=None):
     from .pipeline import build_pipeline
 
     ds_config = deepspeed_config(cfg, layout, precision)
-    # Before anything starts deepspeed.comm (the pipeline grid inside build_model, or initialize).
-    prepare_ops(accelerator_is_cpu=topo.device.type == "cpu")
     skip_muon_import()  # our optimizer is never Muon: DeepSpeed's checks need not import it (muon.py)
-    model = build_model(cfg.model, topo, seed=cfg.train.seed, pp_partition=cfg.parallel.pp_partition,
-                        activation_checkpointing=cfg.train.activation_checkpointing,
-                        compute_dtype=COMPUTE_DTYPES[precision], build_stages=build_pipeline)
-    if cfg.train.compile:  # a plain GPT here: the run plan refused a pipeline (engine.check_supported)
-        for block in model.blocks:
-            block.compile()  # in place: parameter names (and so checkpoints) stay unchanged
-    optimizer = build_optimizer(model, cfg.optimizer)
-    is_pipeline = not isinstance(model, GPT)
-    # A PipelineModule carries its own process grid, and DeepSpeed refuses an mpu beside it.
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                           mpu=None if is_pipeline else topology_mpu(topo))
+    # Around everything that may start deepspeed.comm (the pipeline grid inside build_model, or initialize).
+    with prepare_ops(accelerator_is_cpu=topo.device.type == "cpu"):
+        model = build_model(cfg.model, topo, seed=cfg.train.seed, pp_partition=cfg.parallel.pp_partition,
+                            activation_checkpointing=cfg.train.activation_checkpointing,
+                            compute_dtype=COMPUTE_DTYPES[precision], build_stages=build_pipeline)
+        if cfg.train.compile:  # a plain GPT here: the run plan refused a pipeline (engine.check_supported)
+            for block in model.blocks:
+                block.compile()  # in place: parameter names (and so checkpoints) stay unchanged
+        optimizer = build_optimizer(model, cfg.optimizer)
+        is_pipeline = not isinstance(model, GPT)
+        # A PipelineModule carries its own process grid, and DeepSpeed refuses an mpu beside it.
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                               mpu=None if is_pipeline else topology_mpu(topo))
     if precision != "fp32":
         restore_exact_buffers(engine.module)
 

@@ -75,7 +75,7 @@ def _materialize(module, model_cfg, topo, seed, full_shapes, name_of) -> None:
         return value
 
     init_parameters(module, model_cfg, seed, local_slice=local_slice, name_of=name_of,
-                    full_shape=lambda name, p: full_shapes[name])
+                    full_shape=lambda name, p: full_shapes[name], device=topo.init_device)
     for sub in module.modules():
         if hasattr(sub, "reset_buffers"):
             sub.reset_buffers()

@@ -5,8 +5,9 @@ and ~180 CPU-seconds on 2 cores) the first time ``deepspeed.comm`` starts, in ev
 serves only ``inference_all_reduce`` (DeepSpeed's inference tensor parallelism, ``module_inject``);
 training collectives go through ``torch.distributed`` whether it is built or not, and
 ``inference_all_reduce`` itself falls back to ``torch.distributed.all_reduce`` without it. So
-``skip_unneeded_ops`` turns the build off for every world size: no run waits two minutes for an op it never
-calls.
+``skip_unneeded_ops`` turns the build off for every world size while the engine is built (the comm backend
+starts inside that build, and its one read of the switch is then done): no run waits two minutes for an op
+it never calls. The entry is put back as it was afterwards, so nothing else in the process sees our switch.
 
 Any other op DeepSpeed might JIT-build still gets a cache of its own: torch's ``cpp_extension`` keys a
 build by its sources and flags only, inside ``TORCH_EXTENSIONS_DIR``; two environments (another venv's
@@ -17,6 +18,7 @@ CPU (DeepSpeed compiles with ``-march=native``).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -26,6 +28,9 @@ from pathlib import Path
 from ...paths import cache_dir
 
 SHM_OP = "deepspeed_shm_comm"
+# DeepSpeed's switch table that skip_unneeded_ops edits, as this version has it (tests/test_startup_imports.py
+# fails on another minor version, tests/test_runtime_env.py if the op gets built anyway)
+WRITTEN_AGAINST = ("deepspeed", "0.19.8")
 _BUILD_ENV = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS", "CPATH", "TORCH_CUDA_ARCH_LIST")
 
 
@@ -69,20 +74,32 @@ def extensions_dir() -> Path:
     return cache_dir("torch_extensions", build_key())
 
 
-def skip_unneeded_ops() -> None:
-    """Before DeepSpeed's comm backend starts: do not compile the shm comm op (see the module docstring).
+@contextlib.contextmanager
+def skip_unneeded_ops():
+    """While DeepSpeed's comm backend starts: do not compile the shm comm op (see the module docstring).
 
     DeepSpeed 0.19.8 has no setting for this: ``deepspeed.comm.torch.build_shm_op`` builds the op whenever
     ``deepspeed.ops.__compatible_ops__`` says it can. That table is DeepSpeed's per-launch switch table
-    (computed once on first read; its own comment: "edits to it persist"), so one entry of it is set to
-    False. ``tests/test_runtime_env.py`` fails if a DeepSpeed upgrade builds the op anyway."""
+    (computed once on first read; its own comment: "edits to it persist"), so one entry of it is False
+    inside this block and back to what it was after. ``tests/test_runtime_env.py`` fails if a DeepSpeed
+    upgrade builds the op anyway."""
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__[SHM_OP] = False
+    table = deepspeed.ops.__compatible_ops__
+    missing = object()
+    before = table.get(SHM_OP, missing)
+    table[SHM_OP] = False
+    try:
+        yield
+    finally:
+        if before is missing:
+            table.pop(SHM_OP, None)
+        else:
+            table[SHM_OP] = before
 
 
-def prepare_ops(*, accelerator_is_cpu: bool) -> None:
-    """Called right before the first ``deepspeed.initialize``/``init_distributed`` of a process."""
+def prepare_ops(*, accelerator_is_cpu: bool):
+    """Around the first ``deepspeed.initialize``/``init_distributed`` of a process (a context manager)."""
     if not accelerator_is_cpu:
-        return  # on GPUs DeepSpeed JIT-builds nothing in this path
-    skip_unneeded_ops()
+        return contextlib.nullcontext()  # on GPUs DeepSpeed JIT-builds nothing in this path
+    return skip_unneeded_ops()

@@ -63,7 +63,7 @@ def build_model(cfg, topo):
     if plan.dp > 1:
         apply_fsdp(model, topo.mesh, precision=plan.precision,
                    reshard_after_forward=cfg.torch_engine.reshard_after_forward)
-    materialize(model, cfg.model, cfg.train.seed, topo.device)
+    materialize(model, cfg.model, cfg.train.seed, topo.device, topo.init_device)
     return model
 
 

@@ -56,7 +56,7 @@ def placed_value(name: str, full: torch.Tensor, param: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, model_cfg, seed: int, device) -> None:
+def materialize(module: nn.Module, model_cfg, seed: int, device, init_device=None) -> None:
     """Give every parameter of meta-device ``module`` storage on ``device`` and its single-process
     initial value (``init_value`` of its full shape, sliced by its placements); re-tie
     ``model.tie_embeddings``; reset the buffers (the fixed code's). Parameter names must be the
@@ -64,9 +64,10 @@ def materialize(module: nn.Module, model_cfg, seed: int, device) -> None:
 
     The one initialiser of both engines (``model.gpt.init_parameters``) fills the values: a DTensor's
     shape is the global one, so only the slicing is this engine's (the DeepSpeed engine slices plain
-    megatron-core shards by their TP dim, ``megafixed.engine.deepspeed.model.build_model``)."""
+    megatron-core shards by their TP dim, ``megafixed.engine.deepspeed.model.build_model``). ``init_device``:
+    where the values are drawn (``Topology.init_device``; None: the CPU)."""
     ties = _ties(module)
     module.to_empty(device=device)
     _retie(module, ties)
-    init_parameters(module, model_cfg, seed, local_slice=placed_value)
+    init_parameters(module, model_cfg, seed, local_slice=placed_value, device=init_device)
     restore_exact_buffers(module)

@@ -30,7 +30,6 @@ clipping.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -126,7 +125,7 @@ def build_stages(cfg, topo):
         if plan.dp > 1:
             _apply_fsdp_stage(stage, topo.mesh, plan.precision)
     parts = PipelineParts(gpt, [spans[i] for i in ids])
-    materialize(parts, cfg.model, cfg.train.seed, topo.device)
+    materialize(parts, cfg.model, cfg.train.seed, topo.device, topo.init_device)
     return parts, stages, ids
 
 
@@ -260,7 +259,3 @@ def pp_loss_mean(local: torch.Tensor, topo) -> tuple[float, bool]:
     total, bad = host_values(stats)  # one read of both (fake-safe: plan --fake runs this step)
     nonfinite = bad > 0
     return (float("nan") if nonfinite else total / (topo.dp * topo.tp)), nonfinite
-
-
-def finite_or_none(x: float):
-    return x if math.isfinite(x) else None

@@ -69,10 +69,3 @@ def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
                            f"corrupt: read an earlier tag") from None
     prefix = len(MODEL) + 1
     return {k[prefix:]: v for k, v in template.items()}
-
-
-def read_client_state(tag_dir) -> dict:
-    """The step, data position, schedule, config and RNG states saved with the checkpoint."""
-    import torch
-
-    return torch.load(Path(tag_dir) / CLIENT_STATE, map_location="cpu", weights_only=False)
