@@ -13,6 +13,7 @@ import pytest
 from megafixed import engines
 from megafixed.cli import main
 from megafixed.config import ConfigError, load_config
+from megafixed.engine import protocols as roles
 from megafixed.parallel.layout import LayoutError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ class ToyPlan:
 
 
 class ToyCheckpoint:
-    """The toy's checkpoint format (``engines.CheckpointFormat``): one marker file holding JSON."""
+    """The toy's checkpoint format (``megafixed.engine.protocols.CheckpointFormat``): one marker file holding JSON."""
 
     def is_checkpoint(self, tag_dir):
         return (Path(tag_dir) / MARKER).is_file()
@@ -61,7 +62,8 @@ class ToyCheckpoint:
 
 
 class ToyKind:
-    """A toy engine (``engines.EngineKind``), registered by a test; it borrows the default's planner."""
+    """A toy engine (``megafixed.engine.protocols.EngineKind``), registered by a test; it borrows the
+    default's planner."""
 
     name = "toy"
     record_file = "toy.json"
@@ -210,11 +212,11 @@ def _missing(obj, protocol) -> list:
 def test_every_engine_answers_every_member_of_its_protocols(toy):
     # no member is optional (callers never ask with a default), so a missing one would fail only when called
     for kind in engines.kinds():
-        for obj, protocol in ((kind, engines.EngineKind), (kind.checkpoint, engines.CheckpointFormat),
-                              (kind.planner, engines.Planner)):
+        for obj, protocol in ((kind, roles.EngineKind), (kind.checkpoint, roles.CheckpointFormat),
+                              (kind.planner, roles.Planner)):
             assert not _missing(obj, protocol), (kind.name, protocol.__name__, _missing(obj, protocol))
-    assert {"build", "checkpoint", "planned_keys"} <= set(_missing(object(), engines.EngineKind))  # it can fail
-    assert {"FAKE_WORKER", "stage_bounds"} <= set(_missing(object(), engines.Planner))
+    assert {"build", "checkpoint", "planned_keys"} <= set(_missing(object(), roles.EngineKind))  # it can fail
+    assert {"FAKE_WORKER", "stage_bounds"} <= set(_missing(object(), roles.Planner))
 
 
 def test_the_toy_touched_no_engine_library(modules_before_this_file):

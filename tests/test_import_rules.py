@@ -52,14 +52,15 @@ def _tree(module: str) -> ast.Module:
 
 
 @functools.lru_cache(maxsize=None)
-def _imports(module: str, function_level: bool) -> tuple[tuple[str, int], ...]:
-    """(imported module name, line) of every import in ``module`` (inside functions too, if asked)."""
+def _imports(module: str, function_level: bool, annotations: bool = False) -> tuple[tuple[str, int], ...]:
+    """(imported module name, line) of every import in ``module`` (inside functions too, if asked; under
+    ``if TYPE_CHECKING:`` too, if ``annotations``)."""
     is_pkg = MODULES[module][1]
     found: list[tuple[str, int]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) and not annotations:
                 continue
             if top or function_level:
                 if isinstance(child, ast.Import):
@@ -81,8 +82,8 @@ def _imports(module: str, function_level: bool) -> tuple[tuple[str, int], ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _graph(function_level: bool) -> dict[str, set[str]]:
-    return {m: {t for t, _ in _imports(m, function_level) if t in MODULES and t != m} for m in MODULES}
+def _graph(function_level: bool, annotations: bool = False) -> dict[str, set[str]]:
+    return {m: {t for t, _ in _imports(m, function_level, annotations) if t in MODULES and t != m} for m in MODULES}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[frozenset]:
@@ -163,6 +164,24 @@ def test_no_module_level_import_cycle_anywhere():
 def test_no_import_cycle_counting_function_level_imports():
     cycles = _cycles(_graph(function_level=True))
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def test_no_import_cycle_counting_every_import():
+    # module-level, function-local and annotation-only (``if TYPE_CHECKING:``) imports alike: an annotation
+    # import is still a dependency a reader follows, and a cycle there is what lets real ones creep in.
+    # ``import a.b.c`` is an edge to a.b.c; ``from x import y`` to x.y when that is a module, else to x.
+    # No exception for a package ``__init__`` importing its own submodules: none of ours closes a cycle
+    # (a submodule that imports its package's ``__init__`` back would, and is refused like any other).
+    graph = _graph(function_level=True, annotations=True)
+    assert "megafixed.config" in graph["megafixed.engine.protocols"]  # the scan sees an annotation import
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (every import counted): " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def test_the_annotation_scan_sees_type_checking_imports():
+    # the rule above must be able to fail: an annotation-only import is an edge there and nowhere else
+    assert "megafixed.config" not in _graph(function_level=True)["megafixed.engine.protocols"]
+    assert "megafixed.config" in _graph(function_level=True, annotations=True)["megafixed.engine.protocols"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -1,4 +1,4 @@
-"""The DeepSpeed engine as the engine registry asks it (``megafixed.engines.EngineKind``), and its
+"""The DeepSpeed engine as the engine registry asks it (``megafixed.engine.protocols.EngineKind``), and its
 part of the run plan. Light: each method imports DeepSpeed or megatron-core when it is called, so
 ``megafixed plan``, ``--help`` and ``--dry-run`` stay fast."""
 from __future__ import annotations

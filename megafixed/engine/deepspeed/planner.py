@@ -1,4 +1,4 @@
-"""How ``megafixed plan`` sizes the DeepSpeed engine's layouts (``megafixed.engines.Planner``):
+"""How ``megafixed plan`` sizes the DeepSpeed engine's layouts (``megafixed.engine.protocols.Planner``):
 the ZeRO arithmetic of ``megafixed.parallel.memory`` (the model-state bytes per stage 0-3), DeepSpeed's
 own buffers as its config sets them (``zero_buffers.py``: the reduction bucket, ZeRO-3's gathered and
 persistent parameters, the reduction's copies) and its column of the table. Light: arithmetic only.

@@ -1,4 +1,4 @@
-"""The torch engine as the engine registry asks it (``megafixed.engines.EngineKind``), and its part
+"""The torch engine as the engine registry asks it (``megafixed.engine.protocols.EngineKind``), and its part
 of the run plan. Light: each method imports what it needs when called (DCP, FSDP2 only then)."""
 from __future__ import annotations
 

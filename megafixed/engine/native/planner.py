@@ -1,4 +1,4 @@
-"""How ``megafixed plan`` sizes the torch engine's layouts (``megafixed.engines.Planner``):
+"""How ``megafixed plan`` sizes the torch engine's layouts (``megafixed.engine.protocols.Planner``):
 FSDP2 shards parameters, gradients and optimizer state over the DP shard degree (``dp /
 dp_replicate``), as ZeRO-3, keeping fp32 masters and fp32 gradients (``megafixed.parallel.memory``'s
 docstring has the whole account). Light: arithmetic only."""
