@@ -52,7 +52,7 @@ class CheckpointFormat(Protocol):
 class Planner(Protocol):
     """How ``megafixed plan`` sizes an engine's layouts (``megafixed.parallel.memory``, ``.traffic``)."""
 
-    COLUMN: tuple[str, int]  # the sharding column's title and width
+    COLUMN: tuple[str, int, tuple[str, ...]]  # the sharding column: title, width, the Layout fields shown
     LAYOUT_KEYS: tuple[str, ...]  # what a row sets beyond the engine-neutral keys (plan --pick)
     FAKE_WORKER: Optional[str]  # the module ``plan --fake`` runs per row; None: not measurable so
 
@@ -87,8 +87,6 @@ class Planner(Protocol):
                    precision: str) -> None: ...
 
     def rank_sharding(self, layout: Layout) -> int: ...
-
-    def sharding_text(self, layout: Layout) -> str: ...
 
     def sharding_overrides(self, layout: Layout) -> list[str]: ...
 

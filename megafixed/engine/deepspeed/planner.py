@@ -5,7 +5,7 @@ persistent parameters, the reduction's copies) and its column of the table. Ligh
 Checked against the real step (``measure_memory.py``, tests/test_deepspeed_memory.py)."""
 from __future__ import annotations
 
-COLUMN = ("ZeRO", 4)  # the sharding column's title and width
+COLUMN = ("ZeRO", 4, ("zero",))  # the sharding column: title, width, the Layout fields it shows
 
 
 def pp_degrees(gpus: int, tp: int) -> range:
@@ -124,9 +124,6 @@ def pipeline_estimate(m, seq: int, layout, precision: str, masks: bool):
 def rank_sharding(layout) -> int:
     return max(layout.zero, 1)  # ZeRO 0 and 1 move the same bytes, so they tie
 
-
-def sharding_text(layout) -> str:
-    return str(layout.zero)
 
 
 LAYOUT_KEYS = ("zero.stage", "parallel.pp_partition")  # what a row sets beyond the engine-neutral keys (plan --pick)

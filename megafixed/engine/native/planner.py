@@ -4,7 +4,7 @@ dp_replicate``), as ZeRO-3, keeping fp32 masters and fp32 gradients (``megafixed
 docstring has the whole account). Light: arithmetic only."""
 from __future__ import annotations
 
-COLUMN = ("FSDP", 5)  # HSDP replicate x shard
+COLUMN = ("FSDP", 5, ("dp_replicate", "dp_shard"))  # HSDP replicate x shard
 
 
 def pp_degrees(gpus: int, tp: int) -> range:
@@ -87,9 +87,6 @@ def reduction_phase(m, layout, n_params: int, precision: str, layer: float) -> t
 def rank_sharding(layout) -> int:
     return layout.dp_shard  # the smallest shard degree: more replication, fewer all-gathers
 
-
-def sharding_text(layout) -> str:
-    return f"{layout.dp_replicate}x{layout.dp_shard}"
 
 
 LAYOUT_KEYS = ("torch_engine.dp_replicate",)  # what a row sets beyond the engine-neutral keys (plan --pick)
