@@ -102,10 +102,3 @@ def checkpoint_kind(tag_dir: Path) -> Any:
             return kind
     return default_kind()
 
-
-def planned_keys() -> tuple:
-    """Every registered engine's planned keys, in registration order (the default's first)."""
-    out: list[str] = []
-    for kind in kinds():
-        out.extend(k for k in kind.planned_keys if k not in out)
-    return tuple(out)

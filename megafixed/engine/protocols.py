@@ -104,7 +104,6 @@ class EngineKind(Protocol):
 
     name: str  # the train.engine value
     record_file: str  # <run_dir>/<record_file>: its own config, written next to the run's config
-    planned_keys: tuple[str, ...]  # config keys its plan part reads, as "section.key" (RunPlan.check_made_from)
     default: bool  # what wrote a run record without "engine" (records from before the registry)
 
     @property

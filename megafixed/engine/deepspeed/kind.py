@@ -19,7 +19,6 @@ class DeepSpeedKind:
 
     name = "deepspeed"
     record_file = "ds_config.json"
-    planned_keys = ("zero.stage",)
     default = True
 
     @property

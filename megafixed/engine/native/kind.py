@@ -23,8 +23,6 @@ class TorchKind:
 
     name = "torch"
     record_file = "torch_engine.json"
-    planned_keys = ("torch_engine.dp_replicate", "torch_engine.reshard_after_forward", "parallel.pp_schedule",
-                    "parallel.vpp", "parallel.pp_input_head_layers")
     default = False
 
     @property
