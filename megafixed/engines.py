@@ -1,26 +1,16 @@
-"""Training engines as a registry: each engine is one object that says what it is; callers ask, never test names.
+"""The engine registry: training engines by name (``train.engine``); callers ask, never test names.
 
-An engine (``train.engine``) owns the model on each rank, its optimizer, its process groups and
-its checkpoint files. Every part of megafixed that depends on which one a run uses asks its
-registered object here; what it must answer is typed by three protocols:
+Only a table of names: what an engine answers is the engine seam's, ``megafixed.engine`` (its protocols
+in ``megafixed/engine/protocols.py``: ``EngineKind``, ``CheckpointFormat``, ``Planner``). This module imports
+nothing of megafixed, not even for annotations, and no engine library, so it sits beneath everything
+that looks an engine up: the config (which validates ``train.engine`` here), ``parallel/`` (the memory
+model asks an engine's planner, the topology its groups) and the run plan. Inside ``megafixed/engine/`` it
+would close a cycle: that package imports the config, the run plan and ``parallel/``.
 
-* ``EngineKind``, the engine itself: its name (the ``train.engine`` value), its record file in the
-  run directory, its part of the run plan (``make_plan``: a frozen dataclass from the config,
-  ``RunPlan.engine_plan``) and the config keys that part reads (``planned_keys``), its refusals, its
-  re-layout rule, its process groups, its build, its own config, its runtime environment, and how it
-  describes itself (the start line, ``--dry-run``, the run record's layout keys);
-* ``CheckpointFormat`` (``kind.checkpoint``): how its checkpoints are recognised and read; a
-  checkpoint is read by the engine whose detector claims it, the default engine's format last;
-* ``Planner`` (``kind.planner``): how ``megafixed plan`` sizes its layouts.
-
-An engine's methods import its library when called, so this module, the registry lookups and the
-built-in engines' classes import no engine library (``megafixed plan``, ``--help`` and
-``--dry-run`` stay light, and the config can validate ``train.engine`` here without an import
-cycle). The built-in engines register themselves in ``megafixed/engine/deepspeed/kind.py`` and
-``megafixed/engine/native/kind.py``, imported by the names in ``BUILTIN`` (not an import statement:
-this module sits below the engines) the first time the registry is asked. Adding an engine is one
-class implementing ``EngineKind`` and one ``register(...)`` (tests/test_engine_registry.py registers
-a toy one).
+The built-in engines register themselves in ``megafixed/engine/deepspeed/kind.py`` and
+``megafixed/engine/native/kind.py``, imported by the names in ``BUILTIN`` (not an import statement: this
+module sits below the engines) the first time the registry is asked. Adding an engine is one class
+implementing ``EngineKind`` and one ``register(...)`` (tests/test_engine_registry.py registers a toy one).
 """
 from __future__ import annotations
 
