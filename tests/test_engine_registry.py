@@ -67,6 +67,8 @@ class ToyKind:
 
     name = "toy"
     record_file = "toy.json"
+    config_title = "toy engine"
+    dry_run_words = "toy {flavour}"
     default = False
     checkpoint = ToyCheckpoint()
 
@@ -101,12 +103,6 @@ class ToyKind:
 
     def start_words(self, plan):
         return f"toy engine ({plan.engine_plan.flavour})"
-
-    def config_title(self):
-        return "toy engine"
-
-    def dry_run_words(self, plan, record):
-        return f"toy {record['flavour']}"
 
     def dry_run_lines(self, cfg, plan):
         return []

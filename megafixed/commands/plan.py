@@ -120,11 +120,13 @@ def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: f
     print(f"{args.config}: {n_params / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
           f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
-    if planner.intro(args.precision):
-        print(planner.intro(args.precision))
-    note = planner.accumulation_note(m, args.gpus, cfg.train.global_batch, args.precision)
-    if note:  # an engine whose reductions per micro batch are its own
-        print(note)
+    notes = planner.NOTES
+    if notes.intro:
+        print(notes.intro)
+    if notes.accumulation:  # an engine whose reductions per micro batch are its own
+        grad_gb = n_params * (4 if args.precision == "fp32" else 2) / 1e9  # one rank's gradients, compute dtype
+        most = max(cfg.train.global_batch // args.gpus, 1)  # micro batch 1 at TP = PP = 1: the most per step
+        print(notes.accumulation.format(grad_gb=grad_gb, micro_batches=most, step_gb=grad_gb * most, gpus=args.gpus))
     if any(e.pipeline for e in estimates):  # an engine that sizes its own pipeline (the schedule column)
         print(f"pipeline (pp > 1): parallel.pp_schedule={cfg.parallel.pp_schedule}, parallel.vpp={cfg.parallel.vpp}; "
               f"bubble = idle / busy time per rank replayed from the schedule's own action table (F = I = W = 1, "
@@ -133,7 +135,7 @@ def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: f
     print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= that; total = the tensors + a fixed "
           f"reserve of {RESERVE_BYTES / GiB:.0f} GiB (CUDA context, NCCL buffers, fragmentation: what --fake cannot "
           f"see). GiB per GPU on the most loaded stage"
-          + planner.grads_note(args.precision) + ":")
+          + notes.grads.get("fp32" if args.precision == "fp32" else "16-bit", "") + ":")
 
 
 def _print_rows(args, planner, rows: list, budget: float) -> None:

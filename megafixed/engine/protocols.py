@@ -6,6 +6,7 @@ the name lookup that sits beneath the config (which validates ``train.engine`` a
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
@@ -49,12 +50,24 @@ class CheckpointFormat(Protocol):
         what to do instead (an engine that reshards on load needs none)."""
 
 
+@dataclass(frozen=True)
+class PlanNotes:
+    """What ``megafixed plan``'s header says of an engine: text with ``str.format`` fields the command fills
+    with engine-neutral figures of the config (``commands/plan.py``): ``{grad_gb}`` (one rank's gradients in
+    the compute dtype, GB), ``{micro_batches}`` (the most micro batches a step can have: micro batch 1 at
+    TP = PP = 1), ``{step_gb}`` (``grad_gb`` times that) and ``{gpus}``."""
+    intro: Optional[str] = None  # a paragraph before the table
+    accumulation: Optional[str] = None  # what its reductions do per micro batch
+    grads: dict = field(default_factory=dict)  # precision ("fp32", "16-bit") -> the note on the grads column
+
+
 class Planner(Protocol):
     """How ``megafixed plan`` sizes an engine's layouts (``megafixed.parallel.memory``, ``.traffic``)."""
 
     COLUMN: tuple[str, int, tuple[str, ...]]  # the sharding column: title, width, the Layout fields shown
     LAYOUT_KEYS: tuple[str, ...]  # what a row sets beyond the engine-neutral keys (plan --pick)
     FAKE_WORKER: Optional[str]  # the module ``plan --fake`` runs per row; None: not measurable so
+    NOTES: PlanNotes  # what the table's header says of it
 
     def pp_degrees(self, gpus: int, tp: int) -> range: ...
 
@@ -90,12 +103,6 @@ class Planner(Protocol):
 
     def sharding_overrides(self, layout: Layout) -> list[str]: ...
 
-    def intro(self, precision: str) -> Optional[str]: ...
-
-    def accumulation_note(self, m: ModelConfig, gpus: int, global_batch: int, precision: str) -> Optional[str]: ...
-
-    def grads_note(self, precision: str) -> str: ...
-
     def fake_refusal(self, layout: Layout) -> Optional[str]: ...
 
 
@@ -105,6 +112,8 @@ class EngineKind(Protocol):
     name: str  # the train.engine value
     record_file: str  # <run_dir>/<record_file>: its own config, written next to the run's config
     default: bool  # what wrote a run record without "engine" (records from before the registry)
+    config_title: str  # the name ``--dry-run`` gives its config
+    dry_run_words: str  # ``--dry-run``'s words on it: ``str.format`` fields of its config record (``engine_config``)
 
     @property
     def checkpoint(self) -> CheckpointFormat: ...
@@ -137,11 +146,6 @@ class EngineKind(Protocol):
 
     def start_words(self, plan: RunPlan) -> str:
         """What shards the state, for the trainer's start line."""
-
-    def config_title(self) -> str:
-        """The name ``--dry-run`` gives its config."""
-
-    def dry_run_words(self, plan: RunPlan, record: dict) -> str: ...
 
     def dry_run_lines(self, cfg: Config, plan: RunPlan) -> list[str]:
         """``--dry-run``'s extra lines (e.g. a pipeline's bubble)."""

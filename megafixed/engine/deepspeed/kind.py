@@ -19,6 +19,8 @@ class DeepSpeedKind:
 
     name = "deepspeed"
     record_file = "ds_config.json"
+    config_title = "deepspeed"  # what --dry-run calls its config
+    dry_run_words = "zero {zero_optimization[stage]}"  # --dry-run's words, formatted with its config record
     default = True
 
     @property
@@ -74,12 +76,6 @@ class DeepSpeedKind:
         return accelerator_name()
 
     def start_words(self, plan) -> str:
-        return f"zero {plan.engine_plan.zero_stage}"
-
-    def config_title(self) -> str:
-        return self.name
-
-    def dry_run_words(self, plan, record: dict) -> str:
         return f"zero {plan.engine_plan.zero_stage}"
 
     def dry_run_lines(self, cfg, plan) -> list:

@@ -4,7 +4,14 @@ dp_replicate``), as ZeRO-3, keeping fp32 masters and fp32 gradients (``megafixed
 docstring has the whole account). Light: arithmetic only."""
 from __future__ import annotations
 
+from ..protocols import PlanNotes
+
 COLUMN = ("FSDP", 5, ("dp_replicate", "dp_shard"))  # HSDP replicate x shard
+NOTES = PlanNotes(  # its reductions per micro batch are in the intro
+    intro=("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
+           "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads, "
+           "reduce-scattered every micro batch, all-reduced over the replicas once per step; pp > 1 through "
+           "torch.distributed.pipelining (its schedule reduces once, after the last microbatch)"))
 
 
 def pp_degrees(gpus: int, tp: int) -> range:
@@ -94,21 +101,6 @@ LAYOUT_KEYS = ("torch_engine.dp_replicate",)  # what a row sets beyond the engin
 
 def sharding_overrides(layout) -> list[str]:
     return [f"torch_engine.dp_replicate={layout.dp_replicate}"]
-
-
-def intro(precision: str):
-    return ("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
-            "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads, "
-            "reduce-scattered every micro batch, all-reduced over the replicas once per step; pp > 1 through "
-            "torch.distributed.pipelining (its schedule reduces once, after the last microbatch)")
-
-
-def accumulation_note(m, gpus: int, global_batch: int, precision: str):
-    return None  # its reductions per micro batch are in the intro
-
-
-def grads_note(precision: str) -> str:
-    return ""
 
 
 def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> None:
