@@ -394,6 +394,14 @@ def parse_overrides(overrides: list[str]) -> dict:
     return out
 
 
+def apply_overrides(cfg: Config, overrides: list[str]) -> None:
+    """Set ``section.key=value`` ``overrides`` on a built ``cfg`` (a planner row's keys, which the config's
+    own rules have already checked: ``megafixed plan`` makes each row from valid options)."""
+    for section, values in parse_overrides(overrides).items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
+
+
 def config_from_dict(data: dict, cls: type = Config) -> Any:
     cfg = cls()
     _merge_into(cfg, data)

@@ -66,7 +66,7 @@ def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = No
     out = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
     for tp in tps:
-        for pp in planner.pp_degrees(gpus, tp):
+        for pp in range(1, gpus // tp + 1):  # a pipeline's refusals are its run plan's (_builds)
             if gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
@@ -85,6 +85,7 @@ def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision) -> bool:
     """Whether the run plan of this variant of ``cfg`` builds (its layout rules and engine's refusals)."""
     import copy
 
+    from ..config import apply_overrides
     from ..parallel.layout import LayoutError
     from ..run_plan import RunPlan
 
@@ -92,7 +93,8 @@ def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision) -> bool:
     c.parallel.tp, c.parallel.pp = tp, pp
     if pp == 1:  # the config's pipeline schedule is for its pp > 1 rows; a run at pp 1 refuses one
         c.parallel.pp_schedule, c.parallel.vpp = "1F1B", 1
-    planner.set_sharding(c, option)
+    apply_overrides(c, planner.sharding_overrides(planner.make_layout(cfg, tp, pp, gpus // (tp * pp), option, micro,
+                                                                      sp, cfg.parallel.pp_partition)))
     c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
     c.train.precision = precision or c.train.precision
     c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend

@@ -21,10 +21,6 @@ NOTES = PlanNotes(
            "fp32": _GRADS.format(held="gradients")})
 
 
-def pp_degrees(gpus: int, tp: int) -> range:
-    return range(1, gpus // tp + 1)
-
-
 def pp_partitions(pp: int) -> tuple:
     # Both balancing rules under PP: with fixed codes, balancing parameters moves blocks onto
     # stage 0, which holds the most in-flight micro batches.
@@ -33,10 +29,6 @@ def pp_partitions(pp: int) -> tuple:
 
 def sharding_options(dp: int) -> tuple:
     return (0, 1, 2, 3)  # each ZeRO stage
-
-
-def set_sharding(cfg, stage) -> None:
-    cfg.zero.stage = stage
 
 
 def make_layout(cfg, tp, pp, dp, stage, micro, sp, part):

@@ -14,20 +14,12 @@ NOTES = PlanNotes(  # its reductions per micro batch are in the intro
            "torch.distributed.pipelining (its schedule reduces once, after the last microbatch)"))
 
 
-def pp_degrees(gpus: int, tp: int) -> range:
-    return range(1, gpus // tp + 1)  # torch.distributed.pipelining (the run plan refuses what a schedule cannot run)
-
-
 def pp_partitions(pp: int) -> tuple:
     return ("parameters",)  # one split (schedules.stage_spans), not DeepSpeed's two balancing rules
 
 
 def sharding_options(dp: int) -> list:
     return [r for r in range(1, dp + 1) if dp % r == 0]  # each HSDP replicate degree (1 = FSDP over all DP)
-
-
-def set_sharding(cfg, replicate) -> None:
-    cfg.torch_engine.dp_replicate = replicate
 
 
 def make_layout(cfg, tp, pp, dp, replicate, micro, sp, part):
