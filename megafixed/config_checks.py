@@ -186,3 +186,11 @@ def check_pipeline_keys_need_pp(cfg, pp: int) -> None:
         raise ConfigError(f"{set_keys} configures pipeline parallelism, but parallel.pp=1 runs no pipeline; set "
                           f"parallel.pp >= 2, or leave parallel.pp_schedule (1F1B) and parallel.vpp (1) at their "
                           f"defaults")
+
+
+def require_at_least(section: str, obj: Any, minimum: int, names: tuple) -> None:
+    """Sizes and intervals below ``minimum`` would fail later as a ZeroDivisionError or an empty loop."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{section}.{name}={value} must be >= {minimum}")

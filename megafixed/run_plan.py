@@ -4,7 +4,7 @@
 
     plan = RunPlan.build(cfg, world_size, gpu=...)   # or RunPlan.for_launch(cfg): this launch's world
     topo = setup_distributed(plan)                  # process groups; topo.plan is this plan
-    train(cfg, topo)                                # reads topo.plan, never re-derives it
+    train(plan.config, topo)                        # reads topo.plan, never re-derives it
 
 ``build`` runs every cross-field layout rule (``parallel.layout.validate_layout``) and resolves
 the precision, the device kind and the backend name, before any process group exists and on a
@@ -17,35 +17,14 @@ The plan holds no process state (ranks, groups, devices): that is the ``Topology
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .config import Config, ConfigError
-from .engines import engine_kind, planned_keys
+from .engines import engine_kind
 from .parallel import layout as _layout
 from .parallel.dims import ParallelDims
 from .parallel.layout import BatchLayout
-
-# Every config key the build reads (its fields and the layout rules'): a plan is only valid for a
-# config that agrees on these (``check_made_from``). Data paths, seeds, intervals, the run dir: free.
-# Each registered engine adds the keys its part of the plan reads (``EngineKind.planned_keys``).
-COMMON_PLANNED_KEYS = (
-    "parallel.tp", "parallel.pp", "parallel.sequence_parallel", "parallel.backend", "parallel.collective_timeout_s",
-    "train.global_batch", "train.micro_batch", "train.precision", "data.seq_len",
-    "optimizer.grad_clip", "model.n_heads", "model.n_kv_heads", "model.d_model", "model.mlp", "model.ffn_hidden",
-    "model.vocab_size", "model.n_layers", "model.tie_embeddings", "model.dropout", "model.fused_first_layer",
-    "train.engine",
-)
-PLANNED_KEYS = COMMON_PLANNED_KEYS + planned_keys()  # with the built-in engines' keys
-
-
-def _planned_values(cfg: Config, keys: tuple) -> tuple:
-    """(key, value) of each of ``keys`` (a key of a section the config lacks reads None)."""
-    values = []
-    for key in keys:
-        section, name = key.split(".")
-        values.append((key, getattr(getattr(cfg, section, None), name, None)))
-    return tuple(values)
 
 
 def _bf16_here(here: bool) -> bool:
@@ -99,10 +78,12 @@ class RunPlan:
     backend: str  # the torch.distributed backend: "nccl" | "gloo"
     sequence_parallel: bool
     collective_timeout_s: float
-    planned_from: tuple = ()  # (key, value) of every planned key this plan was built from
     # The engine's own part (its ``EngineKind.make_plan``: DeepSpeed's zero_stage; the torch engine's
     # dp_replicate, reshard_after_forward and pipeline schedule)
     engine_plan: Any = None
+    # The config it was built from: the command hands the plan over, and what runs reads this one, so a
+    # plan and a config cannot disagree (no second validation, no list of the keys the plan read).
+    config: Optional[Config] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def build(cls, cfg: Config, world_size: int, *, gpu: Optional[bool] = None) -> "RunPlan":
@@ -136,19 +117,9 @@ class RunPlan:
                    device="cuda" if on_gpu else "cpu", backend=backend,
                    sequence_parallel=cfg.parallel.sequence_parallel,
                    collective_timeout_s=cfg.parallel.collective_timeout_s,
-                   planned_from=_planned_values(cfg, COMMON_PLANNED_KEYS + planned_keys()),
-                   engine_plan=kind.make_plan(cfg))
+                   engine_plan=kind.make_plan(cfg), config=cfg)
         kind.check_supported(cfg, plan)  # the engine's own refusals, by name
         return plan
-
-    def check_made_from(self, cfg: Config) -> None:
-        """Refuse a config this plan was not built from (a Topology reused for another run's config
-        would otherwise train with the old batch or precision): a comparison, not a second validation."""
-        now = _planned_values(cfg, tuple(k for k, _ in self.planned_from))
-        changed = [f"{k} {a!r} -> {b!r}" for (k, a), (_, b) in zip(self.planned_from, now) if a != b]
-        if changed:
-            raise ConfigError(f"the run plan was built for another config ({', '.join(changed[:3])}); build the "
-                              f"plan (and the Topology) for this config: setup_distributed(RunPlan.for_launch(cfg))")
 
     @classmethod
     def for_launch(cls, cfg: Config) -> "RunPlan":

@@ -227,8 +227,8 @@ def test_each_torch_patch_holds_only_for_its_phase_and_names_its_torch_version(m
 
 
 def test_fake_refuses_pipelines_with_several_stages_per_rank():
-    from megafixed.commands.plan_fake import refusal
     from megafixed.parallel.memory import Layout
+    from megafixed.plan.fake import refusal
 
     planner = engine_kind("torch").planner
     assert "vpp > 1" in refusal(Layout(pp=2, vpp=2, schedule="Interleaved1F1B", engine="torch"), planner, 4)

@@ -10,13 +10,17 @@ still a dependency (the importing module cannot run without the other one); it i
 a heavy library (torch, DeepSpeed) until it is needed, not a licence to let two modules lean on
 each other. So the layering in docs/design.md holds for every import, and the stricter
 module-level check (what Python itself would trip over at import time) is run on its own too,
-with no exceptions at all. Imports under ``if TYPE_CHECKING:`` do not run and do not count.
+with no exceptions at all. Imports under ``if TYPE_CHECKING:`` do not run, so the checks above run without
+them and once more with them: an annotation import is a dependency a reader follows, and must point down the
+layers like any other (``test_no_import_cycle_counting_every_import``).
 """
 from __future__ import annotations
 
 import ast
 import functools
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megafixed"
@@ -52,14 +56,15 @@ def _tree(module: str) -> ast.Module:
 
 
 @functools.lru_cache(maxsize=None)
-def _imports(module: str, function_level: bool) -> tuple[tuple[str, int], ...]:
-    """(imported module name, line) of every import in ``module`` (inside functions too, if asked)."""
+def _imports(module: str, function_level: bool, annotations: bool = False) -> tuple[tuple[str, int], ...]:
+    """(imported module name, line) of every import in ``module`` (inside functions too, if asked; under
+    ``if TYPE_CHECKING:`` too, if ``annotations``)."""
     is_pkg = MODULES[module][1]
     found: list[tuple[str, int]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) and not annotations:
                 continue
             if top or function_level:
                 if isinstance(child, ast.Import):
@@ -81,8 +86,8 @@ def _imports(module: str, function_level: bool) -> tuple[tuple[str, int], ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _graph(function_level: bool) -> dict[str, set[str]]:
-    return {m: {t for t, _ in _imports(m, function_level) if t in MODULES and t != m} for m in MODULES}
+def _graph(function_level: bool, annotations: bool = False) -> dict[str, set[str]]:
+    return {m: {t for t, _ in _imports(m, function_level, annotations) if t in MODULES and t != m} for m in MODULES}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[frozenset]:
@@ -163,6 +168,24 @@ def test_no_module_level_import_cycle_anywhere():
 def test_no_import_cycle_counting_function_level_imports():
     cycles = _cycles(_graph(function_level=True))
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def test_no_import_cycle_counting_every_import():
+    # module-level, function-local and annotation-only (``if TYPE_CHECKING:``) imports alike: an annotation
+    # import is still a dependency a reader follows, and a cycle there is what lets real ones creep in.
+    # ``import a.b.c`` is an edge to a.b.c; ``from x import y`` to x.y when that is a module, else to x.
+    # No exception for a package ``__init__`` importing its own submodules: none of ours closes a cycle
+    # (a submodule that imports its package's ``__init__`` back would, and is refused like any other).
+    graph = _graph(function_level=True, annotations=True)
+    assert "megafixed.config" in graph["megafixed.engine.protocols"]  # the scan sees an annotation import
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (every import counted): " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def test_the_annotation_scan_sees_type_checking_imports():
+    # the rule above must be able to fail: an annotation-only import is an edge there and nowhere else
+    assert "megafixed.config" not in _graph(function_level=True)["megafixed.engine.protocols"]
+    assert "megafixed.config" in _graph(function_level=True, annotations=True)["megafixed.engine.protocols"]
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -264,14 +287,17 @@ def _two_way_pairs(graph: dict[str, set[str]]) -> list[str]:
             for a, b in sorted(edges) if a < b and (b, a) in edges]
 
 
-def test_no_two_packages_import_each_other_counting_function_level_imports():
-    pairs = _two_way_pairs(_graph(function_level=True))
+@pytest.mark.parametrize("annotations", [False, True], ids=["running-imports", "with-annotation-imports"])
+def test_no_two_packages_import_each_other_counting_function_level_imports(annotations):
+    pairs = _two_way_pairs(_graph(function_level=True, annotations=annotations))
     assert not pairs, "packages importing each other (make one sit beneath the other):\n" + "\n".join(pairs)
 
 
-def test_the_packages_form_layers_counting_function_level_imports():
-    # stronger than pairs: no longer loop either (train -> parallel -> launch -> train was one)
-    graph = _graph(function_level=True)
+@pytest.mark.parametrize("annotations", [False, True], ids=["running-imports", "with-annotation-imports"])
+def test_the_packages_form_layers_counting_function_level_imports(annotations):
+    # stronger than pairs: no longer loop either (train -> parallel -> launch -> train was one); with
+    # ``annotations``, an ``if TYPE_CHECKING:`` import must point down the layers too
+    graph = _graph(function_level=True, annotations=annotations)
     units: dict[str, set[str]] = {}
     for m, targets in graph.items():
         units.setdefault(_unit(m), set()).update(_unit(t) for t in targets if _unit(t) != _unit(m))

@@ -96,6 +96,7 @@ def test_a_fourth_interface_is_one_entry(toy, tmp_path, monkeypatch):
     from megafixed.interop.hf import InteropError, choose_arch
     from megafixed.parallel import Topology
     from megafixed.run.manifest import describe
+    from megafixed.run_plan import RunPlan
     from megafixed.study.plan import plan_runs
 
     cfg = _cfg("model.input=random_sign", "model.code_seed=3")
@@ -112,7 +113,7 @@ def test_a_fourth_interface_is_one_entry(toy, tmp_path, monkeypatch):
     ref = GPT(canonical, seed=5).state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items() if not k.startswith("input."))
     # the meta-device build (what every parallel rank does) gives the same model
-    single = Topology(world_size=1, rank=0, local_rank=0, tp=1, pp=1, dp=1)
+    single = Topology(plan=RunPlan.build(cfg, 1, gpu=False), rank=0, local_rank=0)
     built = build_model(cfg.model, single, seed=5).state_dict()
     assert all(torch.equal(v, built[k]) for k, v in model.state_dict().items())
 

@@ -20,9 +20,9 @@ SMALL = ("model: {vocab_size: 512, d_model: 128, n_heads: 4, n_layers: 4, max_se
 
 
 def _row(cfg, gpus, replicate, micro):
-    from megafixed.commands.plan_fake import row_extras
     from megafixed.engines import engine_kind
     from megafixed.parallel.memory import estimate
+    from megafixed.plan.bound import row_extras
 
     planner = engine_kind("torch").planner
     e = estimate(cfg.model, cfg.data.seq_len, planner.make_layout(cfg, 1, 1, gpus, replicate, micro, False,
@@ -31,20 +31,21 @@ def _row(cfg, gpus, replicate, micro):
 
 
 def test_rows_are_ranked_by_their_own_bound_where_the_old_preference_said_otherwise():
-    from megafixed.commands.plan_rank import _old_preference, ranked
     from megafixed.config import load_config
+    from megafixed.plan.rank import _old_preference, ranked
+    from megafixed.plan.rows import PlanRow
 
     cfg = load_config(PAPER, ["train.engine=torch"])
     # plain replication (64x1, micro batch 8), HSDP 16x4 at micro batch 1, HSDP 8x8 at micro batch 2: the
     # old preference (the smallest shard degree first) lists them in this order
     a, b, c = rows = [_row(cfg, 64, r, mb) for r, mb in ((64, 8), (16, 1), (8, 2))]
-    estimates, extras = [e for e, _ in rows], {id(e): x for e, x in rows}
+    estimates, table = [e for e, _ in rows], [PlanRow(e, x) for e, x in rows]
     assert sorted(estimates, key=_old_preference) == [a[0], b[0], c[0]]
     bounds = [x["step_time_estimate"]["step_s_lower_bound"] for _, x in rows]
     assert bounds[0] > bounds[1] > bounds[2]  # the 64-rank all-reduce over InfiniBand costs the most
-    assert ranked(estimates, extras, budget=80 * 2 ** 30) == [c[0], b[0], a[0]]
+    assert [r.estimate for r in ranked(table, budget=80 * 2 ** 30)] == [c[0], b[0], a[0]]
     # ...and a row that does not fit goes after every row that does, however fast
-    assert ranked(estimates, extras, budget=c[0].total - 1)[-1] is c[0]
+    assert ranked(table, budget=c[0].total - 1)[-1].estimate is c[0]
 
 
 def _config(tmp_path, engine="torch") -> Path:
@@ -104,7 +105,7 @@ def test_pick_prints_the_rows_overrides_and_refuses_what_it_cannot_run(tmp_path,
 
 
 def test_submit_layout_best_dry_run_applies_row_one(tmp_path, capsys, monkeypatch):
-    from megafixed.commands.plan_best import best_layout
+    from megafixed.plan.best import best_layout
 
     monkeypatch.chdir(tmp_path)
     cfg = _config(tmp_path)

@@ -8,24 +8,11 @@ learned table of the same shape.
 from __future__ import annotations
 
 import json
-import re
 
 from ..config import ConfigError, load_config
 
 HELP = "list feasible TP/PP/DP/ZeRO layouts and their estimated memory per GPU"
 
-
-
-def parse_bytes(text: str) -> float:
-    # one number (digits with at most one dot), then an optional unit: "1.2.3GB" is refused here
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise ConfigError(f"--gpu-mem {text!r} must be a positive size like 80GB, 40GiB or 24G")
-    # SI as the data sheets write it (80GB = 80e9 bytes); KiB/MiB/GiB/TiB are powers of 1,024
-    unit = (m.group(2) or "GB").upper().rstrip("B")
-    binary = unit.endswith("I")
-    power = " KMGT".index(unit.rstrip("I") or " ")
-    return float(m.group(1)) * (1024 if binary else 1000) ** power
 
 
 def add_arguments(p):
@@ -40,14 +27,18 @@ def add_arguments(p):
     p.add_argument("--pick", type=int, default=None, metavar="K",
                    help="print row K's overrides (parallel.tp=... train.micro_batch=...) for megafixed train/submit")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    from .plan_fake import add_arguments as fake_arguments
-
-    fake_arguments(p)  # --fake, and the GPU and links of the step-time bound
+    p.add_argument("--fake", action="store_true",
+                   help="measure each shown row's peak memory and collectives with one real step under fake tensors")
+    p.add_argument("--gpu-type", default="H100 80GB HBM3",
+                   help="GPU for the step-time bound, as torch names it (default H100 80GB HBM3)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
+    p.add_argument("--inter", default="ib-ndr400", help="link between nodes (ib-ndr400, ib-hdr200; default ib-ndr400)")
 
 
 def _sharding(lay) -> str:
-    """The ZeRO column: the stage, or under FSDP2 the HSDP degrees (replicate x shard): its engine's words."""
-    return lay.planner.sharding_text(lay)
+    """The sharding column of a row: the layout fields its engine's planner names (``COLUMN``): the
+    ZeRO stage, or under FSDP2 the HSDP degrees (replicate x shard)."""
+    return "x".join(str(getattr(lay, name)) for name in lay.planner.COLUMN[2])
 
 
 def run(args) -> int:
@@ -59,6 +50,7 @@ def run(args) -> int:
     prepare_runtime_env(cfg.train.engine)
     from ..model.interfaces import interface_of
     from ..parallel.memory import GiB, fixed_code_saving, tp_param_counts
+    from ..plan.rows import parse_bytes, plan_rows
 
     gpu_mem = parse_bytes(args.gpu_mem)
     if args.gpus < 1:
@@ -67,24 +59,26 @@ def run(args) -> int:
     from ..engines import engine_kind
 
     planner = engine_kind(cfg.train.engine).planner  # the engine's sharding arithmetic and column
-    zname, zw = planner.COLUMN
-    from .plan_fake import add_fake, measure_rows
-    from .plan_rank import config_precision, overrides_of, pick
+    zname = planner.COLUMN[0]
+    from ..plan.bound import add_fake
+    from ..plan.fake import measure_rows
+    from ..plan.rank import config_precision, overrides_of, pick
 
-    estimates, extras = plan_rows(cfg, args.gpus, budget, args.precision, args)  # in rank order (plan_rank)
+    table = plan_rows(cfg, args.gpus, budget, args.precision, args)  # in rank order (plan.rank)
     if args.pick is not None:
-        print(" ".join(pick(estimates, budget, args.pick, cfg, args.precision, GiB)))
+        print(" ".join(pick(table, budget, args.pick, cfg, args.precision, GiB)))
         return 0
+    estimates = [r.estimate for r in table]
     fitting = [e for e in estimates if e.total <= budget]
     counts = tp_param_counts(cfg.model)
     ref_layout = (fitting or estimates)[0].layout if estimates else None
     saving = fixed_code_saving(cfg.model, ref_layout, args.precision) if ref_layout else None
 
-    shown = estimates if args.all else fitting
+    shown = table if args.all else [r for r in table if r.total <= budget]
     rows = shown[:args.top]
     if args.fake:
-        for e, fake in zip(rows, measure_rows(args, planner, rows)):
-            add_fake(extras[id(e)], fake)
+        for r, fake in zip(rows, measure_rows(args, planner, [r.estimate for r in rows], _sharding)):
+            add_fake(r.extras, fake)
     resolved = config_precision(cfg)
 
     def row_overrides(e):
@@ -96,13 +90,14 @@ def run(args) -> int:
                           "budget_bytes": budget, "precision": args.precision,
                           "params_total": counts.total, "input": cfg.model.input,
                           "ranked_by": "step_time_estimate.step_s_lower_bound, fitting rows first, ties by total",
-                          "layouts": [dict(e.as_dict(), row=i, fits=e.total <= budget, overrides=row_overrides(e),
-                                           **extras[id(e)]) for i, e in enumerate(estimates, 1)],
+                          "layouts": [dict(r.estimate.as_dict(), row=i, fits=r.total <= budget,
+                                           overrides=row_overrides(r.estimate), **r.extras)
+                                      for i, r in enumerate(table, 1)],
                           "fixed_code_saving_per_gpu": saving}))
         return 0 if fitting else 1
     m = cfg.model
     _print_header(args, cfg, planner, estimates, counts.total, gpu_mem)
-    _print_rows(args, planner, estimates, rows, extras, budget)
+    _print_rows(args, planner, rows, budget)
     if len(shown) > args.top:
         print(f"  ... {len(shown) - args.top} more (--top N)")
     if not fitting:
@@ -126,11 +121,13 @@ def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: f
     print(f"{args.config}: {n_params / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
           f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
-    if planner.intro(args.precision):
-        print(planner.intro(args.precision))
-    note = planner.accumulation_note(m, args.gpus, cfg.train.global_batch, args.precision)
-    if note:  # an engine whose reductions per micro batch are its own
-        print(note)
+    notes = planner.NOTES
+    if notes.intro:
+        print(notes.intro)
+    if notes.accumulation:  # an engine whose reductions per micro batch are its own
+        grad_gb = n_params * (4 if args.precision == "fp32" else 2) / 1e9  # one rank's gradients, compute dtype
+        most = max(cfg.train.global_batch // args.gpus, 1)  # micro batch 1 at TP = PP = 1: the most per step
+        print(notes.accumulation.format(grad_gb=grad_gb, micro_batches=most, step_gb=grad_gb * most, gpus=args.gpus))
     if any(e.pipeline for e in estimates):  # an engine that sizes its own pipeline (the schedule column)
         print(f"pipeline (pp > 1): parallel.pp_schedule={cfg.parallel.pp_schedule}, parallel.vpp={cfg.parallel.vpp}; "
               f"bubble = idle / busy time per rank replayed from the schedule's own action table (F = I = W = 1, "
@@ -139,15 +136,14 @@ def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: f
     print(f"{args.gpus} GPUs x {gpu_mem / GiB:.0f} GiB; fits = total <= that; total = the tensors + a fixed "
           f"reserve of {RESERVE_BYTES / GiB:.0f} GiB (CUDA context, NCCL buffers, fragmentation: what --fake cannot "
           f"see). GiB per GPU on the most loaded stage"
-          + planner.grads_note(args.precision) + ":")
+          + notes.grads.get("fp32" if args.precision == "fp32" else "16-bit", "") + ":")
 
 
-def _print_rows(args, planner, estimates: list, rows: list, extras: dict, budget: float) -> None:
-    """The ranked table's note, header and ``rows`` (numbered by their rank among ``estimates``)."""
+def _print_rows(args, planner, rows: list, budget: float) -> None:
+    """The ranked table's note, header and ``rows`` (numbered by their rank among all rows)."""
     from ..parallel.memory import GiB
-    from .plan_fake import columns, header, row_note
 
-    zname, zw = planner.COLUMN
+    zname, zw = planner.COLUMN[:2]
     print(f"rows ranked by step>=s, the step-time lower bound (the fitting rows, fastest first; equal bounds: less "
           f"memory first; rows it cannot judge after them): dense matmuls at the {args.gpu_type} peak (pipeline "
           f"bubble included) plus TP's collectives (they sit between dependent matmuls), against all collectives at "
@@ -157,74 +153,35 @@ def _print_rows(args, planner, estimates: list, rows: list, extras: dict, budget
     print(f"  {'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | "
           f"{'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'reserve':>8} | {'total':>8}  fits |"
           + header(args.fake))
-    number = {id(e): i for i, e in enumerate(estimates, 1)}
-    for e in rows:
-        lay = e.layout
+    for r in rows:
+        e, lay = r.estimate, r.layout
         partition = (e.pipeline["schedule"] if e.pipeline else lay.partition) if lay.pp > 1 else "-"
         bubble = (f"  bubble {e.pipeline['bubble_fraction']:.3f} ({e.pipeline['bubble_formula']:.3f}), in flight "
                   f"{e.pipeline['in_flight_per_rank']}" if e.pipeline else "")
-        print(f"  {number[id(e)]:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
+        print(f"  {r.rank:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
               f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
               f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} {e.reserve / GiB:8.2f} | "
               f"{e.total / GiB:8.2f}  "
-              f"{'yes' if e.total <= budget else 'no':>4} |" + columns(extras[id(e)]) + bubble
-              + row_note(extras[id(e)]))
+              f"{'yes' if e.total <= budget else 'no':>4} |" + columns(r.extras) + bubble
+              + row_note(r.extras))
 
 
-def plan_rows(cfg, gpus: int, budget: float, precision: str, links) -> tuple[list, dict]:
-    """(every layout's estimate in rank order, {id(estimate): its row extras}): what the table lists."""
-    from ..parallel.memory import estimate
-    from .plan_fake import row_extras
-    from .plan_rank import ranked
-
-    estimates = [estimate(cfg.model, cfg.data.seq_len, lay, precision)
-                 for lay in feasible_layouts(cfg, gpus, precision=precision)]
-    extras = {id(e): row_extras(cfg, e, links, None, precision) for e in estimates}
-    return ranked(estimates, extras, budget), extras
-
-
-def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list:
-    """Every (tp, pp, dp, zero, micro, sp) whose run plan builds, for ``gpus`` GPUs in ``precision``
-    (None: the config's ``train.precision``, resolved for a GPU). Here, above the run plan, rather
-    than in ``parallel.memory`` (which the run plan's layer sits on)."""
-    from ..engines import engine_kind
-
-    planner = engine_kind(cfg.train.engine).planner
-    out = []
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
-    for tp in tps:
-        for pp in planner.pp_degrees(gpus, tp):
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            for option in planner.sharding_options(dp):  # ZeRO stages; HSDP replicate degrees
-                for micro in (1, 2, 4, 8, 16, 32):
-                    if micro * dp > cfg.train.global_batch:
-                        continue
-                    for sp in ((False, True) if tp > 1 else (False,)):
-                        if _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision):
-                            for part in planner.pp_partitions(pp):  # the engine's pipeline splits to compare
-                                out.append(planner.make_layout(cfg, tp, pp, dp, option, micro, sp, part))
-    return out
+def columns(x: dict) -> str:
+    """The table's extra columns for one row (``plan.bound.row_extras``)."""
+    bound = x["step_time_estimate"]
+    judged = bound is not None and not x.get("not_judged")
+    text = f" {x['comm_bytes'] / 1e9:8.1f} " + (f"{bound['step_s_lower_bound']:7.2f}" if judged else f"{'-':>7}")
+    if "fake" in x:
+        if x["fake_peak_gib"] is None:
+            return text + f"  {'-':>8} {'-':>8}  ({x['fake']['refused']})"
+        return text + f"  {x['fake_peak_gib']:8.2f} {x['fake_comm_bytes'] / 1e9:8.1f}"
+    return text
 
 
-def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision) -> bool:
-    """Whether the run plan of this variant of ``cfg`` builds (its layout rules and engine's refusals)."""
-    import copy
+def header(fake: bool) -> str:
+    return f" {'comm GB':>8} {'step>=s':>7}" + (f"  {'fake GiB':>8} {'fake GB':>8}" if fake else "")
 
-    from ..parallel.layout import LayoutError
-    from ..run_plan import RunPlan
 
-    c = copy.deepcopy(cfg)
-    c.parallel.tp, c.parallel.pp = tp, pp
-    if pp == 1:  # the config's pipeline schedule is for its pp > 1 rows; a run at pp 1 refuses one
-        c.parallel.pp_schedule, c.parallel.vpp = "1F1B", 1
-    planner.set_sharding(c, option)
-    c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
-    c.train.precision = precision or c.train.precision
-    c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend
-    try:
-        RunPlan.build(c, gpus, gpu=True)
-    except LayoutError:
-        return False
-    return True
+def row_note(x: dict) -> str:
+    """The end of a row: why its bound does not rank it, if so."""
+    return f"  ({x['not_judged']})" if x.get("not_judged") else ""

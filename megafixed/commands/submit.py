@@ -79,7 +79,7 @@ def run(args) -> int:
     world = args.nodes * args.gpus_per_node
     choice = None
     if args.layout == "best":  # the plan's first row, as overrides after the given ones
-        from .plan_best import best_layout
+        from ..plan.best import best_layout
 
         choice = best_layout(args.config, list(args.overrides), world, gpu_mem=args.gpu_mem, gpu_type=args.gpu_type,
                              gpus_per_node=args.gpus_per_node, inter=args.inter)

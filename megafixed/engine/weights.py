@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engines import CheckpointFormat, checkpoint_kind, default_kind, kinds
+from ..engines import checkpoint_kind, default_kind, kinds
 from .deepspeed.convert import (  # noqa: F401  (the written format's public functions)
     ConvertError,
     check_target_layout,
     shard_state_dict,
     write_checkpoint,
 )
+from .protocols import CheckpointFormat
 
 
 def _format(tag_dir) -> CheckpointFormat:

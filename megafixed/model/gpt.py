@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # an annotation only: the config imports the model (its interfaces), not back
-    from ..config import ModelConfig
+from .config import ModelConfig
 from .interfaces import InputInterface, interface_of
 
 

@@ -6,12 +6,10 @@ cannot drift from the model code. Shared (tied) parameters are counted once.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-if TYPE_CHECKING:  # an annotation only: the config imports the model (its interfaces), not back
-    from ..config import ModelConfig
+from .config import ModelConfig
 
 
 @dataclass

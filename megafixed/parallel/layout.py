@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 class LayoutError(ConfigError):

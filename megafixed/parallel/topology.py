@@ -33,35 +33,59 @@ _RunPlan = Any
 class Topology:
     """Where this process sits in its run plan's (TP, PP, DP) grid, and its process groups.
 
-    Built once per process by ``setup_distributed(plan)``, which copies the sizes from the plan
-    (``plan`` is kept: the trainer reads the batch, precision and ZeRO stage from it); everything
-    downstream (TP, pipeline, the trainer, DeepSpeed's mpu) takes the Topology instead of
-    re-reading ``cfg.parallel``. The engines' own registries (megatron-core's ``parallel_state``,
-    DeepSpeed's pipeline grid) are derived in the same rank order, so they cannot disagree.
-    Tests may build one by hand (``plan`` then stays None).
+    Built once per process by ``setup_distributed(plan)``; the sizes and this rank's coordinates are
+    read from ``plan`` (held once, never copied), which the trainer also reads the batch, precision
+    and the engine's part from. Everything downstream (TP, pipeline, the trainer, DeepSpeed's mpu)
+    takes the Topology instead of re-reading ``cfg.parallel``. The engines' own registries
+    (megatron-core's ``parallel_state``, DeepSpeed's pipeline grid) are derived in the same rank
+    order, so they cannot disagree.
     """
-    world_size: int
+    plan: _RunPlan  # the plan this process was set up for
     rank: int
     local_rank: int
-    tp: int
-    pp: int
-    dp: int
-    sequence_parallel: bool = False
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_rank: int = 0
     device: torch.device = torch.device("cpu")
     backend: str = "gloo"
     tp_group: Optional[Any] = None  # None: the default group (world) -- only when that is the right one
     dp_group: Optional[Any] = None
     model_parallel_group: Optional[Any] = None  # TP x PP: one model replica
-    plan: Optional[_RunPlan] = None  # the plan this process was set up for
     # train.engine=torch: the run's DeviceMesh (megafixed.engine.native.mesh); tp_group/dp_group are its groups
     mesh: Optional[Any] = None
     # Where initial values are drawn (model.gpt.init_parameters). None: the CPU, identical weights on any
     # layout, what training does. The benchmark draws on the GPU: a serial CPU draw of a 1.7B model takes
     # about a minute, a GPU one well under a second; other values, the same distribution and step times.
     init_device: Optional[torch.device] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp
+
+    @property
+    def pp(self) -> int:
+        return self.plan.pp
+
+    @property
+    def dp(self) -> int:
+        return self.plan.dp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.plan.sequence_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        return self.plan.dims.coords(self.rank)["tp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.plan.dims.coords(self.rank)["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.plan.dims.coords(self.rank)["dp"]
 
     @property
     def is_main(self) -> bool:
@@ -131,7 +155,6 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
                           f"{plan.world_size}; build the plan for this launch (RunPlan.for_launch)")
     check_machine(plan)
     rank, local_rank = lw.rank, lw.local_rank
-    tp, pp, dp = plan.tp, plan.pp, plan.dp
     device = torch.device("cuda", local_rank) if plan.on_gpu else torch.device("cpu")
     if plan.on_gpu:
         check_local_rank(local_rank, torch.cuda.device_count())
@@ -144,15 +167,12 @@ def setup_distributed(plan: _RunPlan, world=None) -> Topology:
         rendezvous.init_process_group(lw, plan.backend, plan.collective_timeout_s,
                                       device_id=device if plan.backend == "nccl" else None)
         launch.check_agreement(lw)  # same job, same master, every node of the step in this one world
-    at = plan.dims.coords(rank)
     from ..engines import kind_of
 
     groups = kind_of(plan).setup_groups(plan)  # the engine's own: megatron-core's, or a DeviceMesh
-    topo = Topology(world_size=plan.world_size, rank=rank, local_rank=local_rank, tp=tp, pp=pp, dp=dp,
-                    sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], pp_rank=at["pp"],
-                    dp_rank=at["dp"], device=device, backend=plan.backend, plan=plan, **groups)
+    topo = Topology(plan=plan, rank=rank, local_rank=local_rank, device=device, backend=plan.backend, **groups)
     if groups and topo.mesh is None and dist.get_rank(topo.tp_group) != topo.tp_rank:
         # Only reachable if a caller initialised megatron's groups with another layout first.
         raise LayoutError(f"megatron-core's parallel_state was initialised with another layout than "
-                          f"parallel.tp={tp}, parallel.pp={pp}; call setup_distributed once per process")
+                          f"parallel.tp={plan.tp}, parallel.pp={plan.pp}; call setup_distributed once per process")
     return topo

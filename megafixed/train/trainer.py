@@ -98,7 +98,6 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
 def _train(cfg: Config, topo, *, datasets: Optional[dict], stop: StopRequest, made: RunFiles, say) -> TrainResult:
     apply_thread_policy(cfg.train.threads or None, log=say)
     plan = topo.plan  # built and validated once by the command (megafixed.run_plan), before any group
-    plan.check_made_from(cfg)  # the same config's plan, not a second validation
     checkpointer = Checkpointer(cfg.train, topo, RunIdentity.of(cfg, plan))
     resume = checkpointer.resume_point()  # verified and checked before anything in the run dir is touched
     faults = FaultPlan.from_env(topo.rank)  # MEGAFIXED_INJECT (None: no drill; one `is None` per step)

@@ -1,4 +1,4 @@
-"""The DeepSpeed engine as the engine registry asks it (``megafixed.engines.EngineKind``), and its
+"""The DeepSpeed engine as the engine registry asks it (``megafixed.engine.protocols.EngineKind``), and its
 part of the run plan. Light: each method imports DeepSpeed or megatron-core when it is called, so
 ``megafixed plan``, ``--help`` and ``--dry-run`` stay fast."""
 from __future__ import annotations
@@ -19,7 +19,8 @@ class DeepSpeedKind:
 
     name = "deepspeed"
     record_file = "ds_config.json"
-    planned_keys = ("zero.stage",)
+    config_title = "deepspeed"  # what --dry-run calls its config
+    dry_run_words = "zero {zero_optimization[stage]}"  # --dry-run's words, formatted with its config record
     default = True
 
     @property
@@ -75,12 +76,6 @@ class DeepSpeedKind:
         return accelerator_name()
 
     def start_words(self, plan) -> str:
-        return f"zero {plan.engine_plan.zero_stage}"
-
-    def config_title(self) -> str:
-        return self.name
-
-    def dry_run_words(self, plan, record: dict) -> str:
         return f"zero {plan.engine_plan.zero_stage}"
 
     def dry_run_lines(self, cfg, plan) -> list:

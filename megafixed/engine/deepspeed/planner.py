@@ -1,15 +1,24 @@
-"""How ``megafixed plan`` sizes the DeepSpeed engine's layouts (``megafixed.engines.Planner``):
+"""How ``megafixed plan`` sizes the DeepSpeed engine's layouts (``megafixed.engine.protocols.Planner``):
 the ZeRO arithmetic of ``megafixed.parallel.memory`` (the model-state bytes per stage 0-3), DeepSpeed's
 own buffers as its config sets them (``zero_buffers.py``: the reduction bucket, ZeRO-3's gathered and
 persistent parameters, the reduction's copies) and its column of the table. Light: arithmetic only.
 Checked against the real step (``measure_memory.py``, tests/test_deepspeed_memory.py)."""
 from __future__ import annotations
 
-COLUMN = ("ZeRO", 4)  # the sharding column's title and width
+from ..protocols import PlanNotes
 
+COLUMN = ("ZeRO", 4, ("zero",))  # the sharding column: title, width, the Layout fields it shows
 
-def pp_degrees(gpus: int, tp: int) -> range:
-    return range(1, gpus // tp + 1)
+_GRADS = (" (grads = {held}, and ZeRO's reduction bucket; a row's peak is the larger of the loss backward's "
+          "and the gradient reduction's, so its columns can add up to more than its total)")
+NOTES = PlanNotes(
+    accumulation=("ZeRO per micro batch: stages 0-1 reduce the gradients once per step, at the accumulation boundary "
+                  "(the full gradients wait in between), {grad_gb:.1f} GB per rank at any accumulation; stages 2-3 "
+                  "reduce-scatter each micro batch's gradients as its backward ends (their gradients are partitioned; "
+                  "DeepSpeed has no setting that defers it: that is ZeRO-1), {grad_gb:.1f} GB per micro batch, "
+                  "{step_gb:.1f} GB per step at {micro_batches} micro batches (TP 1, PP 1, DP {gpus}, micro batch 1)"),
+    grads={"16-bit": _GRADS.format(held="16-bit gradients + the fp32 accumulators the trainer uses"),
+           "fp32": _GRADS.format(held="gradients")})
 
 
 def pp_partitions(pp: int) -> tuple:
@@ -20,10 +29,6 @@ def pp_partitions(pp: int) -> tuple:
 
 def sharding_options(dp: int) -> tuple:
     return (0, 1, 2, 3)  # each ZeRO stage
-
-
-def set_sharding(cfg, stage) -> None:
-    cfg.zero.stage = stage
 
 
 def make_layout(cfg, tp, pp, dp, stage, micro, sp, part):
@@ -125,9 +130,6 @@ def rank_sharding(layout) -> int:
     return max(layout.zero, 1)  # ZeRO 0 and 1 move the same bytes, so they tie
 
 
-def sharding_text(layout) -> str:
-    return str(layout.zero)
-
 
 LAYOUT_KEYS = ("zero.stage", "parallel.pp_partition")  # what a row sets beyond the engine-neutral keys (plan --pick)
 
@@ -135,16 +137,6 @@ LAYOUT_KEYS = ("zero.stage", "parallel.pp_partition")  # what a row sets beyond 
 def sharding_overrides(layout) -> list[str]:
     split = [f"parallel.pp_partition={layout.partition}"] if layout.pp > 1 else []
     return [f"zero.stage={layout.zero}", *split]
-
-
-def intro(precision: str):
-    return None
-
-
-def grads_note(precision: str) -> str:
-    held = "16-bit gradients + the fp32 accumulators the trainer uses" if precision != "fp32" else "gradients"
-    return (f" (grads = {held}, and ZeRO's reduction bucket; a row's peak is the larger of the loss backward's "
-            f"and the gradient reduction's, so its columns can add up to more than its total)")
 
 
 def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> None:
@@ -170,21 +162,6 @@ def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> No
     else:
         out.add("dp", "reduce_scatter", n_params * e * (layout.accum if z >= 2 else 1), dp)
     out.add("dp", "all_gather", n_params * e * (2 * layout.accum if z >= 3 else 1), dp)
-
-
-def accumulation_note(m, gpus: int, global_batch: int, precision: str) -> str:
-    """What ZeRO does per micro batch, with this config's figures (``megafixed plan``'s header)."""
-    from ...parallel.memory import tp_param_counts
-
-    e = 4 if precision == "fp32" else 2
-    n = tp_param_counts(m).total
-    per = n * e / 1e9
-    most = max(global_batch // gpus, 1)  # micro batch 1 at TP = PP = 1: the most micro batches per step
-    return (f"ZeRO per micro batch: stages 0-1 reduce the gradients once per step, at the accumulation boundary "
-            f"(the full gradients wait in between), {per:.1f} GB per rank at any accumulation; stages 2-3 reduce-"
-            f"scatter each micro batch's gradients as its backward ends (their gradients are partitioned; DeepSpeed "
-            f"has no setting that defers it: that is ZeRO-1), {per:.1f} GB per micro batch, {per * most:.1f} GB per "
-            f"step at {most} micro batches (TP 1, PP 1, DP {gpus}, micro batch 1)")
 
 
 def fake_refusal(layout):

@@ -51,10 +51,8 @@ def topology(cfg, plan, rank: int, device: torch.device):
 
     shape = SimpleNamespace(dp=plan.dp, tp=plan.tp, pp=plan.pp, device=device)
     mesh = build_mesh(shape, plan.engine_plan.dp_replicate)
-    at = plan.dims.coords(rank)
-    return Topology(world_size=plan.world_size, rank=rank, local_rank=0, tp=plan.tp, pp=plan.pp, dp=plan.dp,
-                    sequence_parallel=plan.sequence_parallel, tp_rank=at["tp"], pp_rank=at["pp"], dp_rank=at["dp"],
-                    device=device, backend="fake", plan=plan, mesh=mesh, tp_group=mesh["tp"].get_group(),
+    return Topology(plan=plan, rank=rank, local_rank=0, device=device, backend="fake", mesh=mesh,
+                    tp_group=mesh["tp"].get_group(),
                     dp_group=dp_submesh(mesh).get_group(), model_parallel_group=mesh["tp"].get_group())
 
 

@@ -17,14 +17,14 @@ from dataclasses import asdict
 
 def layout_config(spec: dict):
     """The run config of ``spec``'s layout: the config with the layout's keys set (as ``plan`` sizes it)."""
-    from ...config import load_config
+    from ...config import apply_overrides, load_config
     from ...engines import engine_kind
     from ...parallel.memory import Layout
 
     cfg = load_config(spec["config"], spec.get("overrides", []))
     lay = asdict(Layout(**spec["layout"]))  # a partial layout: the rest at Layout's defaults
     cfg.parallel.tp, cfg.parallel.pp = lay["tp"], lay["pp"]
-    engine_kind(cfg.train.engine).planner.set_sharding(cfg, lay["dp_replicate"])
+    apply_overrides(cfg, engine_kind(cfg.train.engine).planner.sharding_overrides(Layout(**spec["layout"])))
     cfg.parallel.sequence_parallel, cfg.train.micro_batch = lay["sequence_parallel"], lay["micro_batch"]
     cfg.train.activation_checkpointing = lay["activation_checkpointing"]
     cfg.parallel.pp_schedule, cfg.parallel.vpp = lay["schedule"], lay["vpp"]

@@ -1,4 +1,4 @@
-"""The torch engine as the engine registry asks it (``megafixed.engines.EngineKind``), and its part
+"""The torch engine as the engine registry asks it (``megafixed.engine.protocols.EngineKind``), and its part
 of the run plan. Light: each method imports what it needs when called (DCP, FSDP2 only then)."""
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ class TorchKind:
 
     name = "torch"
     record_file = "torch_engine.json"
-    planned_keys = ("torch_engine.dp_replicate", "torch_engine.reshard_after_forward", "parallel.pp_schedule",
-                    "parallel.vpp", "parallel.pp_input_head_layers")
+    config_title = "torch engine"  # what --dry-run calls its config
+    # --dry-run's words, formatted with its config record
+    dry_run_words = ("engine torch, {data_parallel[mode]} (dp_replicate {data_parallel[replicate_degree]} x dp_shard "
+                     "{data_parallel[shard_degree]})")
     default = False
 
     @property
@@ -91,13 +93,6 @@ class TorchKind:
         if replicate == 1:
             return f"torch engine, FSDP2 over dp {plan.dp}"
         return f"torch engine, HSDP {replicate} x {plan.dp // replicate}"
-
-    def config_title(self) -> str:
-        return f"{self.name} engine"
-
-    def dry_run_words(self, plan, record: dict) -> str:
-        d = record["data_parallel"]
-        return f"engine torch, {d['mode']} (dp_replicate {d['replicate_degree']} x dp_shard {d['shard_degree']})"
 
     def dry_run_lines(self, cfg, plan) -> list:
         """Under PP: the schedule, its bubble and each stage's in-flight activation memory

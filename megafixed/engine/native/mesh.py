@@ -48,21 +48,17 @@ def build_mesh(topo, dp_replicate: int) -> Any:
     # which is the plan's grid order (megatron-core's tp-cp-ep-dp-pp).
     ranks = torch.arange(math.prod(shape)).reshape(shape)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
-    # torch's own way to name a merged dimension; kept here because slicing a flattened dimension
-    # from the root mesh (mesh["dp"]) is deprecated from torch 2.11 on: callers use dp_submesh(mesh).
-    _FLAT_DP[id(mesh)] = (mesh, mesh["dp_replicate", "dp_shard"]._flatten(DP))
+    dp_submesh(mesh)  # made now, on every rank together (it may create a process group)
     return mesh
 
 
-_FLAT_DP: dict = {}  # id(root mesh) -> (root mesh, its flattened "dp" mesh)
-
-
 def dp_submesh(mesh) -> Any:
-    """The 1-D data-parallel mesh ("dp": dp_replicate x dp_shard flattened) of a ``build_mesh`` mesh."""
-    root, flat = _FLAT_DP[id(mesh)]
-    if root is not mesh:  # an id reused by another object: not a mesh of ours
-        raise KeyError("this DeviceMesh was not made by build_mesh")
-    return flat
+    """The 1-D data-parallel mesh ("dp": dp_replicate x dp_shard flattened) of a ``build_mesh`` mesh.
+
+    torch's own way to name a merged dimension, and torch keeps it: the root mesh holds its flattened
+    meshes by name, and flattening again returns the one made first (no second process group).
+    Slicing a flattened dimension from the root (``mesh["dp"]``) is deprecated from torch 2.11 on."""
+    return mesh["dp_replicate", "dp_shard"]._flatten(DP)
 
 
 def dp_mesh(mesh) -> Any:
@@ -73,21 +69,16 @@ def dp_mesh(mesh) -> Any:
     return mesh["dp_shard"]
 
 
-_JOB_GROUPS: dict = {}  # id(root mesh) -> (root mesh, the process group over all of its ranks)
-
-
 def job_group(mesh) -> Any:
     """The process group over every rank of ``mesh``'s root mesh: the whole job, in one group, for
     the reductions every rank must agree on to the bit (the gradient norm). The default group when
     the root spans the world (no second communicator to create); otherwise the root flattened,
-    once per root, on the first call (every rank of the root makes it together)."""
+    once per root, on the first call (every rank of the root makes it together; the root mesh keeps
+    it, as it keeps ``dp_submesh``'s)."""
     import torch.distributed as dist
 
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     if root.size() == dist.get_world_size():
         return None
-    held = _JOB_GROUPS.get(id(root))
-    if held is None or held[0] is not root:
-        flat = root._flatten("_".join(root.mesh_dim_names or ()) or "job") if root.ndim > 1 else root
-        held = _JOB_GROUPS[id(root)] = (root, flat.get_group())
-    return held[1]
+    flat = root._flatten("_".join(root.mesh_dim_names or ()) or "job") if root.ndim > 1 else root
+    return flat.get_group()

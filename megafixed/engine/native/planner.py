@@ -1,14 +1,17 @@
-"""How ``megafixed plan`` sizes the torch engine's layouts (``megafixed.engines.Planner``):
+"""How ``megafixed plan`` sizes the torch engine's layouts (``megafixed.engine.protocols.Planner``):
 FSDP2 shards parameters, gradients and optimizer state over the DP shard degree (``dp /
 dp_replicate``), as ZeRO-3, keeping fp32 masters and fp32 gradients (``megafixed.parallel.memory``'s
 docstring has the whole account). Light: arithmetic only."""
 from __future__ import annotations
 
-COLUMN = ("FSDP", 5)  # HSDP replicate x shard
+from ..protocols import PlanNotes
 
-
-def pp_degrees(gpus: int, tp: int) -> range:
-    return range(1, gpus // tp + 1)  # torch.distributed.pipelining (the run plan refuses what a schedule cannot run)
+COLUMN = ("FSDP", 5, ("dp_replicate", "dp_shard"))  # HSDP replicate x shard
+NOTES = PlanNotes(  # its reductions per micro batch are in the intro
+    intro=("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
+           "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads, "
+           "reduce-scattered every micro batch, all-reduced over the replicas once per step; pp > 1 through "
+           "torch.distributed.pipelining (its schedule reduces once, after the last microbatch)"))
 
 
 def pp_partitions(pp: int) -> tuple:
@@ -17,10 +20,6 @@ def pp_partitions(pp: int) -> tuple:
 
 def sharding_options(dp: int) -> list:
     return [r for r in range(1, dp + 1) if dp % r == 0]  # each HSDP replicate degree (1 = FSDP over all DP)
-
-
-def set_sharding(cfg, replicate) -> None:
-    cfg.torch_engine.dp_replicate = replicate
 
 
 def make_layout(cfg, tp, pp, dp, replicate, micro, sp, part):
@@ -88,30 +87,12 @@ def rank_sharding(layout) -> int:
     return layout.dp_shard  # the smallest shard degree: more replication, fewer all-gathers
 
 
-def sharding_text(layout) -> str:
-    return f"{layout.dp_replicate}x{layout.dp_shard}"
-
 
 LAYOUT_KEYS = ("torch_engine.dp_replicate",)  # what a row sets beyond the engine-neutral keys (plan --pick)
 
 
 def sharding_overrides(layout) -> list[str]:
     return [f"torch_engine.dp_replicate={layout.dp_replicate}"]
-
-
-def intro(precision: str):
-    return ("train.engine=torch: FSDP2 shards params, grads and optimizer state over DP as ZeRO-3 does (FSDP column: "
-            "HSDP replicate x shard, torch_engine.dp_replicate; R x 1 = plain replication); fp32 masters and grads, "
-            "reduce-scattered every micro batch, all-reduced over the replicas once per step; pp > 1 through "
-            "torch.distributed.pipelining (its schedule reduces once, after the last microbatch)")
-
-
-def accumulation_note(m, gpus: int, global_batch: int, precision: str):
-    return None  # its reductions per micro batch are in the intro
-
-
-def grads_note(precision: str) -> str:
-    return ""
 
 
 def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass
@@ -33,8 +33,8 @@ def best_layout(config: str, overrides: list, gpus: int, *, gpu_mem: str, gpu_ty
     from ..config import load_config
     from ..engines import engine_kind
     from ..parallel.memory import GiB
-    from .plan import parse_bytes, plan_rows
-    from .plan_rank import config_precision, layout_keys, not_judged, overrides_of
+    from .rank import config_precision, layout_keys, not_judged, overrides_of
+    from .rows import parse_bytes, plan_rows
 
     cfg = load_config(config, overrides)
     planner = engine_kind(cfg.train.engine).planner
@@ -46,14 +46,12 @@ def best_layout(config: str, overrides: list, gpus: int, *, gpu_mem: str, gpu_ty
     budget = parse_bytes(gpu_mem)
     precision = config_precision(cfg)
     links = SimpleNamespace(gpu_type=gpu_type, gpus_per_node=gpus_per_node, inter=inter)
-    rows, extras = plan_rows(cfg, gpus, budget, precision, links)
-    fitting = [e for e in rows if e.total <= budget]
+    fitting = [r for r in plan_rows(cfg, gpus, budget, precision, links) if r.total <= budget]
     if not fitting:
         raise ConfigError(f"--layout best: no layout of {gpus} GPUs x {budget / GiB:.0f} GiB fits this config; turn "
                           f"on train.activation_checkpointing, lower data.seq_len, or add GPUs "
                           f"(megafixed plan {config} --gpus {gpus} --all lists them)")
-    e = fitting[0]
-    bound = extras[id(e)]["step_time_estimate"]
+    e, bound = fitting[0].estimate, fitting[0].step_time
     command = ["megafixed", "plan", config, *overrides, "--gpus", str(gpus), "--gpu-mem", gpu_mem,
                "--gpu-type", gpu_type, "--gpus-per-node", str(gpus_per_node), "--inter", inter,
                "--precision", precision]

@@ -1,6 +1,6 @@
 """How ``megafixed plan`` orders its rows, and a row as the overrides a run takes.
 
-The rows that fit are ranked by the plan's own step-time lower bound (``plan_fake.step_time_bound``:
+The rows that fit are ranked by the plan's own step-time lower bound (``bound.step_time_bound``:
 the dense matmul FLOPs at the GPU's peak, stretched by the pipeline bubble where the engine models
 its pipeline, against the collectives' bus bytes at the links' data-sheet bandwidth), fastest
 first; equal bounds go to the row with less memory. A row the bound cannot judge (a pipeline whose
@@ -10,12 +10,12 @@ model parallelism, the smallest shard degree, the biggest micro batch. Rows that
 last, in that same preference.
 
 Row K (1-based, in this order) is ``--pick K``: the overrides ``megafixed train`` and ``megafixed
-submit`` take; ``submit --layout best`` applies row 1 (``plan_best.best_layout``). Arithmetic over
-the estimates only: the table (``plan``) and its columns (``plan_fake``) import this, not the reverse.
+submit`` take; ``submit --layout best`` applies row 1 (``best.best_layout``). Arithmetic over
+the rows only: the rows (``rows``) and the bound (``bound``) import this, not the reverse.
 """
 from __future__ import annotations
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 def _old_preference(e) -> tuple:
@@ -43,8 +43,9 @@ def rank_key(e, bound, budget: float) -> tuple:
     return (0 if fits else 1, 1, 0.0, 0.0, _old_preference(e))
 
 
-def ranked(estimates: list, extras: dict, budget: float) -> list:
-    return sorted(estimates, key=lambda e: rank_key(e, extras[id(e)]["step_time_estimate"], budget))
+def ranked(rows: list, budget: float) -> list:
+    """``rows`` (``PlanRow``s) in rank order."""
+    return sorted(rows, key=lambda r: rank_key(r.estimate, r.step_time, budget))
 
 
 LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.sequence_parallel", "train.micro_batch")
@@ -72,14 +73,14 @@ def config_precision(cfg) -> str:
     return resolve_precision(cfg, gpu=True)
 
 
-def pick(estimates: list, budget: float, k: int, cfg, precision: str, gib: float) -> list[str]:
-    """Row ``k``'s overrides; a ConfigError (one line, exit 2) past the last row or for a row that
-    does not fit."""
-    fitting = sum(e.total <= budget for e in estimates)
-    if not 1 <= k <= len(estimates):
-        raise ConfigError(f"--pick {k}: the plan has {len(estimates)} rows ({fitting} fit); pick a row "
+def pick(rows: list, budget: float, k: int, cfg, precision: str, gib: float) -> list[str]:
+    """Row ``k``'s overrides (``rows`` in rank order); a ConfigError (one line, exit 2) past the last
+    row or for a row that does not fit."""
+    fitting = sum(r.total <= budget for r in rows)
+    if not 1 <= k <= len(rows):
+        raise ConfigError(f"--pick {k}: the plan has {len(rows)} rows ({fitting} fit); pick a row "
                           f"from 1 to {max(fitting, 1)}")
-    e = estimates[k - 1]
+    e = rows[k - 1].estimate
     if e.total > budget:
         hint = f"pick a row from 1 to {fitting}" if fitting else \
             "no layout fits: turn on train.activation_checkpointing, lower data.seq_len, or add GPUs"
