@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
-from .checkpoint_error import CheckpointError  # noqa: F401  (re-exported: raised by every reader)
+from .checkpoint_error import CheckpointError, DamagedCheckpoint  # noqa: F401  (re-exported: raised by every reader)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -34,6 +34,9 @@ LOCK = ".megafixed.lock"
 MANIFEST = "manifest.json"
 RUN_RECORD = "run.json"
 TAG_RE = re.compile(r"^step_(\d+)$")  # a checkpoint tag: step_00000100
+# What ``latest`` may name: a run's step tag, or the tag `megafixed import hf` / `convert` write. A name
+# with a path in it (``../x``, ``/abs``) would send every reader outside the run directory.
+LATEST_TAG_RE = re.compile(r"^(step_\d+|imported|converted)$")
 
 
 def tag_for(step: int) -> str:
@@ -144,7 +147,24 @@ def read_latest(ckpt_dir: Union[str, os.PathLike]) -> Optional[str]:
         raise CheckpointError(f"{path} is empty; write the tag to resume from into it (one of: "
                               f"{', '.join(checkpoint_tags(ckpt_dir)) or 'none found'}), or delete it to start "
                               f"from scratch")
+    why = latest_problem(ckpt_dir, tag)
+    if why:
+        raise DamagedCheckpoint(f"{path} {why}; the checkpoint pointer is damaged: write the tag to resume from "
+                                f"into it (one of: {', '.join(checkpoint_tags(ckpt_dir)) or 'none found'}), or "
+                                f"delete it to start from scratch", why="latest")
     if not (Path(ckpt_dir) / tag).is_dir():
         raise CheckpointError(f"{path} points to '{tag}', which does not exist under {ckpt_dir}; "
                               f"restore that directory or delete {path} to start from scratch")
     return tag
+
+
+def latest_problem(ckpt_dir: Union[str, os.PathLike], name: str) -> Optional[str]:
+    """Why ``name`` (read from ``<ckpt_dir>/latest``) may not be followed, or None: it must be a tag of
+    the run's pattern, and the directory it names must not be a link leading out of ``ckpt_dir``."""
+    if not LATEST_TAG_RE.match(name):
+        return (f"names '{name[:80]}', which is not a checkpoint tag of a run (step_NNNNNNNN) in this "
+                f"directory")
+    target = Path(ckpt_dir) / name
+    if target.is_symlink() and target.resolve().parent != Path(ckpt_dir).resolve():
+        return f"names '{name}', a link leading outside {ckpt_dir}"
+    return None

@@ -73,6 +73,6 @@ def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
 
 def read_client_state(tag_dir) -> dict:
     """The step, data position, schedule, config and RNG states saved with the checkpoint."""
-    import torch
+    from ...trust.pickles import load_weights
 
-    return torch.load(Path(tag_dir) / CLIENT_STATE, map_location="cpu", weights_only=False)
+    return load_weights(Path(tag_dir) / CLIENT_STATE, map_location="cpu")
