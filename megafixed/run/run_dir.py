@@ -53,8 +53,9 @@ def tag_step(tag: str) -> int:
 class RunDirectory:
     """A run directory (``train.run_dir``); nothing is created by constructing one."""
 
-    def __init__(self, path: Union[str, os.PathLike]):
+    def __init__(self, path: Union[str, os.PathLike], trusted: bool = False):
         self.path = Path(path)
+        self.trusted = trusted  # train.trust_run_dir: someone else's (or a group-writable) one is read knowingly
 
     def __repr__(self) -> str:
         return f"RunDirectory({str(self.path)!r})"
@@ -124,6 +125,13 @@ class RunDirectory:
         """The tag ``latest`` names (None: no checkpoint yet). Read it once per use: a caller that
         reads it twice may see two tags if another process moves it in between."""
         return read_latest(self.checkpoints)
+
+    def check_trusted(self) -> None:
+        """Refuse a run directory (or a checkpoint in it) that another user owns or group/others can
+        write, unless ``trusted`` (``megafixed.trust.owner``)."""
+        from ..trust.owner import check_run_dir
+
+        check_run_dir(self.path, trusted=self.trusted, flag="train.trust_run_dir=true")
 
     def lock(self, **kwargs):
         """The run's writer lock (``run_lock.RunLock``), not yet taken: ``with rd.lock(): ...``."""
