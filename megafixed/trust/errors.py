@@ -1,5 +1,5 @@
-"""The refusals of ``megafixed.trust``: ValueErrors of ours (a ``CheckpointError`` for a file, so every
-reader's handling of unusable checkpoints applies), so the CLI's error boundary
+"""The refusals of ``megafixed.trust``: ValueErrors of ours (not ``CheckpointError``s: ``run/`` imports
+this package, so it imports nothing of ``run/``), so the CLI's error boundary
 (``megafixed.errors.report``) prints their one line and exits 2 (``exit_codes.BAD_INPUT``).
 
 Neither is a ``DamagedCheckpoint``: a file that would run code, or a run directory someone else
@@ -7,10 +7,8 @@ can write, is not an accident a run should silently fall back from (``train.chec
 a person decides."""
 from __future__ import annotations
 
-from ..run.checkpoint_error import CheckpointError
 
-
-class UntrustedCheckpoint(CheckpointError):
+class UntrustedCheckpoint(ValueError):
     """A checkpoint file whose pickle would import a global outside the allow-lists
     (``megafixed/trust/allowlists/``); the message names the file and the global."""
 
