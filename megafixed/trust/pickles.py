@@ -37,13 +37,16 @@ def pickle_globals(data: bytes) -> set[str]:
     is not spelled out). What a ``STACK_GLOBAL`` takes is followed through the memo: protocol 4+
     writes the module and name as strings, often memoized and fetched back."""
     found: set[str] = set()
+    proto = 0
     pushed: list = []  # what each opcode pushed, as far as a STACK_GLOBAL can need it (None: not a string)
     memo: dict = {}
     for op, arg, _ in pickletools.genops(io.BytesIO(data)):
         name = op.name
-        if name == "GLOBAL" or name == "INST":
+        if name == "PROTO":
+            proto = arg
+        elif name == "GLOBAL" or name == "INST":
             module, _, attr = str(arg).partition(" ")
-            found.add(f"{module}.{attr}")
+            found.add(_python3_name(module, attr) if proto < 3 else f"{module}.{attr}")
             pushed.append(None)
         elif name == "STACK_GLOBAL":
             module, attr = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)
@@ -61,6 +64,18 @@ def pickle_globals(data: bytes) -> set[str]:
         elif name not in _NOT_PUSHING:
             pushed.append(None)
     return found
+
+
+def _python3_name(module: str, attr: str) -> str:
+    """What the unpickler imports for a protocol 0-2 global (it maps Python 2 names, ``__builtin__`` ->
+    ``builtins``, as ``pickle.Unpickler(fix_imports=True)`` and torch's loader do)."""
+    import _compat_pickle
+
+    if (module, attr) in _compat_pickle.NAME_MAPPING:
+        module, attr = _compat_pickle.NAME_MAPPING[(module, attr)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{attr}"
 
 
 def _zip_pickles(data: Union[bytes, Path]) -> list[bytes]:
@@ -89,8 +104,9 @@ def scan(path: Union[str, Path], allowed=None, lists=None) -> list[str]:
 
 
 def _refuse(path, bad: list[str], what: str = "") -> UntrustedCheckpoint:
+    named = ", ".join(bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
     return UntrustedCheckpoint(
-        f"{path}{what} would import {bad[0]}" + (f" (and {len(bad) - 1} more global(s))" if len(bad) > 1 else "")
+        f"{path}{what} would import {named}"
         + ", which no checkpoint megafixed, DeepSpeed or DCP writes imports: unpickling it could run code, so "
           "nothing was loaded. Use a checkpoint you trust (or one exported as safetensors: megafixed export hf)")
 
