@@ -92,14 +92,22 @@ def globals_in_file(path: Union[str, Path]) -> set[str]:
     return pickle_globals(path.read_bytes())
 
 
+_UNREADABLE = (ValueError, EOFError, zipfile.BadZipFile, KeyError, IndexError, OSError)
+
+
 def scan(path: Union[str, Path], allowed=None, lists=None) -> list[str]:
-    """The globals ``path`` would import that are not allowed for its name (sorted; [] = clean)."""
+    """The globals ``path`` would import that are not allowed for its name (sorted; [] = clean).
+    Raises ``UntrustedCheckpoint`` for a file that cannot be read as a pickle (truncated, overwritten):
+    what precedes the damage could still run, so it is not handed to a loader either."""
     path = Path(path)
     allowed = allowed_globals(path.name, lists) if allowed is None else allowed
     try:
         found = globals_in_file(path)
-    except (ValueError, EOFError, zipfile.BadZipFile, KeyError, IndexError) as exc:
-        return [f"<not a readable pickle: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}>"]
+    except _UNREADABLE as exc:
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UntrustedCheckpoint(f"{path} cannot be read ({said}); the checkpoint is corrupt or was cut short, "
+                                  f"and nothing of it was loaded: read an earlier tag (--tag, or point latest at "
+                                  f"one)") from None
     return sorted(found - allowed)
 
 
@@ -150,7 +158,7 @@ def _check_dcp_byte_items(tag_dir: Path, lists) -> None:
         try:
             found = set().union(*(pickle_globals(p) for p in _zip_pickles(blob))) if zipfile.is_zipfile(
                 io.BytesIO(blob)) else pickle_globals(blob)
-        except (ValueError, EOFError, zipfile.BadZipFile, KeyError, IndexError):
+        except _UNREADABLE:
             found = {"<not a readable pickle>"}
         bad = sorted(found - allowed)
         if bad:
