@@ -9,7 +9,7 @@ be told statically and is refused too. torch's own ``get_unsafe_globals_in_check
 for ``torch.save`` files but stops at the first opcode protocol 2 does not use (a ``torch.save(...,
 pickle_protocol=4)`` file, DCP's ``.metadata``), so one walker serves every file here.
 
-What is scanned in a tag directory: each file an allow-list names (``*.pt``: a torch zip, its
+What is scanned in a tag directory (and under it: ``universal/``): each file an allow-list names (``*.pt``: a torch zip, its
 ``data.pkl``; DCP's ``.metadata``: a plain pickle) and, for DCP, each non-tensor item stored in the
 ``.distcp`` shards (``torch.save`` bytes that DCP loads with ``weights_only=False`` on a resume).
 """
@@ -130,7 +130,9 @@ def check_tag_dir(tag_dir: Union[str, Path]) -> None:
     first file and global outside the allow-lists. Nothing is unpickled before a file scanned clean."""
     tag_dir = Path(tag_dir)
     lists = allow_lists()
-    for path in sorted(p for p in tag_dir.iterdir() if p.is_file() and pickled_file(p.name, lists)):
+    # rglob: a universal checkpoint made beside it (<tag>/universal/, which a resume on another layout
+    # hands to DeepSpeed) is read as well
+    for path in sorted(p for p in tag_dir.rglob("*") if p.is_file() and pickled_file(p.name, lists)):
         check_file(path, lists)
     if (tag_dir / ".metadata").is_file():
         _check_dcp_byte_items(tag_dir, lists)
@@ -145,11 +147,14 @@ def _check_dcp_byte_items(tag_dir: Path, lists) -> None:
 
     md = FileSystemReader(str(tag_dir)).read_metadata()
     allowed = allowed_globals("<dcp bytes item>", lists)
+    root, inside = tag_dir.resolve(), {}
     for index, info in sorted((md.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
         if not isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
         shard = tag_dir / info.relative_path
-        if shard.resolve().parent != tag_dir.resolve():
+        if info.relative_path not in inside:
+            inside[info.relative_path] = shard.resolve().parent == root
+        if not inside[info.relative_path]:
             raise UntrustedCheckpoint(f"{tag_dir / '.metadata'} names '{info.relative_path}' for {index.fqn}, "
                                       f"outside the checkpoint directory; nothing was loaded")
         with open(shard, "rb") as fh:
