@@ -11,7 +11,8 @@ pickle_protocol=4)`` file, DCP's ``.metadata``), so one walker serves every file
 
 What is scanned in a tag directory (and under it: ``universal/``): each file an allow-list names
 (``*.pt``: a torch zip, its ``data.pkl``; DCP's ``.metadata``: a plain pickle) and, for DCP, each
-non-tensor item stored in the ``.distcp`` shards (``torch.save`` bytes that DCP loads with ``weights_only=False`` on a resume).
+non-tensor item stored in the ``.distcp`` shards (``torch.save`` bytes that DCP loads with
+``weights_only=False`` on a resume).
 """
 from __future__ import annotations
 
