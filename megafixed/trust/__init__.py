@@ -7,7 +7,10 @@
 * ``owner``: ssh's rule for a run directory: owned by someone else or writable by group/others is
   refused before anything in it is read, unless trusted knowingly (``train.trust_run_dir``,
   ``--trust-run-dir``).
-* ``names``: a ``latest`` file or a manifest entry must name something inside its directory.
+* ``flag``: ``--trust-run-dir`` for the reading verbs.
+
+Names staying inside their directory are checked where they are read: ``run.run_dir.latest_problem``
+(``latest``) and ``run.manifest.inside`` (manifest entries).
 
 Imports nothing heavy at import time (torch only inside ``load_weights``). See docs/security.md.
 """
