@@ -34,9 +34,10 @@ LOCK = ".megafixed.lock"
 MANIFEST = "manifest.json"
 RUN_RECORD = "run.json"
 TAG_RE = re.compile(r"^step_(\d+)$")  # a checkpoint tag: step_00000100
-# What ``latest`` may name: a run's step tag, or the tag `megafixed import hf` / `convert` write. A name
-# with a path in it (``../x``, ``/abs``) would send every reader outside the run directory.
-LATEST_TAG_RE = re.compile(r"^(step_\d+|imported|converted)$")
+# What ``latest`` may name: a run's step tag, the tag `megafixed import hf` / `convert` write, or DeepSpeed's
+# own default (``global_stepN``, a checkpoint saved without a tag). A name with a path in it (``../x``,
+# ``/abs``) would send every reader outside the run directory.
+LATEST_TAG_RE = re.compile(r"^(step_\d+|global_step\d+|imported|converted)$")
 
 
 def tag_for(step: int) -> str:
