@@ -38,6 +38,9 @@ TAG_RE = re.compile(r"^step_(\d+)$")  # a checkpoint tag: step_00000100
 # own default (``global_stepN``, a checkpoint saved without a tag). A name with a path in it (``../x``,
 # ``/abs``) would send every reader outside the run directory.
 LATEST_TAG_RE = re.compile(r"^(step_\d+|global_step\d+|imported|converted)$")
+# A DeepSpeed checkpoint folder from elsewhere (``megafixed convert``'s input) may use any tag DeepSpeed
+# accepted: still one plain name in that folder.
+PLAIN_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
 def tag_for(step: int) -> str:
@@ -167,12 +170,12 @@ def read_latest(ckpt_dir: Union[str, os.PathLike]) -> Optional[str]:
     return tag
 
 
-def latest_problem(ckpt_dir: Union[str, os.PathLike], name: str) -> Optional[str]:
+def latest_problem(ckpt_dir: Union[str, os.PathLike], name: str, pattern: re.Pattern = LATEST_TAG_RE) -> Optional[str]:
     """Why ``name`` (read from ``<ckpt_dir>/latest``) may not be followed, or None: it must be a tag of
-    the run's pattern, and the directory it names must not be a link leading out of ``ckpt_dir``."""
-    if not LATEST_TAG_RE.match(name):
-        return (f"names '{name[:80]}', which is not a checkpoint tag of a run (step_NNNNNNNN) in this "
-                f"directory")
+    ``pattern`` (a run's), and the directory it names must not be a link leading out of ``ckpt_dir``."""
+    if not pattern.match(name):
+        kind = "a checkpoint tag of a run (step_NNNNNNNN)" if pattern is LATEST_TAG_RE else "a checkpoint tag"
+        return f"names '{name[:80]}', which is not {kind} in this directory"
     target = Path(ckpt_dir) / name
     if target.is_symlink() and target.resolve().parent != Path(ckpt_dir).resolve():
         return f"names '{name}', a link leading outside {ckpt_dir}"

@@ -34,7 +34,7 @@ import torch
 from ...atomic import atomic_write_text
 from ...parallel.pipeline import gpt_key_to_pipe, pipe_key_to_gpt
 from ...parallel.tensor import sharded_dim
-from ...run.run_dir import LATEST, latest_problem
+from ...run.run_dir import LATEST, PLAIN_TAG_RE, latest_problem
 from ...trust.errors import UntrustedCheckpoint
 from ...trust.pickles import load_weights
 from ..base import ConvertError  # noqa: F401  -- engine-agnostic: every engine's reader raises it
@@ -86,7 +86,7 @@ def resolve_tag_dir(ckpt: str | os.PathLike, tag: str | None = None) -> Path:
         if not name:
             raise ConvertError(f"{latest} is empty (a save was interrupted); pick a tag with --tag "
                                f"(tags there: {_tags(root) or 'none'})")
-        why = latest_problem(root, name)
+        why = latest_problem(root, name, PLAIN_TAG_RE)
         if why:
             raise ConvertError(f"{latest} {why}; the checkpoint pointer is damaged: pick a tag with --tag (tags "
                                f"there: {_tags(root) or 'none'})")
