@@ -13,7 +13,8 @@ setup(
     # The main job's corpus (+ its licence/attribution README) and config: a regular install runs
     # `megafixed quickstart` without the repository. Configs name these files `bundled:<name>`.
     package_data={"megafixed": ["bundled/*.jsonl.gz", "bundled/*.yaml", "bundled/README.md",
-                               "launch/templates/*.sbatch"]},  # `megafixed submit`'s job script
+                               "launch/templates/*.sbatch",  # `megafixed submit`'s job script
+                               "trust/allowlists/*.json"]},  # what a checkpoint's pickles may import
     install_requires=[
         # Install torch yourself first (CPU or CUDA build; see README). 2.11 is the oldest the code targets: the
         # GPU check's image has torch 2.11 and no network (tools/device_wheels.sh), so a higher bound would make

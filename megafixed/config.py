@@ -112,6 +112,10 @@ class TrainConfig:
     eval_iters: int = 10
     save_interval: int = 500
     run_dir: str = "runs/default"
+    # An existing run_dir (or a checkpoint in it) owned by another user or writable by group/others is
+    # refused before anything is read (ssh's rule); true: read it knowingly, e.g. a group-shared
+    # directory whose members you trust (docs/security.md). Also for train.init_from's source.
+    trust_run_dir: bool = False
     seed: int = 1234
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from ..run.save_faults import human_size
+from ..trust.flag import add_trust_run_dir, check_source
 
 HELP = "inspect a checkpoint: layout, step, tokens, input code, parameters, file sizes, manifest check"
 
@@ -21,6 +22,7 @@ def add_arguments(p):
     i = sub.add_parser("inspect", help="layout, step, tokens seen, input code, parameters, files, manifest check")
     i.add_argument("path", help="a run directory, its checkpoints/ directory, or one step_* tag directory")
     i.add_argument("--json", action="store_true", help="print the same as JSON")
+    add_trust_run_dir(i)
 
 
 def resolve(path: str) -> Path:
@@ -81,6 +83,7 @@ def inspect(tag_dir: Path) -> dict:
 
 
 def run(args) -> int:
+    check_source(args.path, args)
     info = inspect(resolve(args.path))
     if args.json:
         print(json.dumps(info, indent=1))

@@ -9,6 +9,8 @@ written as a module-only DeepSpeed checkpoint for (T, P) under OUT (or, with ``-
 """
 from __future__ import annotations
 
+from ..trust.flag import add_trust_run_dir, check_source
+
 HELP = "gather a checkpoint of any TP/PP layout and re-shard its weights for another layout"
 
 
@@ -26,6 +28,7 @@ def add_arguments(p):
                    help="write DeepSpeed's universal checkpoint instead: weights AND optimizer state (ZeRO 1/2), "
                         "loadable on any TP/PP/DP layout (DeepSpeed config checkpoint.load_universal)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (never the input)")
+    add_trust_run_dir(p)
 
 
 def run(args) -> int:
@@ -45,6 +48,7 @@ def run(args) -> int:
 
     if args.tp < 1 or args.pp < 1:  # cheap checks before reading gigabytes
         raise ConvertError(f"--tp {args.tp} and --pp {args.pp} must both be >= 1")
+    check_source(args.checkpoint, args)
     tag_dir = resolve_tag_dir(args.checkpoint, args.tag)
     if args.universal:
         return _universal(args, tag_dir)

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from ..trust.flag import add_trust_run_dir, check_source
+
 HELP = "benchmark a trained checkpoint (HellaSwag, PIQA, LAMBADA, ARC, MMLU, ...) or its bits per byte on text"
 
 
@@ -37,6 +39,7 @@ def add_arguments(p):
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weights' dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_trust_run_dir(p)
 
 
 def _check(args) -> None:
@@ -69,6 +72,7 @@ def run(args) -> int:
     from ..eval.tasks import parse_tasks
     from ..outputs import claim_output, ensure_parent
 
+    check_source(args.checkpoint, args)
     _check(args)
     if not (args.text or args.prefix):
         parse_tasks(args.tasks)  # an unknown name fails before the model loads

@@ -5,6 +5,8 @@ and no custom code; the architecture mapping and its refusals are in ``megafixed
 """
 from __future__ import annotations
 
+from ..trust.flag import add_trust_run_dir, check_source
+
 HELP = "export a trained run as a Hugging Face transformers model folder (safetensors, config, tokenizer)"
 
 
@@ -22,11 +24,13 @@ def add_arguments(p):
     hf.add_argument("--tokenizer", default=None,
                     help="tokenizer to export (default: the run's data.tokenizer, or the one its shards record)")
     hf.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    add_trust_run_dir(hf)
 
 
 def run(args) -> int:
     from ..interop.hf import export_hf
 
+    check_source(args.source, args)
     export_hf(args.source, args.out, dtype=args.dtype, tag=args.tag, tokenizer=args.tokenizer,
               overwrite=args.overwrite)
     return 0

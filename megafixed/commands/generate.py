@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from ..trust.flag import add_trust_run_dir, check_source
+
 HELP = "generate text from a trained run (greedy or top-p sampling, streamed to the terminal)"
 
 
@@ -20,6 +22,7 @@ def add_arguments(p):
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the run's latest)")
+    add_trust_run_dir(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the run's own)")
     p.add_argument("--no-stop", action="store_true",
                    help="do not stop at the end token (the model's eos_token_id if imported, else the tokenizer's EOD)")
@@ -57,6 +60,7 @@ def run(args) -> int:
 
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed).validate()
+    check_source(args.source, args)
     src = resolve_run(args.source, args.tag)
     tok = run_tokenizer(src.config, args.tokenizer)
     if tok is None:

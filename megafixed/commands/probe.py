@@ -5,6 +5,7 @@ import json
 from dataclasses import asdict
 
 from .. import exit_codes
+from ..trust.flag import add_trust_run_dir, check_source
 
 HELP = "linear probes: how recoverable each token's code bits stay through the layers, per run"
 
@@ -16,6 +17,7 @@ def add_arguments(p):
     p.add_argument("--json", default=None, help="write the accuracies as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of accuracy against depth here (needs matplotlib: "
                                                 "pip install 'megafixed[plot]')")
+    add_trust_run_dir(p)
 
 
 def run(args) -> int:
@@ -24,6 +26,8 @@ def run(args) -> int:
     from ..study.probe import probe_run
     from ..threads import apply_thread_policy
 
+    for run_dir in args.runs:
+        check_source(run_dir, args)
     if args.plot:
         from ..plotting import require_matplotlib
 

@@ -11,7 +11,10 @@ has the wrong size or the wrong checksum. ``verify_for_reading`` is the check ev
 before it uses a tensor (resume, eval, export, generate, probe, convert, ``init_from``, universal
 conversion, ``ckpt inspect``): a checkpoint with a run record but no manifest was written by a
 megafixed that writes manifests, so its manifest was lost and it is refused; one with neither
-(written before run records and manifests existed) is read with a one-line warning.
+(written before run records and manifests existed) is read with a one-line warning. Then every
+pickle a loader will unpickle is scanned (``megafixed.trust.pickles.check_tag_dir``): a global outside
+the allow-lists is refused in one line naming the file and the global (the manifest is no defence: whoever
+can write the files can rewrite it). A manifest entry naming a path outside its tag directory is damage.
 
 Cost: hashing is streamed (8 MiB chunks) on a few threads (hashlib and file reads release the
 GIL); the measured rate and what it means for a 1.7B checkpoint are in docs/benchmarks.md.
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..atomic import atomic_write_text
+from ..trust.pickles import check_tag_dir
 from .checkpoint_error import DamagedCheckpoint
 from .run_dir import LATEST, MANIFEST, RUN_RECORD, CheckpointError
 
@@ -120,6 +124,8 @@ def read(tag_dir: Path) -> Optional[dict]:
 
 def check_file(tag_dir: Path, entry: dict, checksum: bool = True) -> Optional[str]:
     """Why the manifest's ``entry`` does not match the file on disk, or None."""
+    if not inside(tag_dir, entry.get("name")):
+        return f"named '{entry.get('name')}' in the manifest, outside the checkpoint directory"
     path = Path(tag_dir) / entry["name"]
     if not path.is_file():
         return "missing"
@@ -129,6 +135,15 @@ def check_file(tag_dir: Path, entry: dict, checksum: bool = True) -> Optional[st
     if checksum and sha256_file(path) != entry["sha256"]:
         return "its sha256 differs from the manifest's (corrupt)"
     return None
+
+
+def inside(tag_dir: Path, name) -> bool:
+    """Whether the manifest entry ``name`` is a relative path that stays inside ``tag_dir`` (no ``..``,
+    not absolute, no symbolic link leading out): a manifest names files of its own checkpoint only."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        return False
+    root = Path(tag_dir).resolve()
+    return Path(root, name).resolve().is_relative_to(root)
 
 
 def problems(tag_dir: Path, manifest: dict, rank: int = 0, world: int = 1, checksum: bool = True,
@@ -164,7 +179,8 @@ def verify(tag_dir: Path, rank: int = 0, world: int = 1, group=None,
     if bad:
         _, name, why = bad[0]
         more = f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""
-        what = f"{Path(tag_dir) / name} is {why}" if why == "missing" else f"{Path(tag_dir) / name}: {why}"
+        what = (f"{Path(tag_dir) / name} is {why}" if why == "missing" else f"an entry {why}" if "outside" in why
+                else f"{Path(tag_dir) / name}: {why}")
         raise DamagedCheckpoint(f"checkpoint {tag_dir} is damaged: {what}{more}. Point {Path(tag_dir).parent / LATEST} "
                                 f"at an earlier tag (or delete it to start from scratch)", why=_one_word(why))
     return manifest
@@ -175,6 +191,8 @@ def _one_word(why: str) -> str:
     for word in ("missing", "truncated", "corrupt"):
         if word in why:
             return word
+    if "outside" in why:
+        return "outside"
     return "unlisted" if "not listed" in why else "damaged"
 
 
@@ -203,7 +221,9 @@ def verify_for_reading(tag_dir, *, only: Optional[Callable[[str], bool]] = None,
     if not tag_dir.is_dir():
         raise CheckpointError(f"checkpoint {tag_dir} does not exist")
     if (tag_dir / MANIFEST).exists():
-        return verify(tag_dir, rank, world, group, only=only)
+        manifest = verify(tag_dir, rank, world, group, only=only)
+        check_tag_dir(tag_dir)
+        return manifest
     if (tag_dir / RUN_RECORD).exists() and not _old_import(tag_dir):
         raise CheckpointError(f"checkpoint {tag_dir} has a run record ({RUN_RECORD}) but no {MANIFEST}: it was "
                               f"written by a megafixed that writes manifests, so its manifest was deleted or lost "
@@ -211,6 +231,7 @@ def verify_for_reading(tag_dir, *, only: Optional[Callable[[str], bool]] = None,
                               f"{tag_dir.parent / LATEST} at an earlier tag (--tag for the reading verbs)")
     warn(f"warning: {tag_dir} has no {MANIFEST} (written before megafixed wrote manifests); its files are read "
          f"without a checksum check")
+    check_tag_dir(tag_dir)
     return None
 
 

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
-from .checkpoint_error import CheckpointError  # noqa: F401  (re-exported: raised by every reader)
+from .checkpoint_error import CheckpointError, DamagedCheckpoint  # noqa: F401  (re-exported: raised by every reader)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -34,6 +34,13 @@ LOCK = ".megafixed.lock"
 MANIFEST = "manifest.json"
 RUN_RECORD = "run.json"
 TAG_RE = re.compile(r"^step_(\d+)$")  # a checkpoint tag: step_00000100
+# What ``latest`` may name: a run's step tag, the tag `megafixed import hf` / `convert` write, or DeepSpeed's
+# own default (``global_stepN``, a checkpoint saved without a tag). A name with a path in it (``../x``,
+# ``/abs``) would send every reader outside the run directory.
+LATEST_TAG_RE = re.compile(r"^(step_\d+|global_step\d+|imported|converted)$")
+# A DeepSpeed checkpoint folder from elsewhere (``megafixed convert``'s input) may use any tag DeepSpeed
+# accepted: still one plain name in that folder.
+PLAIN_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
 def tag_for(step: int) -> str:
@@ -50,8 +57,9 @@ def tag_step(tag: str) -> int:
 class RunDirectory:
     """A run directory (``train.run_dir``); nothing is created by constructing one."""
 
-    def __init__(self, path: Union[str, os.PathLike]):
+    def __init__(self, path: Union[str, os.PathLike], trusted: bool = False):
         self.path = Path(path)
+        self.trusted = trusted  # train.trust_run_dir: someone else's (or a group-writable) one is read knowingly
 
     def __repr__(self) -> str:
         return f"RunDirectory({str(self.path)!r})"
@@ -122,6 +130,13 @@ class RunDirectory:
         reads it twice may see two tags if another process moves it in between."""
         return read_latest(self.checkpoints)
 
+    def check_trusted(self) -> None:
+        """Refuse a run directory (or a checkpoint in it) that another user owns or group/others can
+        write, unless ``trusted`` (``megafixed.trust.owner``)."""
+        from ..trust.owner import check_run_dir
+
+        check_run_dir(self.path, trusted=self.trusted, flag="train.trust_run_dir=true")
+
     def lock(self, **kwargs):
         """The run's writer lock (``run_lock.RunLock``), not yet taken: ``with rd.lock(): ...``."""
         from .run_lock import RunLock
@@ -144,7 +159,24 @@ def read_latest(ckpt_dir: Union[str, os.PathLike]) -> Optional[str]:
         raise CheckpointError(f"{path} is empty; write the tag to resume from into it (one of: "
                               f"{', '.join(checkpoint_tags(ckpt_dir)) or 'none found'}), or delete it to start "
                               f"from scratch")
+    why = latest_problem(ckpt_dir, tag)
+    if why:
+        raise DamagedCheckpoint(f"{path} {why}; the checkpoint pointer is damaged: write the tag to resume from "
+                                f"into it (one of: {', '.join(checkpoint_tags(ckpt_dir)) or 'none found'}), or "
+                                f"delete it to start from scratch", why="latest")
     if not (Path(ckpt_dir) / tag).is_dir():
         raise CheckpointError(f"{path} points to '{tag}', which does not exist under {ckpt_dir}; "
                               f"restore that directory or delete {path} to start from scratch")
     return tag
+
+
+def latest_problem(ckpt_dir: Union[str, os.PathLike], name: str, pattern: re.Pattern = LATEST_TAG_RE) -> Optional[str]:
+    """Why ``name`` (read from ``<ckpt_dir>/latest``) may not be followed, or None: it must be a tag of
+    ``pattern`` (a run's), and the directory it names must not be a link leading out of ``ckpt_dir``."""
+    if not pattern.match(name):
+        kind = "a checkpoint tag of a run (step_NNNNNNNN)" if pattern is LATEST_TAG_RE else "a checkpoint tag"
+        return f"names '{name[:80]}', which is not {kind} in this directory"
+    target = Path(ckpt_dir) / name
+    if target.is_symlink() and target.resolve().parent != Path(ckpt_dir).resolve():
+        return f"names '{name}', a link leading outside {ckpt_dir}"
+    return None

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..trust.errors import UntrustedRunDirectory
 from .checkpoint_error import CheckpointError
 
 HEARTBEAT_S = 60.0
@@ -295,7 +296,13 @@ def hold_run_dir(rd, is_main: bool):
     every rank learns whether it got it, so a refused start ends on every rank with the same line.
     ``rd``: the run's ``RunDirectory``."""
     lock, refusal, made = rd.lock(), None, []
+    untrusted = False
     if is_main:
+        try:
+            rd.check_trusted()  # an existing one: before anything in it is read or written
+        except UntrustedRunDirectory as exc:
+            refusal, untrusted = str(exc), True
+    if is_main and refusal is None:
         made = _make_dirs(rd.path)
         try:
             lock.acquire()
@@ -305,11 +312,11 @@ def hold_run_dir(rd, is_main: bool):
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [refusal]
+        box = [refusal, untrusted]
         dist.broadcast_object_list(box, src=0)
-        refusal = box[0]
+        refusal, untrusted = box
     if refusal:
-        raise RunDirectoryBusy(refusal)
+        raise (UntrustedRunDirectory if untrusted else RunDirectoryBusy)(refusal)
     try:
         yield lock
     finally:

@@ -22,6 +22,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from ..atomic import atomic_write_text
 from ..run import manifest
+from ..run.checkpoint_error import DamagedCheckpoint
 from ..run.run_dir import LATEST, TAG_RE, CheckpointError, RunDirectory, read_latest, tag_for, tag_step  # noqa: F401
 from ..run.run_record import read_run_record, run_record, write_run_record
 from .resume import check_resume, layout_changes
@@ -222,7 +224,16 @@ class Checkpointer:
         in the run dir is touched yet: a refused resume changes nothing (``set_damaged_aside`` follows)."""
         from .fallback import newest_verified
 
-        tag = read_latest(self.ckpt_dir)
+        try:
+            tag = read_latest(self.ckpt_dir)
+        except DamagedCheckpoint as exc:  # `latest` names no tag of this run (``../x``, ``/abs``)
+            tags = sorted(self.run_dir.tags(), key=tag_step)
+            if self.strict or not tags:
+                raise
+            tag = tags[-1]
+            if self.topo.is_main:
+                print(f"warning: {str(exc).partition('; ')[0]}; resuming from the newest tag that verifies, "
+                      f"at or below {tag} (train.checkpoint_fallback)", file=sys.stderr, flush=True)
         if tag is None:
             return None
         tag, damaged = newest_verified(self.run_dir, tag, rank=self.topo.rank, world=self.topo.world_size,

@@ -31,9 +31,11 @@ def check_compatible(source_model: dict, model_cfg) -> None:
 
 def load_initial_weights(engine, cfg, topo) -> str:
     """Load ``cfg.train.init_from`` into ``engine``; returns a line for the log."""
+    from ..trust.owner import check_run_dir
     from .evaluate import trained_state_dict
     from .run_source import resolve_run
 
+    check_run_dir(cfg.train.init_from, trusted=cfg.train.trust_run_dir, flag="train.trust_run_dir=true")
     src = resolve_run(cfg.train.init_from)
     check_compatible(src.config.model.__dict__, cfg.model)
     # Rank 0 reads (and so verifies) the source before any engine work; the engine asks for it there.

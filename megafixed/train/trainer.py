@@ -80,7 +80,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     directory's only writer (``run_lock``: a second trainer is refused before it reads anything).
     A failed run that created its run directory removes it only if nothing but its own start-up files
     are in it (``evidence.py``); otherwise it keeps all of it and says where."""
-    run_dir = RunDirectory(cfg.train.run_dir)
+    run_dir = RunDirectory(cfg.train.run_dir, trusted=cfg.train.trust_run_dir)
     made = RunFiles(run_dir.path, created=not run_dir.path.exists())
     with hold_run_dir(run_dir, topo.is_main) as lock:
         if lock.took_over and topo.is_main:  # e.g. a requeue after the head node died: no wait on its lock

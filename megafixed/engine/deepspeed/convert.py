@@ -34,7 +34,9 @@ import torch
 from ...atomic import atomic_write_text
 from ...parallel.pipeline import gpt_key_to_pipe, pipe_key_to_gpt
 from ...parallel.tensor import sharded_dim
-from ...run.run_dir import LATEST
+from ...run.run_dir import LATEST, PLAIN_TAG_RE, latest_problem
+from ...trust.errors import UntrustedCheckpoint
+from ...trust.pickles import load_weights
 from ..base import ConvertError  # noqa: F401  -- engine-agnostic: every engine's reader raises it
 
 _LAYER_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
@@ -84,6 +86,10 @@ def resolve_tag_dir(ckpt: str | os.PathLike, tag: str | None = None) -> Path:
         if not name:
             raise ConvertError(f"{latest} is empty (a save was interrupted); pick a tag with --tag "
                                f"(tags there: {_tags(root) or 'none'})")
+        why = latest_problem(root, name, PLAIN_TAG_RE)
+        if why:
+            raise ConvertError(f"{latest} {why}; the checkpoint pointer is damaged: pick a tag with --tag (tags "
+                               f"there: {_tags(root) or 'none'})")
         if not (root / name).is_dir():
             raise ConvertError(f"{latest} points to '{name}', which does not exist under {root}; pick a tag with "
                                f"--tag (tags there: {_tags(root) or 'none'})")
@@ -100,7 +106,9 @@ def _load(path: Path) -> dict:
     if not path.is_file():
         raise ConvertError(f"{path} is missing; the checkpoint is incomplete: convert another tag with --tag")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_weights(path, map_location="cpu")
+    except UntrustedCheckpoint:
+        raise
     except Exception as exc:  # zip reader / unpickler on a truncated or overwritten file
         raise ConvertError(f"{path} cannot be read ({str(exc).splitlines()[0]}); the checkpoint is corrupt or "
                            f"was cut short: convert an earlier tag with --tag") from exc
@@ -129,7 +137,9 @@ def recorded_model_config(tag_dir: Path) -> dict | None:
     if not first.is_file():
         return None
     try:
-        state = torch.load(first, map_location="cpu", weights_only=False, mmap=True)
+        state = load_weights(first, map_location="cpu", mmap=True)
+    except UntrustedCheckpoint:
+        raise
     except Exception:
         state = _load(first)
     cfg = state.get("config") if isinstance(state, dict) else None

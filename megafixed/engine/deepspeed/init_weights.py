@@ -12,10 +12,10 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from ...config import ConfigError
+from ...trust.pickles import load_weights
 from ..common import key_mismatch
 from ..dtypes import restore_exact_buffers
 from .convert import model_file, write_checkpoint
@@ -36,8 +36,7 @@ def load_module_only(engine, read_state_dict: Callable[[], dict], scratch: Path)
         # strict loading would refuse it, so with TP the keys are compared here instead.
         strict = topo.tp == 1
         if not strict and topo.pp == 1:
-            payload = torch.load(scratch / TAG / model_file(topo.tp_rank), map_location="cpu",
-                                 weights_only=False)["module"]
+            payload = load_weights(scratch / TAG / model_file(topo.tp_rank), map_location="cpu")["module"]
             why = key_mismatch((k for k in engine.module.state_dict() if not k.endswith("_extra_state")), payload)
             if why:
                 raise ConfigError(why)

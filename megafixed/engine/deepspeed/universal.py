@@ -39,6 +39,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ...run.run_dir import CheckpointError
+from ...trust.pickles import load_weights
 
 UNIVERSAL_DIR = "universal"  # inside the tag directory it was converted from
 DONE = ".complete"
@@ -134,9 +135,7 @@ def to_universal(tag_dir: Path, model_cfg, out: Optional[Path] = None, log=print
     if not first.exists():
         raise CheckpointError(f"{tag_dir} has no mp_rank_00_model_states.pt; it is not a ZeRO-1/2 DeepSpeed "
                               f"checkpoint that a universal checkpoint can be made from")
-    import torch
-
-    head = torch.load(first, map_location="cpu", weights_only=False, mmap=True)
+    head = load_weights(first, map_location="cpu", mmap=True)
     if C.UNIVERSAL_CHECKPOINT_INFO not in head:
         raise CheckpointError(f"{tag_dir} was written before megafixed recorded universal_checkpoint_info, so "
                               f"DeepSpeed cannot tell how its parameters are split; resume it once on its own layout "
@@ -189,7 +188,7 @@ def _source_view(tag_dir: Path, view: Path) -> None:
         if not f.is_file() or not f.name.endswith(".pt"):
             continue
         if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f.name):
-            state = torch.load(f, map_location="cpu", weights_only=False)
+            state = load_weights(f, map_location="cpu")
             module = state.get("module")
             if module and any(v is None for v in module.values()):
                 state["module"] = type(module)((k, v) for k, v in module.items() if v is not None)

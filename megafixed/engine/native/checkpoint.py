@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ...run.checkpoint_error import CheckpointError
+from ...trust.pickles import load_weights
 from ..common import BackgroundSave, corrupt_checkpoint_error, key_mismatch, misfit_checkpoint_error, one_line
 
 CLIENT_STATE = "client_state.pt"
@@ -327,7 +328,7 @@ class DcpCheckpoint(BackgroundSave):
             dcp.load(state, checkpoint_id=str(tag_dir))
             set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM],
                            options=StateDictOptions(flatten_optimizer_state_dict=flat))
-            client = torch.load(tag_dir / CLIENT_STATE, map_location="cpu", weights_only=False)
+            client = load_weights(tag_dir / CLIENT_STATE, map_location="cpu")
         except dcp_errors() as exc:
             raise _load_error(exc, tag_dir) from None
         return client
