@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 if TYPE_CHECKING:  # annotations only: the engines and the config import this module
     from .config import Config, ModelConfig
-    from .engine.base import Engine, StepChecks
+    from .engine.base import Engine, StepHook
     from .parallel.memory import Estimate, Layout
     from .parallel.topology import Topology
     from .parallel.traffic import Traffic
@@ -152,7 +152,7 @@ class EngineKind(Protocol):
     def setup_groups(self, plan: RunPlan) -> dict:
         """The ``Topology``'s process-group fields."""
 
-    def build(self, cfg: Config, topo: Topology, checks: Optional[StepChecks] = None) -> Engine: ...
+    def build(self, cfg: Config, topo: Topology, hook: Optional[StepHook] = None) -> Engine: ...
 
     def engine_config(self, cfg: Config, plan: RunPlan) -> dict:
         """Its own config as JSON, for the machine the plan is for."""

@@ -5,7 +5,7 @@
 * ``checkpoint.Checkpointer`` -- the engine-agnostic commit protocol (markers, sizes, run record,
   manifest, atomic ``latest``, rotation, RNG), the resume point and its cadence; ``resume`` (the
   config check). The files it writes (``run_dir``, ``run_record``, ``manifest``) are ``megafixed.run``'s.
-* ``validation.Validator``, ``step_log.StepLog`` (metrics records, progress lines), ``stop``.
+* ``validation.Validator``, ``callbacks`` (metrics records, progress lines, and every other concern), ``stop``.
 * ``evaluate.evaluate_loss / load_trained_model`` -- reusable evaluation.
 * ``schedule.LRSchedule``, ``metrics``; the optimizer is ``megafixed.run.optim``.
 

@@ -1,0 +1,29 @@
+"""What a failed run leaves (``train/evidence.py``) as a callback: a run directory this trainer created is
+removed after a failure if nothing but its own start-up files are in it; otherwise all of it is kept, and
+the exit line says where."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..evidence import RunFiles
+from .base import Callback
+
+
+class Evidence(Callback):
+    name = "evidence"
+
+    def __init__(self, run_dir: Path, is_main: bool):
+        self.made, self.is_main = RunFiles(run_dir, created=not run_dir.exists()), is_main
+
+    def on_start(self) -> None:
+        if self.is_main:
+            self.made.first_step()  # what is in a new run directory now is the trainer's own
+
+    def on_error(self, exc: BaseException) -> None:
+        kept = self.made.after_failure() if self.is_main else None
+        if kept and isinstance(exc, Exception):
+            exc.add_note(kept)  # the exit line says where (errors.report prints the notes)
+
+
+def build(section, cfg, topo) -> Evidence:
+    return Evidence(Path(section.run_dir), topo.is_main)

@@ -1,0 +1,24 @@
+"""Weights & Biases as a callback (``wandb.*``; the writer is ``train/wandb_log.py``): on rank 0, a sink of every
+record the metrics log writes."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from .base import Callback
+
+
+class Wandb(Callback):
+    name = "wandb"
+
+    def __init__(self, cfg):
+        from ..wandb_log import WandbLog
+
+        self.sink = WandbLog(cfg, Path(cfg.train.run_dir))  # refuses a missing wandb package before any step
+
+    def setup(self, run) -> None:
+        run.sinks.append(self.sink)
+
+
+def build(section, cfg, topo) -> Optional[Wandb]:
+    return Wandb(cfg) if section.enabled and topo.is_main else None
