@@ -8,7 +8,7 @@ trains a 6-layer GF(2)-code model, clipping on every step:
 - ``hsdp``: TP2 x PP2 with HSDP (``torch_engine.dp_replicate=2``), 4 steps;
 - ``dp8``: ``3d``'s step-2 checkpoint resumed at DP8 (FSDP2 over 8 ranks) to step 4, and ``back``:
   that DP8 step-4 checkpoint resumed at TP2 x PP2 x DP2 to the end;
-- ``victim``: the ``3d`` command again, every rank SIGKILLed before step 4 (``MEGAFIXED_INJECT=exit@4``),
+- ``victim``: the ``3d`` command again, every rank SIGKILLed before step 4 (``faults.inject=exit@4``),
   which ends the launch; the same command is then rerun through ``torchrun ... megafixed train``.
 
 Beside it, one process trains the same run from scratch (the reference) and resumes ``3d``'s step-2

@@ -1,4 +1,4 @@
-"""A long run survives bad steps, hangs and slow ranks, and says which (``MEGAFIXED_INJECT`` drills).
+"""A long run survives bad steps, hangs and slow ranks, and says which (``faults.inject`` drills).
 
 * ``nan@3`` with ``guard.on_nonfinite=skip``: checkpoints 2 and 3 hold the same weights and Adam state;
   on DP2 with the NaN on rank 1 only, both ranks skip and the later losses equal the one-process run's;
@@ -40,11 +40,8 @@ def _train(prefix, run_dir, *extra, inject=None, monkeypatch=None):
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
-    if inject is None:
-        monkeypatch.delenv("MEGAFIXED_INJECT", raising=False)
-    else:
-        monkeypatch.setenv("MEGAFIXED_INJECT", inject)
-    cfg = load_config(None, tiny_overrides(prefix, run_dir, *CHECKPOINTED, *extra))
+    drill = [f"faults.inject={inject}"] if inject is not None else []
+    cfg = load_config(None, tiny_overrides(prefix, run_dir, *CHECKPOINTED, *extra, *drill))
     return train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
 
 
@@ -143,9 +140,9 @@ def dp2_drill(tiny_shards, tmp_path_factory):
     cfg.write_text("{}\n")
     args = ["-m", "megafixed.cli", "train", str(cfg),
             *tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=10", "guard.on_nonfinite=skip",
-                            "checkpoint.interval=2", "watchdog.timeout_s=20", "train.micro_batch=4")]
-    code, text, seen, ended = _launch(2, args, {"MEGAFIXED_INJECT": "nan@3:rank=1;slow:rank=1:factor=3;"
-                                                                    "hang@8:rank=1"}, timeout=400)
+                            "checkpoint.interval=2", "watchdog.timeout_s=20", "train.micro_batch=4",
+                            "faults.inject=nan@3:rank=1;slow:rank=1:factor=3;hang@8:rank=1")]
+    code, text, seen, ended = _launch(2, args, {}, timeout=400)
     return run, code, text, seen, ended
 
 
@@ -235,11 +232,11 @@ def test_malformed_injection_is_one_line(tmp_path):
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("{}\n")
     proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", str(cfg), "data.mock=true",
-                           f"train.run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "MEGAFIXED_INJECT": "nan@three"}, timeout=120)
+                           f"train.run_dir={tmp_path / 'run'}", "faults.inject=nan@three"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == exit_codes.BAD_INPUT
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "MEGAFIXED_INJECT='nan@three'" in errors[0] and "not a number" in errors[0]
+    assert len(errors) == 1 and "faults.inject='nan@three'" in errors[0] and "not a number" in errors[0]
     assert not (tmp_path / "run").exists()
 
 
@@ -268,8 +265,8 @@ def test_a_rank_that_dies_loses_no_checkpoint(tiny_shards, tmp_path, monkeypatch
     run, cfg = tmp_path / "run", tmp_path / "empty.yaml"
     cfg.write_text("{}\n")
     over = tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=6", "checkpoint.interval=2")
-    proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", str(cfg), *over], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "MEGAFIXED_INJECT": "exit@5"}, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", str(cfg), *over, "faults.inject=exit@5"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9 and "rank 0 dies (SIGKILL) before step 5" in proc.stderr
     assert assert_latest_verifies(run) == "step_00000004"
     result = _train(tiny_shards, run, "train.max_steps=6", "checkpoint.interval=2", monkeypatch=monkeypatch)
@@ -288,7 +285,6 @@ def test_the_hung_dp2_run_goes_on_with_one_rank_and_says_it_shrank(dp2_drill, on
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
-    monkeypatch.delenv("MEGAFIXED_INJECT", raising=False)
     cfg = load_config(None, tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=10",
                                            "guard.on_nonfinite=skip", "checkpoint.interval=2", "train.micro_batch=4"))
     result = train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lines.append)

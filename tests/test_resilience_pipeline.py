@@ -41,8 +41,8 @@ def runs(tiny_shards, tmp_path_factory, torchrun):
     def launch(name):
         engine, _, reference = name.partition("-")
         return torchrun(2, ["-m", "megafixed.cli", "train", "/dev/null",
-                            *tiny_overrides(tiny_shards, dirs[name], f"train.engine={engine}", *RUN)],
-                        env={"MEGAFIXED_INJECT": INJECT if reference else f"{INJECT};{TRANSIENT}"})
+                            *tiny_overrides(tiny_shards, dirs[name], f"train.engine={engine}", *RUN,
+                                            f"faults.inject={INJECT if reference else f'{INJECT};{TRANSIENT}'}")])
 
     with ThreadPoolExecutor(2) as pool:
         outs = dict(zip(names, pool.map(launch, names)))

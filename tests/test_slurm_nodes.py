@@ -245,8 +245,8 @@ SIDE_JOBS = {
     "tppp": dict(extra=("parallel.tp=2", "parallel.pp=2"), layout=("node1", "node3", "node3", "node1")),
     # rank 1 (node3) never enters step 4: exit 76, requeued once by the job script, resumes from checkpoint 2,
     # hangs again, ends. Step 4, not 3: the first step after a resume gets parallel.collective_timeout_s.
-    "hang": dict(per_node=1, extra=(f"watchdog.timeout_s={HANG_TIMEOUT}",),
-                 env={"MEGAFIXED_INJECT": "hang@4:rank=1", "MEGAFIXED_MAX_REQUEUES": "1"}),
+    "hang": dict(per_node=1, extra=(f"watchdog.timeout_s={HANG_TIMEOUT}", "faults.inject=hang@4:rank=1"),
+                 env={"MEGAFIXED_MAX_REQUEUES": "1"}),
 }
 
 
@@ -489,8 +489,8 @@ def test_transient_faults_on_a_node_resubmit_the_job_without_it_and_it_finishes_
     the one-process losses."""
     run_dir = tmp_path / "transient"
     cluster.wait_idle()
-    job = submit(cluster, inputs, run_dir, "guard.max_transient_faults=1", per_node=1, partition=ALL,
-                 env={"MEGAFIXED_INJECT": "nan@3:once:rank=1"})
+    job = submit(cluster, inputs, run_dir, "guard.max_transient_faults=1", "faults.inject=nan@3:once:rank=1",
+                 per_node=1, partition=ALL)
     info = finished(cluster, job, run_dir, state="FAILED")
     log = job_log(run_dir, job)
     bad = cluster.task_nodes(job)[1]

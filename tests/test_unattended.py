@@ -1,5 +1,5 @@
 """A run nobody watches: it keeps its evidence, goes on past a damaged checkpoint, refuses drills that
-cannot fire, and tells a transient fault from a deterministic one (issue 43, ``MEGAFIXED_INJECT`` drills).
+cannot fire, and tells a transient fault from a deterministic one (issue 43, ``faults.inject`` drills).
 
 * ``nan@5:once`` with the re-check: nothing skipped, weights and Adam state at step 8 bit-identical to a
   fault-free run's, on both engines; the record says transient. ``nan@5`` (it repeats): skipped exactly as
@@ -45,17 +45,10 @@ def _train(shards, run_dir, *extra, inject=None, lines=None):
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
-    mp = pytest.MonkeyPatch()
-    try:
-        if inject is None:
-            mp.delenv(faults.ENV, raising=False)
-        else:
-            mp.setenv(faults.ENV, inject)
-        cfg = load_config(None, tiny_overrides(shards, run_dir, *BASE, *extra))
-        return train(cfg, setup_distributed(RunPlan.for_launch(cfg)),
-                     log=lines.append if lines is not None else (lambda *_: None))
-    finally:
-        mp.undo()
+    drill = [f"faults.inject={inject}"] if inject is not None else []
+    cfg = load_config(None, tiny_overrides(shards, run_dir, *BASE, *extra, *drill))
+    return train(cfg, setup_distributed(RunPlan.for_launch(cfg)),
+                 log=lines.append if lines is not None else (lambda *_: None))
 
 
 def _records(run_dir) -> list[dict]:
@@ -128,20 +121,18 @@ def test_once_faults_hit_the_first_computation_only_and_drills_that_cannot_fire_
     assert "'slow:rank=1:factor=3' cannot" not in line and plan.refusal(world=6, max_steps=99, done=0) is None
 
 
-def test_a_requeue_of_the_same_drill_goes_on_past_its_done_steps(tmp_path, monkeypatch):
-    """A resumed checkpoint written under the same ``MEGAFIXED_INJECT`` is that drill's own requeue: its earlier
+def test_a_requeue_of_the_same_drill_goes_on_past_its_done_steps(tmp_path):
+    """A resumed checkpoint written under the same ``faults.inject`` is that drill's own requeue: its earlier
     faults have had their turn, so only a new drill is refused for steps already done."""
+    from megafixed.train.callbacks.drills import Drills
     from megafixed.train.checkpoint import ResumePoint
-    from megafixed.train.trainer import _drill_done
 
     tag_dir = tmp_path / "checkpoints" / "step_00000006"
     tag_dir.mkdir(parents=True)
     (tag_dir / "run.json").write_text(json.dumps({"config": {}, "fault_injection": "nan@3:once"}))
     point = ResumePoint(tag=tag_dir.name, tag_dir=tag_dir)
-    monkeypatch.setenv(faults.ENV, "nan@3:once")
-    assert _drill_done(point) == 0 and _drill_done(None) == 0
-    monkeypatch.setenv(faults.ENV, "nan@3")
-    assert _drill_done(point) == 6
+    assert Drills("nan@3:once", 0, 8)._done(point) == 0 and Drills("nan@3:once", 0, 8)._done(None) == 0
+    assert Drills("nan@3", 0, 8)._done(point) == 6
 
 
 def test_a_failed_run_removes_only_its_own_start_and_a_fresh_start_sets_an_attempt_aside(tmp_path):
@@ -426,8 +417,9 @@ DP2 = ("train.max_steps=8", "checkpoint.interval=2", "validation.interval=0", "c
 
 
 def _torchrun(run_dir, shards, *extra, inject, timeout=400):
-    args = ["-m", "megafixed.cli", "train", "/dev/null", *tiny_overrides(shards, run_dir, *DP2, *extra)]
-    return _launch(2, args, {faults.ENV: inject}, timeout=timeout)
+    args = ["-m", "megafixed.cli", "train", "/dev/null",
+            *tiny_overrides(shards, run_dir, *DP2, *extra, f"faults.inject={inject}")]
+    return _launch(2, args, {}, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ Slurm's requeue would, then checked against a fault-free run bit for bit.
 
 The faults, about one every ``--every`` steps (``random.Random(seed)``; every kind once before any repeats):
 
-* ``exit``: ``MEGAFIXED_INJECT=exit@S:rank=R``, a real kill -9 of the rank;
+* ``exit``: ``faults.inject=exit@S:rank=R``, a real kill -9 of the rank;
 * ``nan`` / ``spike``: a deterministic loss fault (bad data): ``guard.on_nonfinite=skip`` drops the step,
   ``guard.on_spike=rollback`` reloads the checkpoint before it and skips its data;
 * ``once``: ``nan@S:once`` or ``spike@S:once``, a transient fault: the re-check trains on the recomputation;
@@ -79,7 +79,7 @@ class Fault:
     tag: str = ""  # a damage's: the checkpoint damaged
 
     def spelled(self) -> Optional[str]:
-        """Its ``MEGAFIXED_INJECT`` part (None: the supervisor's own fault)."""
+        """Its ``faults.inject`` part (None: the supervisor's own fault)."""
         rank = f":rank={self.rank}" if self.rank is not None else ""
         if self.kind == "once":
             return f"{self.loss}@{self.step}{rank}:once"
@@ -216,8 +216,7 @@ class Soak:
                 f"parallel.collective_timeout_s={self.collective_timeout_s}", *extra]
 
     def env(self, **extra) -> dict:
-        skip = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGAFIXED_INJECT",
-                "MEGAFIXED_PAUSE")
+        skip = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGAFIXED_PAUSE")
         env = {k: v for k, v in os.environ.items() if k not in skip}
         path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
@@ -232,11 +231,12 @@ class Soak:
             inject = ";".join(s for f in pending for s in [f.spelled()] if s)
             pause = next((f for f in sorted(pending, key=lambda f: f.step) if f.kind in ("sigstop", "damage")), None)
             marker = self.out / f"paused.{n}"
-            extra = {"MEGAFIXED_INJECT": inject} if inject else {}
+            extra: dict = {}
             if pause is not None:
                 extra["MEGAFIXED_PAUSE"] = f"train.step@{pause.step}:rank={pause.rank}:file={marker}"
             say(f"launch {n}: from step {resumed}; inject {inject or '-'}; pause {extra.get('MEGAFIXED_PAUSE', '-')}")
-            launch = Launch(LAYOUTS[self.layout][0], self.overrides(self.run_dir), self.env(**extra),
+            drill = [f"faults.inject={inject}"] if inject else []
+            launch = Launch(LAYOUTS[self.layout][0], self.overrides(self.run_dir, *drill), self.env(**extra),
                             self.out / f"launch-{n}.log")
             acted = self._supervise(launch, pause, marker, damaged)
             code = launch.end()

@@ -16,9 +16,10 @@ Hooks, in the order a step meets them (``step``: numbered as in the logs, step 1
   them for a recomputation);
 * ``before_compute(step)`` / ``after_compute(step)`` -- around each computation of the step (a re-check
   computes it again), on every rank;
-* ``micro_loss(step, loss)`` -- every micro batch's loss on its way to its backward; ``judge_step(step, loss, grad_norm)`` -- a
-  verdict on the reduced loss (``grad_norm`` None) or the global gradient norm (``loss`` None) before the
-  update, None when good; the engine drops the update of a judged step;
+* ``micro_loss(step, loss)`` -- every micro batch's loss on its way to its backward;
+  ``judge_step(step, loss, grad_norm)`` -- a verdict on the reduced loss (``grad_norm`` None) or the global
+  gradient norm (``loss`` None) before the update, None when good; the engine drops the update of a judged
+  step;
 * ``settle_step(step, result, again)`` -- the step's result acted on (``again(batches)`` computes it once
   more): the result to go on with, or a ``Rewind`` to a checkpoint;
 * ``after_step(step)`` -- after the update (``run.result``: the step's ``StepResult``, None when its data was
