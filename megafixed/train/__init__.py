@@ -14,3 +14,12 @@ the default, or the torch-native one), reached through ``megafixed.engine``; not
 DeepSpeed or tests an engine's name.
 Nothing is imported here so that ``import megafixed.train.schedule`` stays light.
 """
+
+
+def __getattr__(name: str):
+    """``megafixed.train.train(cfg, topo, callbacks=[...])``, imported when first asked for."""
+    if name == "train":
+        from .trainer import train
+
+        return train
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,7 +34,6 @@ from ..threads import apply_thread_policy
 from .callbacks import CallbackHooks, build_callbacks
 from .callbacks.base import Callback, Rewind, RunContext
 from .checkpoint import Checkpointer, RunIdentity
-from .evidence import set_aside_earlier_attempt
 from .resume import shrink_note
 from .schedule import LRSchedule
 from .stop import StopRequest
@@ -87,11 +86,9 @@ def _train(cfg: Config, topo, callbacks: list, *, datasets: Optional[dict], stop
     plan.check_made_from(cfg)  # the same config's plan, not a second validation
     checkpointer = Checkpointer(cfg, topo, RunIdentity.of(cfg, plan))
     resume = checkpointer.resume_point()  # verified and checked before anything in the run dir is touched
-    for cb in callbacks:
-        cb.preflight(topo, resume)  # e.g. a drill that cannot fire here is refused, before anything is touched
+    for cb in callbacks:  # e.g. a drill that cannot fire here is refused, before anything is touched
+        cb.preflight(topo, resume, say)
     checkpointer.set_damaged_aside(resume, say)  # the damaged checkpoints the resume passed over
-    if resume is None and topo.is_main:
-        set_aside_earlier_attempt(checkpointer.run_dir.path, say)
     datasets = _datasets(cfg) if datasets is None else datasets
     engine = build_engine(cfg, topo, hook=CallbackHooks(callbacks))  # the step asks the callbacks
     seed_everything(cfg.train.seed + 1 + topo.rank)  # dropout differs per rank; initial weights do not

@@ -7,7 +7,8 @@ them; it calls every callback's hooks in the order of the list (``callbacks/__in
 
 Hooks, in the order a step meets them (``step``: numbered as in the logs, step 1 is the first update):
 
-* ``preflight(topo, resume)`` -- before anything in the run directory is touched; raise to refuse the run;
+* ``preflight(topo, resume, say)`` -- once the resume point is known (None: a fresh start), before anything in
+  the run directory is touched; raise to refuse the run;
 * ``setup(run)`` -- once, after the engine is built and the checkpoint resumed (then ``load_state_dict``
   with the callback's state from that checkpoint, if it has one);
 * ``on_start()`` -- before the first step of this process;
@@ -41,7 +42,7 @@ class Callback:
     """One concern of a run. Every hook is a no-op by default; a callback overrides what it needs."""
     name: str = ""  # unique in a run; the key of its state in the checkpoint (client state "callbacks": {name: state})
 
-    def preflight(self, topo, resume) -> None: ...
+    def preflight(self, topo, resume, say) -> None: ...
     def setup(self, run: "RunContext") -> None: ...
     def on_start(self) -> None: ...
     def before_step(self, step: int) -> None: ...

@@ -19,7 +19,7 @@ class Drills(Callback):
         self.inject, self.plan, self.max_steps = inject, FaultPlan.from_config(inject, rank), max_steps
         self.say = print
 
-    def preflight(self, topo, resume) -> None:
+    def preflight(self, topo, resume, say) -> None:
         refusal = self.plan.refusal(topo.world_size, self.max_steps, self._done(resume))
         if refusal:
             raise InjectError(refusal)

@@ -1,11 +1,11 @@
 """What a failed run leaves (``train/evidence.py``) as a callback: a run directory this trainer created is
 removed after a failure if nothing but its own start-up files are in it; otherwise all of it is kept, and
-the exit line says where."""
+the exit line says where. A fresh start first sets aside what an earlier attempt left without a checkpoint."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..evidence import RunFiles
+from ..evidence import RunFiles, set_aside_earlier_attempt
 from .base import Callback
 
 
@@ -14,6 +14,10 @@ class Evidence(Callback):
 
     def __init__(self, run_dir: Path, is_main: bool):
         self.made, self.is_main = RunFiles(run_dir, created=not run_dir.exists()), is_main
+
+    def preflight(self, topo, resume, say) -> None:
+        if resume is None and self.is_main:  # a fresh start: an earlier attempt's files (no checkpoint) go aside
+            set_aside_earlier_attempt(self.made.run_dir, say)
 
     def on_start(self) -> None:
         if self.is_main:
