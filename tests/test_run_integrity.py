@@ -381,8 +381,10 @@ def test_the_trainer_says_it_took_over_the_lock_of_a_node_the_job_no_longer_has(
     monkeypatch.setattr(trainer, "_train", lambda cfg, topo, **kw: seen.append(json.loads(
         (run / ".megafixed.lock").read_text())) or "trained")
     lines = []
-    cfg = SimpleNamespace(train=SimpleNamespace(run_dir=str(run)))
-    assert trainer.train(cfg, SimpleNamespace(is_main=True), log=lines.append) == "trained"
+    from megafixed.config import load_config
+
+    cfg = load_config(None, [f"train.run_dir={run}"])
+    assert trainer.train(cfg, SimpleNamespace(is_main=True, rank=0), log=lines.append) == "trained"
     assert lines == [f"took over the run directory lock {run / '.megafixed.lock'} of a trainer that is gone (host "
                      f"node1, pid 4242, Slurm job 77, since x: its node node1 is not one of Slurm job 77's nodes "
                      f"(node2, node3))"]

@@ -72,7 +72,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
         if lock.took_over and topo.is_main:  # e.g. a requeue after the head node died: no wait on its lock
             log(f"took over the run directory lock {lock.path} of a trainer that is gone ({lock.took_over})")
         try:
-            return _train(cfg, topo, every, datasets=datasets, stop=stop or StopRequest(),
+            return _train(cfg, topo, callbacks=every, datasets=datasets, stop=stop or StopRequest(),
                           say=log if topo.is_main else (lambda *_: None))
         except BaseException as exc:
             for cb in every:
@@ -80,7 +80,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
             raise
 
 
-def _train(cfg: Config, topo, callbacks: list, *, datasets: Optional[dict], stop: StopRequest, say) -> TrainResult:
+def _train(cfg: Config, topo, *, callbacks: list, datasets: Optional[dict], stop: StopRequest, say) -> TrainResult:
     apply_thread_policy(cfg.train.threads or None, log=say)
     plan = topo.plan  # built and validated once by the command (megafixed.run_plan), before any group
     plan.check_made_from(cfg)  # the same config's plan, not a second validation
