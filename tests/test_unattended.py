@@ -131,8 +131,8 @@ def test_a_requeue_of_the_same_drill_goes_on_past_its_done_steps(tmp_path):
     tag_dir.mkdir(parents=True)
     (tag_dir / "run.json").write_text(json.dumps({"config": {}, "fault_injection": "nan@3:once"}))
     point = ResumePoint(tag=tag_dir.name, tag_dir=tag_dir)
-    assert Drills("nan@3:once", 0, 8)._done(point) == 0 and Drills("nan@3:once", 0, 8)._done(None) == 0
-    assert Drills("nan@3", 0, 8)._done(point) == 6
+    assert Drills("nan@3:once", 8)._done(point) == 0 and Drills("nan@3:once", 8)._done(None) == 0
+    assert Drills("nan@3", 8)._done(point) == 6
 
 
 def test_a_failed_run_removes_only_its_own_start_and_a_fresh_start_sets_an_attempt_aside(tmp_path):

@@ -67,7 +67,7 @@ def train(cfg: Config, topo, *, datasets: Optional[dict] = None, stop: Optional[
     A failed run that created its run directory removes it only if nothing but its own start-up files
     are in it (the evidence callback); otherwise it keeps all of it and says where."""
     run_dir = RunDirectory(cfg.train.run_dir)
-    every = build_callbacks(cfg, topo, list(callbacks))  # before the run directory exists: what it made is known
+    every = build_callbacks(cfg, list(callbacks))  # before the run directory exists: what it made is known
     with hold_run_dir(run_dir, topo.is_main) as lock:
         if lock.took_over and topo.is_main:  # e.g. a requeue after the head node died: no wait on its lock
             log(f"took over the run directory lock {lock.path} of a trainer that is gone ({lock.took_over})")

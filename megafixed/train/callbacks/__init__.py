@@ -2,7 +2,7 @@
 user's own (``callbacks:`` in the config, or ``train(cfg, topo, callbacks=[...])``).
 
 ``BUILT_IN`` is the registration list: ``(section, build)``, ``section`` the name of the config section
-(a dataclass on ``Config``) and ``build(section_cfg, cfg, topo)`` the callback, or None when it is off.
+(a dataclass on ``Config``) and ``build(section_cfg, cfg)`` the callback, or None when it is off.
 Its order is the order every hook is called in (see each entry's comment for why it stands where it is).
 Adding a built-in callback = its own file + its config section on ``Config`` + one line here.
 """
@@ -15,49 +15,49 @@ from ...errors import ConfigError
 from .base import Callback, Rewind, RunContext  # noqa: F401 -- the API a callback is written against
 
 
-def _faults(section, cfg, topo):
+def _faults(section, cfg):
     from .drills import build
-    return build(section, cfg, topo)
+    return build(section, cfg)
 
 
-def _validation(section, cfg, topo):
+def _validation(section, cfg):
     from .validation import build
-    return build(section, cfg, topo)
+    return build(section, cfg)
 
 
-def _watchdog(section, cfg, topo):
+def _watchdog(section, cfg):
     from .hang import build
-    return build(section, cfg, topo)
+    return build(section, cfg)
 
 
-def _stragglers(section, cfg, topo):
+def _stragglers(section, cfg):
     from .stragglers import build
-    return build(section, cfg, topo)
+    return build(section, cfg)
 
 
-def _guard(section, cfg, topo):
+def _guard(section, cfg):
     from .bad_steps import build
-    return build(section, cfg, topo)
+    return build(section, cfg)
 
 
-def _wandb(section, cfg, topo):
+def _wandb(section, cfg):
     from .wandb import build
-    return build(section, cfg, topo)
+    return build(section, cfg)
 
 
-def _metrics(section, cfg, topo):
+def _metrics(section, cfg):
     from .metrics import build
-    return build(section, cfg, topo)
+    return build(section, cfg)
 
 
-def _pause(section, cfg, topo):
+def _pause(section, cfg):
     from .pause import build
-    return build(section, cfg, topo)
+    return build(section, cfg)
 
 
-def _evidence(section, cfg, topo):
+def _evidence(section, cfg):
     from .evidence import build
-    return build(section, cfg, topo)
+    return build(section, cfg)
 
 
 BUILT_IN = [
@@ -73,10 +73,10 @@ BUILT_IN = [
 ]
 
 
-def build_callbacks(cfg, topo, given: list) -> list:
+def build_callbacks(cfg, given: list) -> list:
     """The run's callbacks: the built-in ones that are on, then ``cfg.callbacks``, then ``given``; names
     unique (each is the key of its state in the checkpoint)."""
-    out = [cb for section, build in BUILT_IN for cb in [build(getattr(cfg, section), cfg, topo)] if cb is not None]
+    out = [cb for section, build in BUILT_IN for cb in [build(getattr(cfg, section), cfg)] if cb is not None]
     out += [user_callback(entry, i) for i, entry in enumerate(cfg.callbacks)]
     out += list(given)
     seen: dict = {}

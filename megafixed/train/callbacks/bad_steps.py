@@ -220,5 +220,5 @@ def _from_rank0(obj, world: int):
     return obj
 
 
-def build(section, cfg, topo) -> BadSteps:
+def build(section, cfg) -> BadSteps:
     return BadSteps(section, cfg.data.skip_steps, cfg.train.max_steps)

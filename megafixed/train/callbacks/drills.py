@@ -15,11 +15,12 @@ from .base import Callback
 class Drills(Callback):
     name = "faults"
 
-    def __init__(self, inject: str, rank: int, max_steps: int):
-        self.inject, self.plan, self.max_steps = inject, FaultPlan.from_config(inject, rank), max_steps
+    def __init__(self, inject: str, max_steps: int):
+        self.inject, self.max_steps = inject, max_steps
         self.say = print
 
     def preflight(self, topo, resume, say) -> None:
+        self.plan = FaultPlan.from_config(self.inject, topo.rank)  # this rank's share of the drill
         refusal = self.plan.refusal(topo.world_size, self.max_steps, self._done(resume))
         if refusal:
             raise InjectError(refusal)
@@ -52,7 +53,7 @@ class Drills(Callback):
         return loss if factor is None else loss * factor
 
 
-def build(section, cfg, topo) -> Optional[Drills]:
+def build(section, cfg) -> Optional[Drills]:
     if not (section.inject and section.inject.strip()):
         return None
-    return Drills(section.inject, topo.rank, cfg.train.max_steps)
+    return Drills(section.inject, cfg.train.max_steps)

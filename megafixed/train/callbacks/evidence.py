@@ -12,10 +12,11 @@ from .base import Callback
 class Evidence(Callback):
     name = "evidence"
 
-    def __init__(self, run_dir: Path, is_main: bool):
-        self.made, self.is_main = RunFiles(run_dir, created=not run_dir.exists()), is_main
+    def __init__(self, run_dir: Path):
+        self.made, self.is_main = RunFiles(run_dir, created=not run_dir.exists()), None
 
     def preflight(self, topo, resume, say) -> None:
+        self.is_main = topo.is_main
         if resume is None and self.is_main:  # a fresh start: an earlier attempt's files (no checkpoint) go aside
             set_aside_earlier_attempt(self.made.run_dir, say)
 
@@ -24,10 +25,19 @@ class Evidence(Callback):
             self.made.first_step()  # what is in a new run directory now is the trainer's own
 
     def on_error(self, exc: BaseException) -> None:
-        kept = self.made.after_failure() if self.is_main else None
+        kept = self.made.after_failure() if _main(self.is_main) else None
         if kept and isinstance(exc, Exception):
             exc.add_note(kept)  # the exit line says where (errors.report prints the notes)
 
 
-def build(section, cfg, topo) -> Evidence:
-    return Evidence(Path(section.run_dir), topo.is_main)
+def _main(is_main) -> bool:
+    """Rank 0 -- also for a failure before ``preflight`` told it (the resume check's): the process group's."""
+    if is_main is not None:
+        return is_main
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def build(section, cfg) -> Evidence:
+    return Evidence(Path(section.run_dir))

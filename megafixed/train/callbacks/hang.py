@@ -51,5 +51,5 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def build(section, cfg, topo) -> HangWatch:
+def build(section, cfg) -> HangWatch:
     return HangWatch(section, cfg.parallel.collective_timeout_s)

@@ -76,5 +76,5 @@ class Metrics(Callback):
             self.log.close()
 
 
-def build(section, cfg, topo) -> Metrics:
+def build(section, cfg) -> Metrics:
     return Metrics(section, cfg.train.max_steps)

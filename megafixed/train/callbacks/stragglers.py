@@ -29,5 +29,5 @@ class StragglerWatch(Callback):
         record.update(self.report.fields(step))
 
 
-def build(section, cfg, topo) -> StragglerWatch:
+def build(section, cfg) -> StragglerWatch:
     return StragglerWatch(section)

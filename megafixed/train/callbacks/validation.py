@@ -42,5 +42,5 @@ class Validation(Callback):
             record["val_loss"] = self.val
 
 
-def build(section, cfg, topo) -> Validation:
+def build(section, cfg) -> Validation:
     return Validation(section, cfg.train.max_steps)

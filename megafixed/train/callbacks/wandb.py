@@ -17,8 +17,9 @@ class Wandb(Callback):
         self.sink = WandbLog(cfg, Path(cfg.train.run_dir))  # refuses a missing wandb package before any step
 
     def setup(self, run) -> None:
-        run.sinks.append(self.sink)
+        if run.topo.is_main:
+            run.sinks.append(self.sink)
 
 
-def build(section, cfg, topo) -> Optional[Wandb]:
-    return Wandb(cfg) if section.enabled and topo.is_main else None
+def build(section, cfg) -> Optional[Wandb]:
+    return Wandb(cfg) if section.enabled else None
