@@ -121,6 +121,10 @@ def _loop(run: RunContext, schedule: LRSchedule) -> TrainResult:
     cfg, topo, engine, checkpointer, callbacks = run.cfg, run.topo, run.engine, run.checkpointer, run.callbacks
     layout, max_steps = topo.plan.batch, cfg.train.max_steps
 
+    def call(hook: str, *args) -> None:  # every callback's ``hook``, in the list's order
+        for cb in callbacks:
+            getattr(cb, hook)(*args)
+
     def batches_from(start: int):
         return micro_batches(run.datasets["train"], start_sample=start, micro_batch=layout.micro_batch,
                              dp_rank=topo.dp_rank, dp_size=topo.dp, num_workers=cfg.data.num_workers)
@@ -129,31 +133,23 @@ def _loop(run: RunContext, schedule: LRSchedule) -> TrainResult:
         return {"schedule": schedule.state_dict(), "config": cfg.to_dict(),
                 "callbacks": {cb.name: cb.state_dict() for cb in callbacks}}
 
-    def compute(step: int, batches):
-        """One computation of ``step`` (a re-check of a bad step computes it again, on the same data)."""
-        for cb in callbacks:
-            cb.before_compute(step)
+    def compute(step: int, batches):  # one computation of ``step`` (a re-check computes it again, same data)
+        call("before_compute", step)
         out = engine.train_step(batches, run.lr, step)
-        for cb in callbacks:
-            cb.after_compute(step)
+        call("after_compute", step)
         return out
 
     batches, first_done, last_loss = batches_from(run.consumed), run.done, None
-    for cb in callbacks:
-        cb.on_start()
+    call("on_start")
     stopped = run.halt
     while run.done < max_steps and not stopped:
         step = run.done + 1  # as numbered in the logs
         run.lr, run.record_now = schedule.lr_at(run.done), False
-        for cb in callbacks:
-            cb.before_step(step)
+        call("before_step", step)
         if any(cb.skips_step(step) for cb in callbacks):  # no forward: the step's data is consumed
             run.result = _consume(batches, layout.accum)
         else:
-            step_batches = batches
-            for cb in callbacks:
-                step_batches = cb.step_batches(step, step_batches)
-            result = compute(step, step_batches)
+            result = compute(step, _step_batches(callbacks, step, batches))
             for cb in callbacks:  # a verdict re-checked, then acted on
                 result = cb.settle_step(step, result, again=lambda again_batches, s=step: compute(s, again_batches))
             if isinstance(result, Rewind):  # reloaded a checkpoint before the bad step
@@ -163,24 +159,26 @@ def _loop(run: RunContext, schedule: LRSchedule) -> TrainResult:
                 continue
             run.result, last_loss = result, result.loss
         run.done, run.consumed = step, run.consumed + layout.global_batch
-        for cb in callbacks:
-            cb.after_step(step)
+        call("after_step", step)
         stopped = run.stop.should_stop() or bool(run.leaving)  # (callbacks decide alike on every rank)
         if stopped or checkpointer.due(step):
-            for cb in callbacks:
-                cb.before_save(step)
-            tag = checkpointer.save(engine, step, run.consumed, run_state, force=True)
-            for cb in callbacks:
-                cb.after_save(step, tag)
+            call("before_save", step)
+            call("after_save", step, checkpointer.save(engine, step, run.consumed, run_state, force=True))
     checkpointer.wait(engine)  # the run ends with `latest` on its last checkpoint (async saves complete)
     if stopped and not run.leaving and run.done > first_done:  # (a stop during the step-0 validation saved nothing)
         run.say(f"stopped at step {run.done} ({run.stop.reason}); checkpoint "
                 f"{checkpointer.ckpt_dir / checkpointer.latest} is complete. Run the same command again to resume.")
-    for cb in callbacks:
-        cb.on_stop(run.done)
+    call("on_stop", run.done)
     return TrainResult(run_dir=str(run.run_dir), step=run.done, consumed_samples=run.consumed, resumed_from=None,
                        last_loss=last_loss, last_val_loss=run.last_val_loss, checkpoint=checkpointer.latest,
                        stopped=stopped, history=run.history, leaving=run.leaving)
+
+
+def _step_batches(callbacks: list, step: int, batches):
+    """The iterator ``step`` pulls its micro batches from, as the callbacks hand it on (one may keep them)."""
+    for cb in callbacks:
+        batches = cb.step_batches(step, batches)
+    return batches
 
 
 def _consume(batches, accum: int) -> None:
