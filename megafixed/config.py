@@ -349,13 +349,7 @@ class WandbConfig:
 class FaultsConfig:
     # Drills (megafixed/run/faults.py): faults separated by ';', e.g. 'nan@3:rank=1;spike@5:once;slow:rank=0'.
     # Recorded in config.yaml like every key; a resume may change it. None: no drill.
-    inject: Optional[str] = None
-
-    def validate(self) -> None:
-        if self.inject and self.inject.strip():
-            from .run.faults import parse
-
-            parse(self.inject)  # a malformed drill is refused with the config, before anything is built
+    inject: Optional[str] = None  # parsed (and a malformed one refused) when the run's callbacks are built
 
 
 # A key that left the train section -> its place now: named in the one-line refusal of the old key.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...run.faults import KEY, FaultPlan, InjectError
+from ...run.faults import KEY, FaultPlan, InjectError, parse
 from .base import Callback
 
 
@@ -16,6 +16,7 @@ class Drills(Callback):
     name = "faults"
 
     def __init__(self, inject: str, max_steps: int):
+        parse(inject)  # a malformed drill is one line before anything is built or touched
         self.inject, self.max_steps = inject, max_steps
         self.say = print
 
