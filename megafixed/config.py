@@ -104,13 +104,10 @@ class ScheduleConfig:
 
 @dataclass
 class TrainConfig:
+    """The loop itself; every other concern of a run has its own section (guard, checkpoint, ...)."""
     max_steps: int = 1000
     global_batch: int = 8  # sequences per optimizer step, across all data-parallel ranks
     micro_batch: int = 8  # sequences per forward/backward on one rank
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_iters: int = 10
-    save_interval: int = 500
     run_dir: str = "runs/default"
     # An existing run_dir (or a checkpoint in it) owned by another user or writable by group/others is
     # refused before anything is read (ssh's rule); true: read it knowingly, e.g. a group-shared
@@ -124,11 +121,26 @@ class TrainConfig:
     # whose keys are zero.*; or the torch-native one, torch_engine.*). The default is spelt here
     # because a dataclass default cannot ask the registry; Config.validate checks it against it.
     engine: str = "deepspeed"
-    # A bad step (megafixed/run/bad_steps.py): a non-finite loss or gradient norm, or a spike -- a value
-    # beyond spike_sigma standard deviations above the mean of the last spike_window good steps (no
-    # verdict before the window is full). stop; skip (drop the update, count the batch as consumed);
-    # rollback (reload the newest verified checkpoint before the bad step, skip the data from it to the
-    # bad step + rollback_skip, go on; after max_rollbacks rollbacks, stop).
+    # CPU intra-op threads per process; 0: OMP_NUM_THREADS if set, else this process's share of the
+    # usable cores (megafixed/threads.py). Printed once at the start of the run.
+    threads: int = 0
+    # Start a new run from these weights (module only, at step 0; Adam moments start fresh): a run
+    # directory, its checkpoints folder or a tag directory, of any TP/PP layout -- e.g. the output of
+    # `megafixed import hf`. Ignored once the run has its own checkpoint (it then resumes from that).
+    init_from: Optional[str] = None
+
+    def validate(self) -> None:
+        require_at_least("train", self, 1, ("global_batch", "micro_batch"))
+        require_at_least("train", self, 0, ("max_steps",))
+
+
+@dataclass
+class GuardConfig:
+    """The bad-step guard (``train/callbacks/bad_steps.py``): a non-finite loss or gradient norm, or a
+    spike -- a value beyond spike_sigma standard deviations above the mean of the last spike_window good
+    steps (no verdict before the window is full). stop; skip (drop the update, count the batch as
+    consumed); rollback (reload the newest verified checkpoint before the bad step, skip the data from it
+    to the bad step + rollback_skip, go on; after max_rollbacks rollbacks, stop)."""
     on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
     on_spike: Literal["stop", "skip", "rollback"] = "skip"
     spike_sigma: float = 6.0
@@ -143,43 +155,92 @@ class TrainConfig:
     # verdict comes (without one, ~11 us of host bookkeeping per step of 8 micro batches: torch's RNG state
     # and the batch references; no device read, no collective), and turns a transient fault into a step
     # trained as if nothing happened instead of a dropped batch, a rollback or a stopped run.
-    recheck_bad_steps: bool = True
+    recheck: bool = True
     # After this many transient faults on one node, the run saves a checkpoint and exits 77
     # (exit_codes.EXCLUDE_NODE); the Slurm job script resubmits the job without that node. 0: never.
     max_transient_faults: int = 2
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 500  # save every N steps (and at the last step, and on a stop request)
+    keep: int = 2  # <= 0 keeps every checkpoint
+    async_save: bool = False  # write checkpoints in the background; `latest` moves once they are complete
     # The checkpoint a resume, a requeue or a rollback would load fails verification (a file missing,
     # truncated or corrupt): it is moved aside as <tag>.damaged-<why> (never deleted) and the newest older
     # checkpoint that verifies is loaded, said in one line and in the run record. false: stop in one line.
-    checkpoint_fallback: bool = True
+    fallback: bool = True
+
+    def validate(self) -> None:
+        require_at_least("checkpoint", self, 1, ("interval",))
+
+
+@dataclass
+class WatchdogConfig:
     # No step completed for this long: every rank writes its Python stacks to <run_dir>/faults/, rank 0
     # names the ranks that did not reach the step, exit 76 (exit_codes.HUNG). 0: max(300 s, 20 x the
     # median step time); the first step, saves and validation get at least parallel.collective_timeout_s.
-    hang_timeout_s: float = 0
+    timeout_s: float = 0
+
+
+@dataclass
+class StragglersConfig:
     # Every log interval: a rank whose forward compute per step is over this times the median is named.
-    straggler_factor: float = 1.5
+    factor: float = 1.5
+
+
+@dataclass
+class ValidationConfig:
+    interval: int = 100  # validate every N steps, at step 0 and at the last step; 0: never
+    iters: int = 10  # global batches of the validation split per pass
+
+    def validate(self) -> None:
+        require_at_least("validation", self, 0, ("interval", "iters"))
+
+
+@dataclass
+class MetricsConfig:
+    interval: int = 10  # a metrics record and a progress line every N steps
     tensorboard: bool = True
-    keep_checkpoints: int = 2  # <= 0 keeps every checkpoint
-    # Start a new run from these weights (module only, at step 0; Adam moments start fresh): a run
-    # directory, its checkpoints folder or a tag directory, of any TP/PP layout -- e.g. the output of
-    # `megafixed import hf`. Ignored once the run has its own checkpoint (it then resumes from that).
-    init_from: Optional[str] = None
-    async_save: bool = False  # write checkpoints in the background; `latest` moves once they are complete
-    # CPU intra-op threads per process; 0: OMP_NUM_THREADS if set, else this process's share of the
-    # usable cores (megafixed/threads.py). Printed once at the start of the run.
-    threads: int = 0
+
+    def validate(self) -> None:
+        require_at_least("metrics", self, 1, ("interval",))
+
+
+@dataclass
+class WandbConfig:
     # Weights & Biases beside TensorBoard (pip install 'megafixed[wandb]'): the same records; a restart
     # continues the same W&B run (its id is kept in <run_dir>/wandb_run.json). mode auto: WANDB_MODE,
     # else online; offline writes under <run_dir>/wandb/ for a later `wandb sync`.
-    wandb: bool = False
-    wandb_project: str = "megafixed"
-    wandb_entity: Optional[str] = None
-    wandb_run_name: Optional[str] = None  # None: the run directory's name
-    wandb_tags: list = field(default_factory=list)
-    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    enabled: bool = False
+    project: str = "megafixed"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None  # None: the run directory's name
+    tags: list = field(default_factory=list)
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
 
-    def validate(self) -> None:
-        require_at_least("train", self, 1, ("global_batch", "micro_batch", "log_interval", "save_interval"))
-        require_at_least("train", self, 0, ("max_steps", "eval_interval", "eval_iters"))  # eval_interval=0: no eval
+
+@dataclass
+class FaultsConfig:
+    # Drills (megafixed/run/faults.py): faults separated by ';', e.g. 'nan@3:rank=1;spike@5:once;slow:rank=0'.
+    # Recorded in config.yaml like every key; a resume may change it. None: no drill.
+    inject: Optional[str] = None  # parsed (and a malformed one refused) when the run's callbacks are built
+
+
+# A key that left the train section -> its place now: named in the one-line refusal of the old key.
+MOVED_KEYS = {
+    "train.on_nonfinite": "guard.on_nonfinite", "train.on_spike": "guard.on_spike",
+    "train.spike_sigma": "guard.spike_sigma", "train.spike_window": "guard.spike_window",
+    "train.rollback_skip": "guard.rollback_skip", "train.max_rollbacks": "guard.max_rollbacks",
+    "train.recheck_bad_steps": "guard.recheck", "train.max_transient_faults": "guard.max_transient_faults",
+    "train.save_interval": "checkpoint.interval", "train.keep_checkpoints": "checkpoint.keep",
+    "train.async_save": "checkpoint.async_save", "train.checkpoint_fallback": "checkpoint.fallback",
+    "train.hang_timeout_s": "watchdog.timeout_s", "train.straggler_factor": "stragglers.factor",
+    "train.eval_interval": "validation.interval", "train.eval_iters": "validation.iters",
+    "train.log_interval": "metrics.interval", "train.tensorboard": "metrics.tensorboard",
+    "train.wandb": "wandb.enabled", "train.wandb_project": "wandb.project", "train.wandb_entity": "wandb.entity",
+    "train.wandb_run_name": "wandb.run_name", "train.wandb_tags": "wandb.tags", "train.wandb_mode": "wandb.mode",
+}
 
 
 @dataclass
@@ -237,6 +298,16 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     torch_engine: TorchEngineConfig = field(default_factory=TorchEngineConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    stragglers: StragglersConfig = field(default_factory=StragglersConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    # User callbacks (megafixed/train/callbacks/): each {name: "package.module:Class", args: {...}}.
+    callbacks: list = field(default_factory=list)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
@@ -319,6 +390,8 @@ def _merge_into(obj: Any, data: dict, prefix: str = "") -> None:
     names = [f.name for f in dataclasses.fields(obj)]
     for key, value in data.items():
         path = f"{prefix}{key}"
+        if path in MOVED_KEYS:
+            raise ConfigError(f"{path} moved to {MOVED_KEYS[path]}")
         if key not in names:
             raise ConfigError(f"unknown config key '{path}'; valid keys under "
                               f"'{prefix.rstrip('.') or 'config'}' are: {', '.join(names)}")

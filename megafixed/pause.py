@@ -1,7 +1,7 @@
 """Pause points: a process stops at a named point until a signal or a release, so that a test (or a
 person rehearsing a failure) can act on work caught mid-way -- kill it, signal it, read its files --
 without racing the clock (a fast machine can never finish first). The drills of a training run
-proper are ``MEGAFIXED_INJECT`` (``run/faults.py``); a pause is not a fault and is not recorded.
+proper are the config key ``faults.inject`` (``run/faults.py``); a pause is not a fault and is not recorded.
 
     MEGAFIXED_PAUSE='POINT@N[:rank=R][:host=H][:group=G][:file=PATH]'
 

@@ -31,9 +31,9 @@ def write_shards(root: str | os.PathLike, docs: int = 400, seed: int = 0) -> str
 
 def tiny_overrides(prefix: str, run_dir: str | os.PathLike, *extra: str) -> list[str]:
     return TINY_MODEL + [f"data.prefixes=[{prefix}]", "data.split=90,5,5", f"train.run_dir={run_dir}",
-                         "train.global_batch=8", "train.micro_batch=4", "train.log_interval=1",
-                         "train.eval_interval=10", "train.eval_iters=2", "train.save_interval=10",
-                         "train.tensorboard=false", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4",
+                         "train.global_batch=8", "train.micro_batch=4", "metrics.interval=1",
+                         "validation.interval=10", "validation.iters=2", "checkpoint.interval=10",
+                         "metrics.tensorboard=false", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4",
                          "schedule.warmup_steps=3", *extra]
 
 
@@ -41,7 +41,7 @@ def tiny_overrides(prefix: str, run_dir: str | os.PathLike, *extra: str) -> list
 # against (tests/test_parallel_train.py, test_ckpt_universal.py, test_ckpt_integrity.py); one
 # session fixture (conftest.tiny_reference) trains it once per input kind for all of them.
 REFERENCE_STEPS = 4
-REFERENCE_EXTRA = (f"train.max_steps={REFERENCE_STEPS}", "train.save_interval=2", "train.eval_interval=0",
+REFERENCE_EXTRA = (f"train.max_steps={REFERENCE_STEPS}", "checkpoint.interval=2", "validation.interval=0",
                    "schedule.warmup_steps=1")
 
 

@@ -3,7 +3,7 @@
 Each run is what ``megafixed train`` does after its imports -- ``train(cfg, setup_distributed(
 RunPlan.for_launch(cfg)))`` -- one after another in the same world, so eight ranks pay their imports
 once for all of them. Runs may start from a copy of an earlier run's directory rewound to one of
-its checkpoints (a resume at another layout), and may carry ``MEGAFIXED_INJECT`` (the last run:
+its checkpoints (a resume at another layout), and may carry a drill (``faults.inject``) (the last run:
 ``exit@N`` SIGKILLs every rank mid-run, which ends this launch; the test reruns the same command).
 
 On every rank the bad-step guard's inputs (the reduced loss and the global gradient norm, as the
@@ -94,7 +94,7 @@ def one_run(spec: dict) -> dict:
     if dist.is_initialized():
         dist.barrier()
     if spec.get("inject"):
-        os.environ["MEGAFIXED_INJECT"] = spec["inject"]
+        cfg.faults.inject = spec["inject"]
     JUDGED.clear()
     TORCH_WARNINGS.clear()
     FSDP_MESHES.clear()

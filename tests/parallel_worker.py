@@ -62,6 +62,9 @@ class RecordingGuard:
         self.judged.append([step, what, "none" if value is None else struct.pack("<d", float(value)).hex()])
         return self.guard.judge(step, what, value)
 
+    def loss(self, loss, step):  # the step hook's other half: each micro batch's loss, as it is
+        return loss
+
 
 def validation_loss(engine, cfg, topo) -> float:
     """The engine's validation pass over one held-out global batch (its DP share), as the trainer runs it."""
@@ -72,12 +75,12 @@ def validation_loss(engine, cfg, topo) -> float:
 
 
 def run_one(cfg, topo, steps: int, save: str | None, load: str | None, start: int, guard: bool = False) -> dict:
-    from megafixed.engine import StepChecks, build_engine
+    from megafixed.engine import build_engine
 
     # topo.plan is the first case's plan: batch and precision are the same for every input and ZeRO
     # stage of a case; the engine takes the stage from cfg.
     recorder = RecordingGuard() if guard else None
-    engine = build_engine(cfg, topo, StepChecks(guard=recorder) if guard else None)
+    engine = build_engine(cfg, topo, recorder)
     sync = engine.grad_sync = CountingSync(engine.grad_sync) if engine.grad_sync is not None else None
     agreements = []
     if guard:

@@ -104,13 +104,13 @@ def _build(ws: Path) -> None:
 
     overrides = ["model.d_model=24", "model.n_heads=6", "model.n_layers=2", "model.vocab_size=512",
                  "model.code_bits=9", "model.max_seq_len=32", "data.seq_len=16", "train.max_steps=2",
-                 "train.global_batch=2", "train.micro_batch=2", "train.run_dir=runs/t", "train.tensorboard=false"]
+                 "train.global_batch=2", "train.micro_batch=2", "train.run_dir=runs/t", "metrics.tensorboard=false"]
     cfg = load_config(None, overrides)
     model_keys = [o.split("=")[0].split(".")[1] for o in overrides if o.startswith("model.")]
     config = {"model": {k: getattr(cfg.model, k) for k in model_keys},
               "data": {"prefixes": ["data/corpus"], "tokenizer": "tok.json", "seq_len": 16},
-              "train": {"max_steps": 2, "global_batch": 2, "micro_batch": 2, "run_dir": "runs/t",
-                        "tensorboard": False}}
+              "train": {"max_steps": 2, "global_batch": 2, "micro_batch": 2, "run_dir": "runs/t"},
+              "metrics": {"tensorboard": False}}
     import yaml
 
     (ws / "config.yaml").write_text(yaml.safe_dump(config))

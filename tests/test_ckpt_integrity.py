@@ -32,7 +32,7 @@ def shards(tiny_shards):
 def _cmd(shards, run_dir, *extra):
     # the shared reference command (conftest.tiny_reference), keeping every checkpoint
     return [sys.executable, "-m", "megafixed.cli", "train", "/dev/null",
-            *reference_overrides(shards, run_dir, "canonical", "train.keep_checkpoints=0", *extra)]
+            *reference_overrides(shards, run_dir, "canonical", "checkpoint.keep=0", *extra)]
 
 
 def _train(shards, run_dir, *extra):
@@ -48,11 +48,11 @@ def _losses(run_dir):
 @pytest.fixture(scope="module")
 def runs(shards, tiny_reference, tmp_path_factory):
     """``sync``: the session's reference run (a copy; with 2 checkpoints in 4 steps, keep_checkpoints'
-    default of 2 keeps the same ones as _cmd's 0); ``async``: the same with train.async_save,
+    default of 2 keeps the same ones as _cmd's 0); ``async``: the same with checkpoint.async_save,
     trained while the reference trains (if it was not trained yet)."""
     root = tmp_path_factory.mktemp("runs")
     with open(root / "async.log", "w+") as log:  # a file, not a pipe: a full pipe would stall the run
-        proc = subprocess.Popen(_cmd(shards, root / "async", "train.async_save=true"), cwd=ROOT,
+        proc = subprocess.Popen(_cmd(shards, root / "async", "checkpoint.async_save=true"), cwd=ROOT,
                                 env=launch_free_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
             shutil.copytree(tiny_reference("canonical")["canonical"], root / "sync", symlinks=True)
@@ -178,7 +178,7 @@ def killed_mid_save(shards, tmp_path_factory):
     env = {**launch_free_env(), "MEGAFIXED_PAUSE": "checkpoint.file@4"}  # the step-4 save stalls after its first file
     runs = {}
     for mode in ("sync", "async"):
-        extra = ("train.async_save=true",) if mode == "async" else ()
+        extra = ("checkpoint.async_save=true",) if mode == "async" else ()
         run_dir = root / mode / "run"
         proc = subprocess.Popen(_cmd(shards, run_dir, *extra), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)

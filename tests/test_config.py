@@ -17,8 +17,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 def test_required_keys_exist_with_defaults():
     cfg = Config()
     assert cfg.model.input in ("learned", "canonical", "gf2")
-    for section, key in [("model", "code_seed"), ("train", "max_steps"), ("train", "save_interval"),
-                         ("train", "log_interval"), ("train", "eval_interval"), ("train", "run_dir"),
+    for section, key in [("model", "code_seed"), ("train", "max_steps"), ("checkpoint", "interval"),
+                         ("metrics", "interval"), ("validation", "interval"), ("train", "run_dir"),
                          ("train", "seed"), ("parallel", "tp"), ("parallel", "pp"), ("zero", "stage")]:
         assert hasattr(getattr(cfg, section), key), f"{section}.{key}"
     assert cfg.zero.stage == 1
@@ -46,7 +46,7 @@ def test_unknown_key_is_named_with_valid_keys():
     ("model.n_heads=5", r"not divisible by model\.n_heads=5"),
     ("model.n_heads=0", r"model\.n_heads=0 must be >= 1"),  # was a ZeroDivisionError traceback
     ("model.n_layers=0", r"model\.n_layers=0 must be >= 1"),
-    ("train.log_interval=0", r"train\.log_interval=0 must be >= 1"),  # was a ZeroDivisionError mid-run
+    ("metrics.interval=0", r"metrics\.interval=0 must be >= 1"),  # was a ZeroDivisionError mid-run
     ("train.micro_batch=0", r"train\.micro_batch=0 must be >= 1"),
     ("train.max_steps=-1", r"train\.max_steps=-1 must be >= 0"),
     ("parallel.tp=0", r"parallel\.tp=0 must be >= 1"),
@@ -57,7 +57,7 @@ def test_bad_values_are_named(override, pattern):
 
 
 def test_zero_eval_interval_still_means_no_evaluation():
-    assert load_config(None, ["train.eval_interval=0"]).train.eval_interval == 0
+    assert load_config(None, ["validation.interval=0"]).validation.interval == 0
 
 
 def test_batch_that_does_not_divide_is_refused_with_a_fix():

@@ -21,8 +21,8 @@ def test_ctrl_c_through_the_cli_saves_at_the_step_and_exits_130_with_the_resume_
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("{}\n")
     cmd = [sys.executable, "-m", "megafixed.cli", "train", str(cfg),
-           *tiny_overrides(shards, tmp_path / "run", "train.max_steps=400", "train.eval_interval=0",
-                           "train.save_interval=1000", "train.threads=1")]
+           *tiny_overrides(shards, tmp_path / "run", "train.max_steps=400", "validation.interval=0",
+                           "checkpoint.interval=1000", "train.threads=1")]
     proc = signal_after_logged_steps(cmd, ROOT, tmp_path / "run" / "metrics.jsonl", signal.SIGINT)
     out, err = proc.stdout, proc.stderr
     assert proc.returncode == exit_codes.INTERRUPTED == 130, err[-3000:]

@@ -50,12 +50,12 @@ class FileEngine:
 def _checkpointer(tmp_path, *overrides):
     from megafixed.train.checkpoint import Checkpointer, RunIdentity
 
-    cfg = load_config(None, [f"train.run_dir={tmp_path / 'run'}", "train.max_steps=6", "train.save_interval=2",
-                             "train.keep_checkpoints=2", "data.mock=true", *overrides])
+    cfg = load_config(None, [f"train.run_dir={tmp_path / 'run'}", "train.max_steps=6", "checkpoint.interval=2",
+                             "checkpoint.keep=2", "data.mock=true", *overrides])
     plan = SimpleNamespace(tp=1, pp=1, dp=1, engine_plan=SimpleNamespace(zero_stage=cfg.zero.stage),
                            precision="fp32")  # a RunPlan's layout
     topo = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, is_main=True, plan=plan)
-    return Checkpointer(cfg.train, topo, RunIdentity.of(cfg, plan))
+    return Checkpointer(cfg, topo, RunIdentity.of(cfg, plan))
 
 
 def test_the_commit_protocol_runs_for_any_engine(tmp_path):

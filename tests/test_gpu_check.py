@@ -222,7 +222,7 @@ def test_the_resume_stage_also_resumes_the_torch_engine_exactly_within_the_stage
     def fake_train(overrides, *, mock=True):
         keys = dict(o.split("=", 1) for o in overrides)
         calls.append(keys)
-        steps, cut = int(keys["train.max_steps"]), int(keys["train.save_interval"])
+        steps, cut = int(keys["train.max_steps"]), int(keys["checkpoint.interval"])
         run = Path(keys["train.run_dir"]).name
         start = cut if not run.startswith("reference") and steps > cut else 0  # the second half resumes at cut
         curve = {k: 10.0 - k / 100 for k in range(start + 1, steps + 1)}
@@ -238,7 +238,7 @@ def test_the_resume_stage_also_resumes_the_torch_engine_exactly_within_the_stage
     assert engines == [("deepspeed", "reference_sync", "16"), ("deepspeed", "sync", "8"), ("deepspeed", "sync", "16"),
                        ("deepspeed", "async", "8"), ("deepspeed", "async", "16"),
                        ("torch", "reference_torch", "8"), ("torch", "torch", "4"), ("torch", "torch", "8")]
-    assert all(c["train.async_save"] == "false" for c in calls if Path(c["train.run_dir"]).name == "torch")
+    assert all(c["checkpoint.async_save"] == "false" for c in calls if Path(c["train.run_dir"]).name == "torch")
     assert res["summary"]["runs"]["torch"] == {"engine": "torch", "steps": 8, "resumed_at": 4, "exact": True}
     calls.clear()
     broken = True

@@ -247,7 +247,7 @@ def test_import_llama_same_logits_and_trains(tmp_path):
     overrides = [o for o in tiny_overrides(prefix, tmp_path / "run") if not o.startswith("model.")]
     cfg = load_config(str(tmp_path / "imported" / "config.yaml"),
                       overrides + ["data.seq_len=32", "train.max_steps=1", "train.global_batch=4",
-                                   "train.eval_interval=0", f"train.init_from={tmp_path / 'imported'}"])
+                                   "validation.interval=0", f"train.init_from={tmp_path / 'imported'}"])
     batch = next(micro_batches(build_datasets(cfg.data, seed=cfg.train.seed)["train"], start_sample=0,
                                micro_batch=4, dp_rank=0, dp_size=1))
     with torch.no_grad():

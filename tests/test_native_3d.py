@@ -8,7 +8,7 @@ trains a 6-layer GF(2)-code model, clipping on every step:
 - ``hsdp``: TP2 x PP2 with HSDP (``torch_engine.dp_replicate=2``), 4 steps;
 - ``dp8``: ``3d``'s step-2 checkpoint resumed at DP8 (FSDP2 over 8 ranks) to step 4, and ``back``:
   that DP8 step-4 checkpoint resumed at TP2 x PP2 x DP2 to the end;
-- ``victim``: the ``3d`` command again, every rank SIGKILLed before step 4 (``MEGAFIXED_INJECT=exit@4``),
+- ``victim``: the ``3d`` command again, every rank SIGKILLed before step 4 (``faults.inject=exit@4``),
   which ends the launch; the same command is then rerun through ``torchrun ... megafixed train``.
 
 Beside it, one process trains the same run from scratch (the reference) and resumes ``3d``'s step-2
@@ -38,9 +38,9 @@ from _train_data import reference_overrides
 ROOT = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
 STEPS, CLIP = 6, 0.05
-RUN = ("model.n_layers=6", "train.engine=torch", f"train.max_steps={STEPS}", "train.save_interval=2",
-       "train.eval_interval=2", f"schedule.decay_steps={STEPS}", "train.micro_batch=1", f"optimizer.grad_clip={CLIP}",
-       "train.keep_checkpoints=0")
+RUN = ("model.n_layers=6", "train.engine=torch", f"train.max_steps={STEPS}", "checkpoint.interval=2",
+       "validation.interval=2", f"schedule.decay_steps={STEPS}", "train.micro_batch=1", f"optimizer.grad_clip={CLIP}",
+       "checkpoint.keep=0")
 LAYOUT_3D = ("parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
              "parallel.pp_schedule=Interleaved1F1B", "parallel.vpp=2")
 LAYOUT_HSDP = ("parallel.tp=2", "parallel.pp=2", "torch_engine.dp_replicate=2", "train.max_steps=4")

@@ -39,8 +39,8 @@ RTOL = 1e-5
 TAG4 = "step_00000004"
 # The reference model and data (tests/_train_data.py), on the torch engine, run longer with a
 # checkpoint every 4 steps; decay_steps=4 keeps steps 1-4 on the 4-step reference's schedule.
-NATIVE = ("train.engine=torch", f"train.max_steps={STEPS}", f"train.save_interval={SAVE}", "schedule.decay_steps=4",
-          "train.keep_checkpoints=0")
+NATIVE = ("train.engine=torch", f"train.max_steps={STEPS}", f"checkpoint.interval={SAVE}", "schedule.decay_steps=4",
+          "checkpoint.keep=0")
 
 
 def _overrides(shards, run_dir, *extra) -> list[str]:
@@ -124,7 +124,7 @@ def shards(tiny_shards):
 def native_reference(shards, tmp_path_factory):
     """The uninterrupted DP2 run (async saves), started at once so that the kill test runs beside it."""
     run_dir = tmp_path_factory.mktemp("native_ref") / "run"
-    ref = _Background(2, _overrides(shards, run_dir, "train.async_save=true"), run_dir)
+    ref = _Background(2, _overrides(shards, run_dir, "checkpoint.async_save=true"), run_dir)
     yield ref
     if ref.proc.poll() is None:
         _kill9(ref.proc)
@@ -172,7 +172,7 @@ def _assert_same_tree(a, b, where=""):
 def test_kill9_between_saves_then_rerun_is_bit_identical_and_sync_saves_equal_async(shards, native_reference,
                                                                                      tmp_path):
     run_dir = tmp_path / "run"
-    overrides = _overrides(shards, run_dir, "train.async_save=false")
+    overrides = _overrides(shards, run_dir, "checkpoint.async_save=false")
     # rank 0 stops before step SAVE + 2 (a step past a complete checkpoint, before the next one is), rank 1
     # waits for it in that step, until both are killed there
     paused = tmp_path / "victim.paused"
@@ -223,7 +223,7 @@ def test_kill9_between_saves_then_rerun_is_bit_identical_and_sync_saves_equal_as
 def test_dp2_checkpoint_resumes_on_one_process_with_its_optimizer_state(shards, native_reference, tmp_path):
     ref_dir = native_reference.wait()
     run_dir = _rewind(ref_dir, tmp_path / "run", TAG4)
-    proc = _run(1, _overrides(shards, run_dir, "train.async_save=true"))
+    proc = _run(1, _overrides(shards, run_dir, "checkpoint.async_save=true"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     resumed = next(line for line in proc.stdout.splitlines() if line.startswith("resumed from"))
     assert "(step 4, 32 samples consumed)" in resumed
@@ -295,7 +295,7 @@ def test_the_other_engines_checkpoint_is_refused_in_one_line_and_init_from_cross
 
     # The fix it names: a new run from those weights, on the other engine. One step at a vanishing
     # learning rate, so the new run's checkpoint must hold the source's weights.
-    tiny_lr = ("optimizer.lr=1e-12", "optimizer.min_lr=0", "train.max_steps=1", "train.save_interval=1")
+    tiny_lr = ("optimizer.lr=1e-12", "optimizer.min_lr=0", "train.max_steps=1", "checkpoint.interval=1")
     ds_tag, torch_tag = ds_ref / "checkpoints" / TAG4, ref_dir / "checkpoints" / TAG4
     into_torch, into_ds = tmp_path / "into_torch" / "run", tmp_path / "into_ds" / "run"
     starts = [
@@ -406,11 +406,11 @@ def test_a_full_disk_during_an_async_save_is_named_and_keeps_the_previous_checkp
     from megafixed.engine.native.reader import read_state_dict
 
     run_dir = small_tmpfs / "run"
-    proc = _run(1, _overrides(shards, run_dir, "train.async_save=true"))
+    proc = _run(1, _overrides(shards, run_dir, "checkpoint.async_save=true"))
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line, tag8 = lines[0], "step_00000008"
-    assert line.startswith("error: the background (train.async_save) save of checkpoint") and tag8 in line, line
+    assert line.startswith("error: the background (checkpoint.async_save) save of checkpoint") and tag8 in line, line
     assert "no space left on device" in line and f"`latest` still names {TAG4}, which is complete" in line, line
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == TAG4 and not (ckpt / tag8).exists()

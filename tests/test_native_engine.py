@@ -200,7 +200,7 @@ with torch.no_grad():
     engine.module.head.proj.weight[3, 5] = float("nan")  # every loss is NaN from here on
 before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in engine.optimizer.state.items()}
-engine.cfg.train.on_nonfinite = "skip"
+engine.cfg.guard.on_nonfinite = "skip"
 skipped = engine.train_step(batches, 1e-3, 2)
 assert skipped.skipped and math.isnan(skipped.loss) and skipped.grad_norm is None
 for n, p in engine.module.named_parameters():
@@ -208,7 +208,7 @@ for n, p in engine.module.named_parameters():
     assert p.grad is None, n
 for p, s in engine.optimizer.state.items():
     assert all(torch.equal(v, moments[id(p)][k]) for k, v in s.items())
-engine.cfg.train.on_nonfinite = "stop"
+engine.cfg.guard.on_nonfinite = "stop"
 try:
     engine.train_step(batches, 1e-3, 3)
     raise AssertionError("a non-finite loss did not stop")
@@ -244,7 +244,7 @@ def _train(nproc, shards, run_dir, kind, *extra, torchrun=None):
 
 # Validation every 2 steps in the torch runs below (the reference has none; it consumes no training
 # data or RNG, so the training numbers still match): the sharded runs' val_loss must equal one process's.
-WITH_VALIDATION = ("train.eval_interval=2",)
+WITH_VALIDATION = ("validation.interval=2",)
 
 
 @pytest.fixture(scope="module")

@@ -223,7 +223,7 @@ def _assert_like_one_process(results: dict, cases: list[str]) -> None:
         assert all(n > 0.05 for n in r["ref_grad_norm"])  # optimizer.grad_clip=0.05: every step was clipped
         assert r["grad_rel_diff"] < RTOL, f"{name}: gradients after step 1 differ by {r['grad_rel_diff']:.2e}"
         assert math.isclose(r["val"], r["ref_val"], rel_tol=RTOL), (name, r["val"], r["ref_val"])
-        # a validation pass of another micro-batch count than the step's (train.eval_iters is any number)
+        # a validation pass of another micro-batch count than the step's (validation.iters is any number)
         assert math.isclose(r["val_odd"], r["ref_val_odd"], rel_tol=RTOL), (name, r["val_odd"], r["ref_val_odd"])
 
 
@@ -297,8 +297,8 @@ def test_the_fused_first_layer_under_hsdp_tp_sp_and_pp_with_fsdp2_equals_unfused
 
 # ----------------------------------------------------------------------------------- checkpoints, kill -9
 STEPS, SAVE = 6, 2
-NATIVE = ("train.engine=torch", f"train.max_steps={STEPS}", f"train.save_interval={SAVE}",
-          f"schedule.decay_steps={STEPS}", "train.keep_checkpoints=0", "train.micro_batch=2")
+NATIVE = ("train.engine=torch", f"train.max_steps={STEPS}", f"checkpoint.interval={SAVE}",
+          f"schedule.decay_steps={STEPS}", "checkpoint.keep=0", "train.micro_batch=2")
 PP2 = ("parallel.pp=2",)
 
 

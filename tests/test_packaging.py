@@ -61,9 +61,9 @@ def test_wheel_runs_quickstart_from_any_directory(tmp_path):
            # a real install byte-compiles at install time; here, don't let imports add .pyc files
            "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
-        [sys.executable, "-m", "megafixed.cli", "quickstart", "train.max_steps=2", "train.eval_interval=0",
+        [sys.executable, "-m", "megafixed.cli", "quickstart", "train.max_steps=2", "validation.interval=0",
          "train.global_batch=16", "model.n_layers=1", "model.d_model=64", "model.n_heads=2",
-         "train.tensorboard=false", "--sample-tokens=2"],
+         "metrics.tensorboard=false", "--sample-tokens=2"],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
 

@@ -169,7 +169,7 @@ def test_submit_layout_best_records_the_plan_in_the_job_record_and_the_runs_own_
     # a run started in that run directory keeps it in its run record
     said: list = []
     conf = load_config(None, tiny_overrides(write_shards(tmp_path / "shards"), run_dir, "train.max_steps=2",
-                                            "train.save_interval=2", "train.eval_interval=0"))
+                                            "checkpoint.interval=2", "validation.interval=0"))
     train(conf, setup_distributed(RunPlan.for_launch(conf)), log=said.append)
     record = json.loads(next((run_dir / "checkpoints").glob("step_*/run.json")).read_text())
     assert record["layout_chosen_by_plan"] == chosen

@@ -157,8 +157,8 @@ def _tiny_run(run_dir: Path, *overrides: str) -> None:
     from megafixed.train.trainer import train
 
     tiny = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64", "data.seq_len=64",
-            "train.global_batch=4", "train.micro_batch=4", "train.eval_interval=0", "train.log_interval=50",
-            "train.tensorboard=false", "schedule.warmup_steps=1", f"train.run_dir={run_dir}"]
+            "train.global_batch=4", "train.micro_batch=4", "validation.interval=0", "metrics.interval=50",
+            "metrics.tensorboard=false", "schedule.warmup_steps=1", f"train.run_dir={run_dir}"]
     cfg = load_config(str(ROOT / "examples" / "configs" / "quickstart.yaml"), [*tiny, *overrides])
     cfg = prepare_data(cfg, is_main=True)
     train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
@@ -199,11 +199,11 @@ def workspace(tmp_path_factory):
     _tiny_llama(ws / "path" / "to" / "llama")
     with gzip.open(ws / "small.jsonl.gz", "wt") as fh:
         fh.writelines(json.dumps({"text": t}) + "\n" for t in docs)
-    _tiny_run(ws / "runs" / "x", "data.mock=true", "train.max_steps=100", "train.save_interval=100",  # step_00000100
+    _tiny_run(ws / "runs" / "x", "data.mock=true", "train.max_steps=100", "checkpoint.interval=100",  # step_00000100
               "model.d_model=32", "model.n_layers=1", "model.max_seq_len=16", "data.seq_len=16",
               "train.global_batch=1", "train.micro_batch=1")
     _tiny_run(ws / "runs" / "quickstart", f"data.source={ws / 'small.jsonl.gz'}", "data.tokenizer_train_vocab=1024",
-              "model.vocab_size=1024", "model.code_bits=10", "train.max_steps=4", "train.save_interval=4")
+              "model.vocab_size=1024", "model.code_bits=10", "train.max_steps=4", "checkpoint.interval=4")
     return ws
 
 

@@ -36,7 +36,7 @@ def _start(tmp_path, rank: int, port: int, timeout: str, name: str, run: str = "
     err = open(tmp_path / f"{name}.err", "w")
     return subprocess.Popen([sys.executable, "-m", "megafixed.cli", "train", str(cfg), "data.mock=true", *TINY_MODEL,
                              "train.global_batch=8", "train.micro_batch=4", "train.max_steps=2",
-                             "train.eval_interval=0", f"train.run_dir={tmp_path / (run or name)}"],
+                             "validation.interval=0", f"train.run_dir={tmp_path / (run or name)}"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
 
 

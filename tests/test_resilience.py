@@ -1,11 +1,11 @@
-"""A long run survives bad steps, hangs and slow ranks, and says which (``MEGAFIXED_INJECT`` drills).
+"""A long run survives bad steps, hangs and slow ranks, and says which (``faults.inject`` drills).
 
-* ``nan@3`` with ``train.on_nonfinite=skip``: checkpoints 2 and 3 hold the same weights and Adam state;
+* ``nan@3`` with ``guard.on_nonfinite=skip``: checkpoints 2 and 3 hold the same weights and Adam state;
   on DP2 with the NaN on rank 1 only, both ranks skip and the later losses equal the one-process run's;
-* ``spike@6:factor=1000`` with ``train.on_spike=rollback``: the run reloads step 4 and its later losses
+* ``spike@6:factor=1000`` with ``guard.on_spike=rollback``: the run reloads step 4 and its later losses
   equal, bit for bit, a fresh run given ``data.skip_steps=5-6``; a requeue from before the window skips it;
 * one shared 2-rank launch also drills ``slow:rank=1:factor=3`` (rank 1 and its host named) and
-  ``hang@8:rank=1`` with ``train.hang_timeout_s=20`` (exit 76 within the timeout + 30 s, a stack file
+  ``hang@8:rank=1`` with ``watchdog.timeout_s=20`` (exit 76 within the timeout + 30 s, a stack file
   per rank, rank 1 named);
 * no false verdict over 300 steps shaped like the quickstart's (its optimizer, schedule and clipping;
   the tiny model, so it is cheap), with the guard's defaults;
@@ -32,7 +32,7 @@ from megafixed.config import load_config
 from megafixed.run import manifest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINTED = ("train.eval_interval=0", "train.keep_checkpoints=0")
+CHECKPOINTED = ("validation.interval=0", "checkpoint.keep=0")
 
 
 def _train(prefix, run_dir, *extra, inject=None, monkeypatch=None):
@@ -40,11 +40,8 @@ def _train(prefix, run_dir, *extra, inject=None, monkeypatch=None):
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
-    if inject is None:
-        monkeypatch.delenv("MEGAFIXED_INJECT", raising=False)
-    else:
-        monkeypatch.setenv("MEGAFIXED_INJECT", inject)
-    cfg = load_config(None, tiny_overrides(prefix, run_dir, *CHECKPOINTED, *extra))
+    drill = [f"faults.inject={inject}"] if inject is not None else []
+    cfg = load_config(None, tiny_overrides(prefix, run_dir, *CHECKPOINTED, *extra, *drill))
     return train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
 
 
@@ -85,7 +82,7 @@ def _state(tag_dir: Path) -> dict:
                           "fp32": opt["single_partition_of_fp32_groups"]}))
 
 
-NAN_RUN = ("train.max_steps=10", "train.on_nonfinite=skip", "train.save_interval=1")  # as the DP2 drill: one schedule
+NAN_RUN = ("train.max_steps=10", "guard.on_nonfinite=skip", "checkpoint.interval=1")  # as the DP2 drill: one schedule
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +139,10 @@ def dp2_drill(tiny_shards, tmp_path_factory):
     cfg = run.parent / "empty.yaml"
     cfg.write_text("{}\n")
     args = ["-m", "megafixed.cli", "train", str(cfg),
-            *tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=10", "train.on_nonfinite=skip",
-                            "train.save_interval=2", "train.hang_timeout_s=20", "train.micro_batch=4")]
-    code, text, seen, ended = _launch(2, args, {"MEGAFIXED_INJECT": "nan@3:rank=1;slow:rank=1:factor=3;"
-                                                                    "hang@8:rank=1"}, timeout=400)
+            *tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=10", "guard.on_nonfinite=skip",
+                            "checkpoint.interval=2", "watchdog.timeout_s=20", "train.micro_batch=4",
+                            "faults.inject=nan@3:rank=1;slow:rank=1:factor=3;hang@8:rank=1")]
+    code, text, seen, ended = _launch(2, args, {}, timeout=400)
     return run, code, text, seen, ended
 
 
@@ -170,7 +167,7 @@ def test_dp2_slow_rank_is_named_with_its_host(dp2_drill):
     assert len(named) >= len(rec) - 1 and all([s["rank"] for s in r["stragglers"]] == [1] for r in named)
     assert all(r["rank_compute_s"][1] > 1.5 * r["rank_compute_s"][0] for r in named)
     # the line points at the faults/ file, written before it (metrics.jsonl is truncated by a resume; it is not)
-    assert f"(train.straggler_factor); recorded in {run / 'faults' / 'stragglers.jsonl'}" in text
+    assert f"(stragglers.factor); recorded in {run / 'faults' / 'stragglers.jsonl'}" in text
     kept = [json.loads(line) for line in (run / "faults" / "stragglers.jsonl").read_text().splitlines()]
     assert [r["step"] for r in kept] == [r["step"] for r in named] and 2 in [r["step"] for r in kept]
     assert all(k["stragglers"] == r["stragglers"] for k, r in zip(kept, named))
@@ -189,12 +186,12 @@ def test_dp2_hang_is_named_and_exits_hung(dp2_drill):
     assert assert_latest_verifies(run) == "step_00000006"
 
 
-ROLLBACK = ("train.max_steps=9", "train.save_interval=2", "train.spike_window=4", "train.rollback_skip=0")
+ROLLBACK = ("train.max_steps=9", "checkpoint.interval=2", "guard.spike_window=4", "guard.rollback_skip=0")
 
 
 def test_spike_rollback_equals_fresh_skip_and_survives_a_requeue(tiny_shards, tmp_path, monkeypatch):
     rolled, fresh = tmp_path / "rolled", tmp_path / "fresh"
-    _train(tiny_shards, rolled, *ROLLBACK, "train.on_spike=rollback", inject="spike@6:factor=1000",
+    _train(tiny_shards, rolled, *ROLLBACK, "guard.on_spike=rollback", inject="spike@6:factor=1000",
            monkeypatch=monkeypatch)
     (v,) = verdicts(rolled)
     assert (v["step"], v["kind"], v["what"], v["action"]) == (6, "spike", "loss", "rollback")
@@ -212,7 +209,7 @@ def test_spike_rollback_equals_fresh_skip_and_survives_a_requeue(tiny_shards, tm
 
         shutil.rmtree(ckpts / tag)
     (ckpts / "latest").write_text("step_00000004\n")
-    _train(tiny_shards, rolled, *ROLLBACK, "train.on_spike=rollback", monkeypatch=monkeypatch)
+    _train(tiny_shards, rolled, *ROLLBACK, "guard.on_spike=rollback", monkeypatch=monkeypatch)
     again = losses(rolled)
     assert all(again[s] == b[s] for s in (7, 8, 9))
     assert [r["step"] for r in records(rolled) if r.get("skipped_data")] == [5, 6]
@@ -223,7 +220,7 @@ def test_no_false_verdict_over_a_quickstart_shaped_run(tiny_shards, tmp_path, mo
     """300 steps with the quickstart's optimizer, schedule and clipping and the guard's defaults
     (window 128, 6 sigma; default action skip): not one verdict."""
     run = tmp_path / "qs"
-    _train(tiny_shards, run, "train.max_steps=300", "train.save_interval=1000", "train.global_batch=4",
+    _train(tiny_shards, run, "train.max_steps=300", "checkpoint.interval=1000", "train.global_batch=4",
            "train.micro_batch=4", "optimizer.lr=2e-3", "optimizer.min_lr=2e-4", "optimizer.weight_decay=0.1",
            "optimizer.grad_clip=1.0", "schedule.kind=cosine", "schedule.warmup_steps=30", monkeypatch=monkeypatch)
     recs = records(run)
@@ -235,11 +232,11 @@ def test_malformed_injection_is_one_line(tmp_path):
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("{}\n")
     proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", str(cfg), "data.mock=true",
-                           f"train.run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "MEGAFIXED_INJECT": "nan@three"}, timeout=120)
+                           f"train.run_dir={tmp_path / 'run'}", "faults.inject=nan@three"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == exit_codes.BAD_INPUT
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "MEGAFIXED_INJECT='nan@three'" in errors[0] and "not a number" in errors[0]
+    assert len(errors) == 1 and "faults.inject='nan@three'" in errors[0] and "not a number" in errors[0]
     assert not (tmp_path / "run").exists()
 
 
@@ -267,12 +264,12 @@ def test_a_rank_that_dies_loses_no_checkpoint(tiny_shards, tmp_path, monkeypatch
     """``exit@5``: the process is SIGKILLed before step 5; checkpoint 4 verifies and the run resumes from it."""
     run, cfg = tmp_path / "run", tmp_path / "empty.yaml"
     cfg.write_text("{}\n")
-    over = tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=6", "train.save_interval=2")
-    proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", str(cfg), *over], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "MEGAFIXED_INJECT": "exit@5"}, timeout=300)
+    over = tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=6", "checkpoint.interval=2")
+    proc = subprocess.run([sys.executable, "-m", "megafixed.cli", "train", str(cfg), *over, "faults.inject=exit@5"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9 and "rank 0 dies (SIGKILL) before step 5" in proc.stderr
     assert assert_latest_verifies(run) == "step_00000004"
-    result = _train(tiny_shards, run, "train.max_steps=6", "train.save_interval=2", monkeypatch=monkeypatch)
+    result = _train(tiny_shards, run, "train.max_steps=6", "checkpoint.interval=2", monkeypatch=monkeypatch)
     assert result.resumed_from == "step_00000004" and result.step == 6
 
 
@@ -288,9 +285,8 @@ def test_the_hung_dp2_run_goes_on_with_one_rank_and_says_it_shrank(dp2_drill, on
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
-    monkeypatch.delenv("MEGAFIXED_INJECT", raising=False)
     cfg = load_config(None, tiny_overrides(tiny_shards, run, *CHECKPOINTED, "train.max_steps=10",
-                                           "train.on_nonfinite=skip", "train.save_interval=2", "train.micro_batch=4"))
+                                           "guard.on_nonfinite=skip", "checkpoint.interval=2", "train.micro_batch=4"))
     result = train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lines.append)
     assert result.resumed_from == "step_00000006" and result.step == 10
     shrank = [ln for ln in lines if ln.startswith("the job shrank")]
@@ -303,13 +299,13 @@ def test_the_hung_dp2_run_goes_on_with_one_rank_and_says_it_shrank(dp2_drill, on
 
 
 def test_a_spike_after_max_rollbacks_stops_the_run_with_the_checkpoint_intact(tiny_shards, tmp_path, monkeypatch):
-    """``train.max_rollbacks=1``: the spike at step 6 rolls back to step 4; the next one, at step 8, finds the
+    """``guard.max_rollbacks=1``: the spike at step 6 rolls back to step 4; the next one, at step 8, finds the
     rollbacks used up and stops the run in one line (exit 1 from the CLI), its newest checkpoint verified."""
     from megafixed.train.rollback import BadStepError
 
     run = tmp_path / "run"
-    with pytest.raises(BadStepError, match=r"bad step 8: .* already rolled back 1 time\(s\) \(train.max_rollbacks=1\)"):
-        _train(tiny_shards, run, *ROLLBACK, "train.on_spike=rollback", "train.max_rollbacks=1",
+    with pytest.raises(BadStepError, match=r"bad step 8: .* already rolled back 1 time\(s\) \(guard.max_rollbacks=1\)"):
+        _train(tiny_shards, run, *ROLLBACK, "guard.on_spike=rollback", "guard.max_rollbacks=1",
                inject="spike@6:factor=1000;spike@8:factor=1000", monkeypatch=monkeypatch)
     assert [(v["step"], v["action"]) for v in verdicts(run)] == [(6, "rollback"), (8, "rollback")]
     window = json.loads((run / "faults" / "skipped_steps.json").read_text())["windows"]

@@ -2,9 +2,9 @@
 
 A pipeline schedule computes the loss itself, on the last stage, and (DeepSpeed's ``train_batch``) ends
 in the update, so neither the step-loop's injected loss nor a verdict after the step reaches it. Here a
-2-rank PP2 run per engine gets ``spike@5:factor=1000`` and ``nan@7`` (``train.on_spike=skip``,
-``train.on_nonfinite=skip``, a checkpoint every step): both verdicts are given, on both ranks (each repeats when
-the step is computed again: ``train.recheck_bad_steps``), and each skipped update leaves every stage's weights and
+2-rank PP2 run per engine gets ``spike@5:factor=1000`` and ``nan@7`` (``guard.on_spike=skip``,
+``guard.on_nonfinite=skip``, a checkpoint every step): both verdicts are given, on both ranks (each repeats when
+the step is computed again: ``guard.recheck``), and each skipped update leaves every stage's weights and
 optimizer state as the step before left them, bit for bit, while the steps around them train. ``nan@3:once`` is a
 transient fault: the recomputation of step 3 through the schedule is good, trained on, and rank 1 (the last stage,
 which holds the loss) is named; every checkpoint from step 3 on is bit-identical to a run without it.
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.multiprocess
 
 INJECT = "spike@5:factor=1000;nan@7"
 TRANSIENT = "nan@3:once"  # the re-checked runs' only difference from the references
-RUN = ("parallel.pp=2", "train.max_steps=8", "train.save_interval=1", "train.keep_checkpoints=0",
-       "train.eval_interval=0", "train.spike_window=4", "train.on_spike=skip", "train.on_nonfinite=skip")
+RUN = ("parallel.pp=2", "train.max_steps=8", "checkpoint.interval=1", "checkpoint.keep=0",
+       "validation.interval=0", "guard.spike_window=4", "guard.on_spike=skip", "guard.on_nonfinite=skip")
 ENGINES = ("deepspeed", "torch")
 
 
@@ -41,8 +41,8 @@ def runs(tiny_shards, tmp_path_factory, torchrun):
     def launch(name):
         engine, _, reference = name.partition("-")
         return torchrun(2, ["-m", "megafixed.cli", "train", "/dev/null",
-                            *tiny_overrides(tiny_shards, dirs[name], f"train.engine={engine}", *RUN)],
-                        env={"MEGAFIXED_INJECT": INJECT if reference else f"{INJECT};{TRANSIENT}"})
+                            *tiny_overrides(tiny_shards, dirs[name], f"train.engine={engine}", *RUN,
+                                            f"faults.inject={INJECT if reference else f'{INJECT};{TRANSIENT}'}")])
 
     with ThreadPoolExecutor(2) as pool:
         outs = dict(zip(names, pool.map(launch, names)))

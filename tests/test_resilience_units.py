@@ -27,7 +27,21 @@ def test_fault_grammar():
     assert math.isnan(plan.loss_factor(3)) and plan.loss_factor(6) == 1000.0 and plan.loss_factor(5) is None
     assert faults.FaultPlan(got, rank=0).loss_factor(3) is None  # the NaN is rank 1's only
     assert plan.slow == 2.5 and faults.FaultPlan(got, rank=0).slow is None
-    assert faults.FaultPlan.from_env(0, env={}) is None  # unset: nothing to ask per step
+    assert faults.FaultPlan.from_config(None, 0) is None  # unset: nothing to ask per step
+    assert faults.FaultPlan.from_config("  ", 0) is None
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_drill_for_a_rank_at_or_past_the_world_size_is_refused(world):
+    """Rank ``world`` does not exist in a world of ``world`` ranks (0 to world - 1): a drill for it would never
+    fire, silently. The last rank that exists is accepted."""
+    last = faults.FaultPlan(faults.parse(f"nan@3:rank={world - 1}"), rank=0)
+    assert last.refusal(world, max_steps=10, done=0) is None
+    for rank in (world, world + 1):
+        plan = faults.FaultPlan(faults.parse(f"nan@3:rank={rank}"), rank=0, raw=f"nan@3:rank={rank}")
+        refusal = plan.refusal(world, max_steps=10, done=0)
+        assert refusal is not None and f"rank {rank} is not below the world size {world}" in refusal
+        assert refusal.startswith(f"faults.inject='nan@3:rank={rank}'")
 
 
 @pytest.mark.parametrize("raw, names", [
@@ -38,7 +52,7 @@ def test_fault_grammar_refuses_in_one_line(raw, names):
     with pytest.raises(faults.InjectError) as err:
         faults.parse(raw)
     text = str(err.value)
-    assert names in text and faults.ENV in text and "\n" not in text
+    assert names in text and faults.KEY in text and "\n" not in text
     from megafixed.errors import describe
 
     assert describe(err.value)[0] == 2
@@ -207,23 +221,25 @@ def test_the_guard_adds_no_device_read_to_a_step(tiny_shards, tmp_path, extra):
     from _train_data import tiny_overrides
     from megafixed.config import load_config
     from megafixed.data.gpt_dataset import build_datasets, micro_batches
-    from megafixed.engine import StepChecks, build_engine, prepare_runtime_env
+    from megafixed.engine import build_engine, prepare_runtime_env
     from megafixed.parallel import setup_distributed
     from megafixed.run_plan import RunPlan
-    from megafixed.train.recheck import LossTap, StepReplay
+    from megafixed.train.callbacks import CallbackHooks
+    from megafixed.train.callbacks.bad_steps import BadSteps
+    from megafixed.train.recheck import StepReplay
 
-    cfg = load_config(None, tiny_overrides(tiny_shards, tmp_path, *extra, "train.spike_window=2",
-                                          "train.spike_sigma=1000"))  # judged, never a verdict
+    cfg = load_config(None, tiny_overrides(tiny_shards, tmp_path, *extra, "guard.spike_window=2",
+                                          "guard.spike_sigma=1000"))  # judged, never a verdict
     prepare_runtime_env(cfg.train.engine)
     topo = setup_distributed(RunPlan.for_launch(cfg))
     engine = build_engine(cfg, topo)
     batches = micro_batches(build_datasets(cfg.data, seed=1)["train"], 0, topo.plan.batch.micro_batch, 0, 1)
-    guard = BadStepGuard.from_config(cfg.train)
+    callback = BadSteps(cfg.guard, [], cfg.train.max_steps)  # the guard with its re-check's note of each loss
+    guard, hook = callback.guard, CallbackHooks([callback])
     counts = {}
-    tap = LossTap(None, note=True)
     for step, attached in enumerate((None, guard, None, guard), start=1):
-        # as build_engine(cfg, topo, checks) gives them, and as the trainer's re-check pulls a step's batches
-        engine.checks = StepChecks(guard=attached, faults=tap if attached else None)
+        # as build_engine(cfg, topo, hook) gives it, and as the trainer's re-check pulls a step's batches
+        engine.hook = hook if attached else None
         with _ScalarReads() as reads:
             result = engine.train_step(StepReplay(batches) if attached else batches, 1e-3, step)
         counts.setdefault(attached is not None, []).append(reads.count)
@@ -231,4 +247,4 @@ def test_the_guard_adds_no_device_read_to_a_step(tiny_shards, tmp_path, extra):
         assert result.verdict is None and result.grad_norm is not None
     assert counts[True] == counts[False] and counts[True][0] > 0, counts
     assert guard.windows["loss"].full and guard.windows["grad_norm"].full
-    assert len(tap.take()) == 2 * topo.plan.batch.accum  # the tap saw every micro batch's loss
+    assert len(callback.seen) == 2 * topo.plan.batch.accum  # the re-check noted every micro batch's loss

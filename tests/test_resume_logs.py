@@ -58,9 +58,9 @@ def _train(prefix, run_dir, *extra):
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
-    cfg = load_config(None, tiny_overrides(prefix, run_dir, "train.tensorboard=true", "train.wandb=true",
-                                           "train.wandb_mode=offline", "train.wandb_project=megafixed-tests",
-                                           "train.wandb_tags=[ci,resume]", *extra))
+    cfg = load_config(None, tiny_overrides(prefix, run_dir, "metrics.tensorboard=true", "wandb.enabled=true",
+                                           "wandb.mode=offline", "wandb.project=megafixed-tests",
+                                           "wandb.tags=[ci,resume]", *extra))
     return train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
 
 
@@ -69,7 +69,7 @@ def test_a_resume_after_steps_logged_past_the_checkpoint_leaves_each_step_once(t
     monkeypatch.setenv("WANDB_SILENT", "true")
     prefix = write_shards(tmp_path / "shards")
     run_dir = tmp_path / "run"
-    common = ("train.max_steps=4", "train.save_interval=2", "train.keep_checkpoints=0", "train.eval_interval=2")
+    common = ("train.max_steps=4", "checkpoint.interval=2", "checkpoint.keep=0", "validation.interval=2")
     _train(prefix, run_dir, *common)
     # The run "died" after step 4's logs but before its checkpoint counted: latest still says step 2.
     (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
@@ -106,7 +106,7 @@ def test_train_wandb_without_the_package_is_one_error_naming_the_extra(monkeypat
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install 'megafixed\[wandb\]'"):
-        WandbLog(load_config(None, ["train.wandb=true"]), tmp_path)
+        WandbLog(load_config(None, ["wandb.enabled=true"]), tmp_path)
     assert not any(tmp_path.iterdir())  # nothing written
 
 

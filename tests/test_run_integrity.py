@@ -29,7 +29,7 @@ MODEL = "mp_rank_00_model_states.pt"
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 # vocab 320 so that a real (byte-level BPE, 300 ids) tokenizer fits: eval/export/generate need one
 EXTRA = ("model.input=canonical", "model.vocab_size=320", "model.code_bits=9", "train.max_steps=4",
-         "train.save_interval=2", "train.eval_interval=0", "schedule.warmup_steps=1", "train.keep_checkpoints=0")
+         "checkpoint.interval=2", "validation.interval=0", "schedule.warmup_steps=1", "checkpoint.keep=0")
 
 
 def _cmd(shards, run_dir, *extra):
@@ -229,7 +229,7 @@ def test_resume_loads_the_tag_it_was_given_not_a_moved_latest(ws, tmp_path):
     plan = SimpleNamespace(tp=1, pp=1, dp=1, engine_plan=SimpleNamespace(zero_stage=cfg.zero.stage),
                            precision="fp32")  # a RunPlan's layout
     topo = SimpleNamespace(rank=0, world_size=1, tp=1, pp=1, dp=1, is_main=True, plan=plan)
-    Checkpointer(cfg.train, topo, RunIdentity.of(cfg, plan)).load(Engine(), point)
+    Checkpointer(cfg, topo, RunIdentity.of(cfg, plan)).load(Engine(), point)
     assert seen == [TAG2]
 
 
@@ -381,8 +381,10 @@ def test_the_trainer_says_it_took_over_the_lock_of_a_node_the_job_no_longer_has(
     monkeypatch.setattr(trainer, "_train", lambda cfg, topo, **kw: seen.append(json.loads(
         (run / ".megafixed.lock").read_text())) or "trained")
     lines = []
-    cfg = SimpleNamespace(train=SimpleNamespace(run_dir=str(run), trust_run_dir=False))
-    assert trainer.train(cfg, SimpleNamespace(is_main=True), log=lines.append) == "trained"
+    from megafixed.config import load_config
+
+    cfg = load_config(None, [f"train.run_dir={run}"])
+    assert trainer.train(cfg, SimpleNamespace(is_main=True, rank=0), log=lines.append) == "trained"
     assert lines == [f"took over the run directory lock {run / '.megafixed.lock'} of a trainer that is gone (host "
                      f"node1, pid 4242, Slurm job 77, since x: its node node1 is not one of Slurm job 77's nodes "
                      f"(node2, node3))"]
@@ -406,7 +408,7 @@ def test_a_second_trainer_on_a_running_run_dir_is_refused_and_the_first_keeps_it
     from _pause import ended, pause_env, wait_paused
 
     run = tmp_path / "run"
-    cmd = _cmd(ws["shards"], run, "train.max_steps=100", "train.save_interval=1000")
+    cmd = _cmd(ws["shards"], run, "train.max_steps=100", "checkpoint.interval=1000")
     log = open(tmp_path / "first.err", "w+")  # a file, not a pipe: a full pipe would stall the trainer
     paused = tmp_path / "first.paused"  # the first stops before step 3 (2 steps logged) until its TERM
     first = subprocess.Popen(cmd, cwd=ROOT, env={**_env(), **pause_env("train.step@3", paused)},
@@ -461,7 +463,7 @@ def test_a_full_disk_during_a_save_is_named_and_keeps_the_previous_checkpoint(ws
     from megafixed.train.evaluate import trained_state_dict
 
     run = small_tmpfs / "run"
-    extra = ("train.async_save=true",) if mode == "async" else ()
+    extra = ("checkpoint.async_save=true",) if mode == "async" else ()
     proc = subprocess.run(_cmd(ws["shards"], run, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=600)
     line = _one_error(proc.stderr)

@@ -138,8 +138,8 @@ def test_one_megafixed_train_validates_the_layout_once(tmp_path, monkeypatch):
     monkeypatch.setattr(layout, "validate_layout", counted)
     args = SimpleNamespace(config=None, overrides=[
         *TINY_MODEL, "data.mock=true", f"train.run_dir={tmp_path / 'run'}", "train.max_steps=1",
-        "train.global_batch=2", "train.micro_batch=2", "train.eval_interval=0", "train.save_interval=1",
-        "train.tensorboard=false", "train.precision=fp32"])
+        "train.global_batch=2", "train.micro_batch=2", "validation.interval=0", "checkpoint.interval=1",
+        "metrics.tensorboard=false", "train.precision=fp32"])
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         assert train_command._train(args, StopRequest()) == 0  # `megafixed train`'s body (run() os._exits)

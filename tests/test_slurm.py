@@ -60,7 +60,7 @@ def job_log(run_dir, job_id) -> str:
     return (Path(run_dir) / "slurm" / f"{job_id}.out").read_text()
 
 
-STEPS = ("train.max_steps=30", "train.eval_interval=0", "train.save_interval=100")
+STEPS = ("train.max_steps=30", "validation.interval=0", "checkpoint.interval=100")
 
 
 def test_a_submitted_job_trains_and_after_the_pre_timeout_signal_requeues_and_continues_identically(
@@ -112,7 +112,7 @@ def test_a_submitted_job_trains_and_after_the_pre_timeout_signal_requeues_and_co
 def _srun_train(cluster, job_inputs, tmp_path, *srun_args, env=None):
     cfg, prefix = job_inputs
     cmd = ["srun", "-n2", "--cpus-per-task=1", *srun_args, sys.executable, "-m", "megafixed.cli", "train", cfg,
-           *tiny_overrides(prefix, tmp_path / "run", "train.max_steps=2", "train.eval_interval=0")]
+           *tiny_overrides(prefix, tmp_path / "run", "train.max_steps=2", "validation.interval=0")]
     t0 = time.time()
     out = subprocess.run(cmd, cwd=ROOT, env={**cluster.env, **(env or {})}, capture_output=True, text=True,
                          timeout=180)

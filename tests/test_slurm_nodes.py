@@ -60,8 +60,8 @@ RDZV_TIMEOUT = 120  # the default: a dozen ranks start at once here, on 2 cores
 CUT_TIMEOUT = 20  # parallel.collective_timeout_s of the job whose link is cut: the bound on detecting a dead node
 # The other jobs' (a rank may start well after its peers when a dozen share 2 cores; no fault waits on it).
 LONG_TIMEOUT = 120
-HANG_TIMEOUT = 15  # train.hang_timeout_s of the hang drill: well above a tiny step even with a dozen ranks on 2 cores
-COMMON = (f"train.max_steps={STEPS}", "train.eval_interval=0", "train.save_interval=2", "train.micro_batch=2",
+HANG_TIMEOUT = 15  # watchdog.timeout_s of the hang drill: well above a tiny step even with a dozen ranks on 2 cores
+COMMON = (f"train.max_steps={STEPS}", "validation.interval=0", "checkpoint.interval=2", "train.micro_batch=2",
           "schedule.warmup_steps=1")
 FAULTS, SIDE = "faults", "side"  # partitions: node1+node2 (the faults), node1+node3 (everything else)
 ALL = "all"  # the three nodes: the job that loses one (run last, when every other job has ended)
@@ -245,8 +245,8 @@ SIDE_JOBS = {
     "tppp": dict(extra=("parallel.tp=2", "parallel.pp=2"), layout=("node1", "node3", "node3", "node1")),
     # rank 1 (node3) never enters step 4: exit 76, requeued once by the job script, resumes from checkpoint 2,
     # hangs again, ends. Step 4, not 3: the first step after a resume gets parallel.collective_timeout_s.
-    "hang": dict(per_node=1, extra=(f"train.hang_timeout_s={HANG_TIMEOUT}",),
-                 env={"MEGAFIXED_INJECT": "hang@4:rank=1", "MEGAFIXED_MAX_REQUEUES": "1"}),
+    "hang": dict(per_node=1, extra=(f"watchdog.timeout_s={HANG_TIMEOUT}", "faults.inject=hang@4:rank=1"),
+                 env={"MEGAFIXED_MAX_REQUEUES": "1"}),
 }
 
 
@@ -412,7 +412,7 @@ def test_usr1_stops_every_rank_at_one_step_checkpoints_once_requeues_and_finishe
     assert len(list(ckpt.glob("zero_pp_rank_*_optim_states.pt"))) == 4, sorted(p.name for p in ckpt.iterdir())
     assert (ckpt / "manifest.json").exists()  # committed: every rank reported its files
     periodic = {f"step_{s:08d}" for s in range(2, stopped_at + 1, 2)}
-    kept = set(sorted(periodic | {ckpt.name})[-2:])  # train.keep_checkpoints=2 (the default) rotates older ones out
+    kept = set(sorted(periodic | {ckpt.name})[-2:])  # checkpoint.keep=2 (the default) rotates older ones out
     assert {p.name for p in (run_dir / "checkpoints").glob("step_*")} == kept
     cluster.run("scontrol", "release", job)
     info = finished(cluster, job, run_dir)
@@ -483,14 +483,14 @@ def test_a_hang_exits_76_names_the_rank_and_its_host_and_requeues_up_to_the_limi
 
 def test_transient_faults_on_a_node_resubmit_the_job_without_it_and_it_finishes_elsewhere(cluster, inputs, reference,
                                                                                          tmp_path):
-    """``nan@3:once:rank=1`` with ``train.max_transient_faults=1``: rank 1's NaN is gone when step 3 is computed
+    """``nan@3:once:rank=1`` with ``guard.max_transient_faults=1``: rank 1's NaN is gone when step 3 is computed
     again (a transient fault), so the run trains on, names rank 1 and its node, saves and exits 77; the job script
     submits itself again with that node excluded, and the new job resumes on the two other nodes and finishes with
     the one-process losses."""
     run_dir = tmp_path / "transient"
     cluster.wait_idle()
-    job = submit(cluster, inputs, run_dir, "train.max_transient_faults=1", per_node=1, partition=ALL,
-                 env={"MEGAFIXED_INJECT": "nan@3:once:rank=1"})
+    job = submit(cluster, inputs, run_dir, "guard.max_transient_faults=1", "faults.inject=nan@3:once:rank=1",
+                 per_node=1, partition=ALL)
     info = finished(cluster, job, run_dir, state="FAILED")
     log = job_log(run_dir, job)
     bad = cluster.task_nodes(job)[1]

@@ -20,13 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).resolve().parent / "import_probe.py"
 
 # Loaded only by what uses them: DeepSpeed and megatron-core by the DeepSpeed engine; the compiler stack
-# by train.compile; wandb by train.wandb; lm-eval and transformers by evaluation and HF interop.
+# by train.compile; wandb by wandb.enabled; lm-eval and transformers by evaluation and HF interop.
 ENGINES = ("deepspeed", "megatron")
 COMPILER = ("torch._dynamo", "torch._inductor")
 EXTRAS = ("wandb", "lm_eval", "transformers")
 TINY = ("model.vocab_size=256 model.d_model=64 model.n_layers=2 model.n_heads=4 model.code_bits=8 "
         "model.max_seq_len=32 data.seq_len=32 data.mock=true train.max_steps=1 train.global_batch=8 "
-        "train.micro_batch=4 train.eval_interval=0 train.tensorboard=false schedule.warmup_steps=0")
+        "train.micro_batch=4 validation.interval=0 metrics.tensorboard=false schedule.warmup_steps=0")
 
 
 def probe(tmp_path: Path, cmds: list[str], env: dict | None = None) -> dict:

@@ -20,8 +20,8 @@ def study(tmp_path_factory):
     """2 interfaces x 2 seeds, 4 steps each, through the real CLI."""
     tmp = tmp_path_factory.mktemp("study")
     prefix = write_shards(tmp / "data")
-    overrides = tiny_overrides(prefix, tmp / "unused", "train.max_steps=4", "train.eval_interval=2",
-                               "train.save_interval=4")
+    overrides = tiny_overrides(prefix, tmp / "unused", "train.max_steps=4", "validation.interval=2",
+                               "checkpoint.interval=4")
     config = tmp / "tiny.yaml"
     config.write_text(yaml.safe_dump({}))
     args = ["study", str(config), *[o for o in overrides if not o.startswith("train.run_dir")],
@@ -81,7 +81,7 @@ def trained_canonical(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("probe")
     prefix = write_shards(tmp / "data")
     cfg = load_config(None, tiny_overrides(prefix, tmp / "run", "model.input=canonical", "train.max_steps=30",
-                                           "train.eval_interval=0", "optimizer.lr=1e-2"))
+                                           "validation.interval=0", "optimizer.lr=1e-2"))
     train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=lambda *_: None)
     return tmp / "run"
 

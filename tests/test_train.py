@@ -82,7 +82,7 @@ def test_codes_round_trip_through_checkpoints_and_a_changed_seed_is_refused(shar
     from megafixed.codes import make_code
     from megafixed.train.evaluate import load_trained_model
 
-    run(shards, tmp_path, "model.input=gf2", "model.code_seed=11", "train.max_steps=10", "train.eval_interval=0")
+    run(shards, tmp_path, "model.input=gf2", "model.code_seed=11", "train.max_steps=10", "validation.interval=0")
     tag = read_latest(tmp_path / "checkpoints")
     state = torch.load(tmp_path / "checkpoints" / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     code = make_code("gf2", 8, 11)
@@ -135,14 +135,14 @@ def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line_naming_the_run_co
 
 
 def test_latest_pointer_and_pruning(shards, tmp_path):
-    run(shards, tmp_path, "train.max_steps=5", "train.save_interval=1", "train.keep_checkpoints=2",
-        "train.eval_interval=0", "train.tensorboard=true")
+    run(shards, tmp_path, "train.max_steps=5", "checkpoint.interval=1", "checkpoint.keep=2",
+        "validation.interval=0", "metrics.tensorboard=true")
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     ckpt = tmp_path / "checkpoints"
     assert read_latest(ckpt) == "step_00000005"
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_00000004", "step_00000005"]
     # Running the finished run again is a no-op resume, not a new run.
-    result = run(shards, tmp_path, "train.max_steps=5", "train.save_interval=1", "train.eval_interval=0")
+    result = run(shards, tmp_path, "train.max_steps=5", "checkpoint.interval=1", "validation.interval=0")
     assert result.resumed_from == "step_00000005" and result.step == 5 and result.history == []
 
 
@@ -150,7 +150,7 @@ def _poison_lr(*extra):
     # with run(..., poison_lr=True): lr=1e30 turns the first update into inf/NaN weights, so the
     # second step's loss is non-finite.
     return ("optimizer.grad_clip=0.0", "schedule.kind=constant", "schedule.warmup_steps=0",
-            "train.eval_interval=0", "zero.stage=0", *extra)
+            "validation.interval=0", "zero.stage=0", *extra)
 
 
 def test_nonfinite_loss_stops_with_a_clear_message(shards, tmp_path):
@@ -203,7 +203,7 @@ def test_nonfinite_skip_drops_the_update(shards, tmp_path, stage):
 
 def test_nonfinite_skip_keeps_the_run_going(shards, tmp_path):
     # Step 1 is finite and blows the weights up (lr=1e30); steps 2-4 are non-finite and skipped.
-    result = run(shards, tmp_path, *_poison_lr("train.max_steps=4", "train.on_nonfinite=skip"), poison_lr=True)
+    result = run(shards, tmp_path, *_poison_lr("train.max_steps=4", "guard.on_nonfinite=skip"), poison_lr=True)
     assert result.step == 4 and [bool(r.get("skipped")) for r in result.history] == [False, True, True, True]
 
 

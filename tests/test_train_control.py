@@ -59,7 +59,7 @@ def tree_hash(root: Path) -> dict:
 
 # ----------------------------------------------------------------------------------- stop request
 def test_a_stop_request_saves_at_the_step_and_the_rerun_continues_identically(shards, tmp_path):
-    common = ("train.max_steps=6", "train.eval_interval=0", "train.save_interval=100", "model.input=gf2")
+    common = ("train.max_steps=6", "validation.interval=0", "checkpoint.interval=100", "model.input=gf2")
     straight = run(shards, tmp_path / "straight", *common)
     stopped = run(shards, tmp_path / "stopped", *common, stop=StopAfterPolls(3))
     assert stopped.stopped and stopped.step == 3 and stopped.checkpoint == "step_00000003"
@@ -74,8 +74,8 @@ def test_a_stop_request_saves_at_the_step_and_the_rerun_continues_identically(sh
 
 def test_a_stop_during_validation_cuts_the_pass_short_and_saves(shards, tmp_path):
     # polls: step-0 validation (2 batches), end of step 1, step-2 validation's first batch -> stop
-    result = run(shards, tmp_path, "train.max_steps=10", "train.eval_interval=2", "train.eval_iters=2",
-                 "train.save_interval=100", stop=StopAfterPolls(4))
+    result = run(shards, tmp_path, "train.max_steps=10", "validation.interval=2", "validation.iters=2",
+                 "checkpoint.interval=100", stop=StopAfterPolls(4))
     assert result.stopped and result.step == 2 and result.checkpoint == "step_00000002"
     recs = read_metrics(tmp_path)
     assert "val_loss" in recs[0] and not any("val_loss" in r for r in recs if r["step"] == 2)
@@ -85,8 +85,8 @@ def test_sigusr1_stops_the_cli_with_exit_75_and_the_same_command_resumes(shards,
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("{}\n")
     cmd = [sys.executable, "-m", "megafixed.cli", "train", str(cfg),
-           *tiny_overrides(shards, tmp_path / "run", "train.max_steps=400", "train.eval_interval=0",
-                           "train.save_interval=1000")]
+           *tiny_overrides(shards, tmp_path / "run", "train.max_steps=400", "validation.interval=0",
+                           "checkpoint.interval=1000")]
     proc = signal_after_logged_steps(cmd, ROOT, tmp_path / "run" / "metrics.jsonl", signal.SIGUSR1)
     out, err = proc.stdout, proc.stderr
     assert proc.returncode == 75, err[-3000:]
@@ -102,14 +102,14 @@ def test_sigusr1_stops_the_cli_with_exit_75_and_the_same_command_resumes(shards,
 def test_a_changed_model_or_data_key_is_refused_before_anything_is_touched(shards, tmp_path, change):
     from megafixed.train.checkpoint import CheckpointError
 
-    run(shards, tmp_path, "train.max_steps=4", "train.save_interval=2", "train.keep_checkpoints=1",
-        "train.eval_interval=0")
+    run(shards, tmp_path, "train.max_steps=4", "checkpoint.interval=2", "checkpoint.keep=1",
+        "validation.interval=0")
     before = tree_hash(tmp_path)
     key = change.split("=")[0]
     with pytest.raises(CheckpointError, match=rf"cannot resume .*: {key.replace('.', '[.]')} changed from .* "
                                               rf"since checkpoint step_00000004.*config\.yaml"):
-        run(shards, tmp_path, "train.max_steps=8", "train.save_interval=2", "train.keep_checkpoints=1",
-            "train.eval_interval=0", change)
+        run(shards, tmp_path, "train.max_steps=8", "checkpoint.interval=2", "checkpoint.keep=1",
+            "validation.interval=0", change)
     assert tree_hash(tmp_path) == before  # config.yaml, latest, the checkpoint list, metrics: untouched
 
 
@@ -118,8 +118,8 @@ def test_safe_changes_are_allowed_and_reported(shards, tmp_path):
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
-    run(shards, tmp_path, "train.max_steps=3", "train.eval_interval=0")
-    cfg = load_config(None, tiny_overrides(shards, tmp_path, "train.max_steps=5", "train.eval_interval=0",
+    run(shards, tmp_path, "train.max_steps=3", "validation.interval=0")
+    cfg = load_config(None, tiny_overrides(shards, tmp_path, "train.max_steps=5", "validation.interval=0",
                                            "optimizer.lr=1e-3"))
     said = []
     result = train(cfg, setup_distributed(RunPlan.for_launch(cfg)), log=said.append)
@@ -181,7 +181,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_keeps_what_it_logged_and_s
 
     from megafixed.engine import NonFiniteLossError
 
-    cfg = load_config(None, tiny_overrides(shards, tmp_path / "run", "train.max_steps=4", "train.eval_interval=0",
+    cfg = load_config(None, tiny_overrides(shards, tmp_path / "run", "train.max_steps=4", "validation.interval=0",
                                            "optimizer.grad_clip=0.0", "zero.stage=0", "schedule.warmup_steps=0"))
     cfg.optimizer.lr = 1e30  # blows the weights up: step 2 is non-finite
     from megafixed.parallel import setup_distributed

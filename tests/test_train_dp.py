@@ -20,8 +20,8 @@ def test_two_process_dp_matches_one_process(tmp_path, torchrun):
     from megafixed.train.trainer import train
 
     prefix = write_shards(tmp_path / "data")
-    common = ["train.max_steps=12", "train.global_batch=8", "train.micro_batch=2", "train.eval_interval=6",
-              "train.save_interval=6", "model.input=canonical"]
+    common = ["train.max_steps=12", "train.global_batch=8", "train.micro_batch=2", "validation.interval=6",
+              "checkpoint.interval=6", "model.input=canonical"]
     # One process: 8 = 2 x accum 4 x dp 1 (in this pytest process).
     one = tmp_path / "one"
     from megafixed.parallel import setup_distributed

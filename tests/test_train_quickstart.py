@@ -15,9 +15,9 @@ def test_quickstart_end_to_end_small(tmp_path, capsys):
     from megafixed.data.gpt_dataset import build_datasets
     from megafixed.train.evaluate import load_trained_model
 
-    cfg = load_config(str(DEFAULT_CONFIG), ["train.max_steps=4", "train.eval_interval=2", "train.save_interval=2",
+    cfg = load_config(str(DEFAULT_CONFIG), ["train.max_steps=4", "validation.interval=2", "checkpoint.interval=2",
                                             "model.n_layers=1", "model.d_model=64", "model.n_heads=2",
-                                            f"train.run_dir={tmp_path / 'run'}", "train.tensorboard=false"])
+                                            f"train.run_dir={tmp_path / 'run'}", "metrics.tensorboard=false"])
     _anchor_paths(cfg)
     summary = quickstart(cfg, sample_tokens=4)
     out = capsys.readouterr().out

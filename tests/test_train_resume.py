@@ -23,8 +23,8 @@ def cli(run_dir: Path, prefix: str) -> list[str]:
     cfg.write_text("{}\n")
     # dropout > 0 so that the RNG state is part of what must be restored
     return [sys.executable, "-m", "megafixed.cli", "train", str(cfg),
-            *tiny_overrides(prefix, run_dir, f"train.max_steps={STEPS}", f"train.save_interval={SAVE}",
-                            "model.dropout=0.1", "model.input=gf2", "train.eval_interval=25")]
+            *tiny_overrides(prefix, run_dir, f"train.max_steps={STEPS}", f"checkpoint.interval={SAVE}",
+                            "model.dropout=0.1", "model.input=gf2", "validation.interval=25")]
 
 
 def env() -> dict:

@@ -1,10 +1,10 @@
 """A run nobody watches: it keeps its evidence, goes on past a damaged checkpoint, refuses drills that
-cannot fire, and tells a transient fault from a deterministic one (issue 43, ``MEGAFIXED_INJECT`` drills).
+cannot fire, and tells a transient fault from a deterministic one (issue 43, ``faults.inject`` drills).
 
 * ``nan@5:once`` with the re-check: nothing skipped, weights and Adam state at step 8 bit-identical to a
   fault-free run's, on both engines; the record says transient. ``nan@5`` (it repeats): skipped exactly as
   without the re-check. On DP2 ``spike@5:once:rank=1`` names rank 1, and with
-  ``train.max_transient_faults=1`` the run saves and exits 77 with its node in ``faults/exclude_nodes.txt``;
+  ``guard.max_transient_faults=1`` the run saves and exits 77 with its node in ``faults/exclude_nodes.txt``;
   the job script resubmits the job with ``--exclude``.
 * a damaged newest checkpoint: a resume, a 2-rank requeue and a rollback each load the one before it, say so,
   and keep the damaged tag as ``<tag>.damaged-corrupt``; all damaged: one line, exit 2, nothing moved.
@@ -35,7 +35,7 @@ from megafixed.config import load_config
 from megafixed.run import faults
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE = ("train.eval_interval=0", "train.keep_checkpoints=0", "train.max_steps=8", "train.save_interval=4")
+BASE = ("validation.interval=0", "checkpoint.keep=0", "train.max_steps=8", "checkpoint.interval=4")
 TAG4, TAG8 = "step_00000004", "step_00000008"
 
 
@@ -45,17 +45,10 @@ def _train(shards, run_dir, *extra, inject=None, lines=None):
     from megafixed.run_plan import RunPlan
     from megafixed.train.trainer import train
 
-    mp = pytest.MonkeyPatch()
-    try:
-        if inject is None:
-            mp.delenv(faults.ENV, raising=False)
-        else:
-            mp.setenv(faults.ENV, inject)
-        cfg = load_config(None, tiny_overrides(shards, run_dir, *BASE, *extra))
-        return train(cfg, setup_distributed(RunPlan.for_launch(cfg)),
-                     log=lines.append if lines is not None else (lambda *_: None))
-    finally:
-        mp.undo()
+    drill = [f"faults.inject={inject}"] if inject is not None else []
+    cfg = load_config(None, tiny_overrides(shards, run_dir, *BASE, *extra, *drill))
+    return train(cfg, setup_distributed(RunPlan.for_launch(cfg)),
+                 log=lines.append if lines is not None else (lambda *_: None))
 
 
 def _records(run_dir) -> list[dict]:
@@ -128,20 +121,18 @@ def test_once_faults_hit_the_first_computation_only_and_drills_that_cannot_fire_
     assert "'slow:rank=1:factor=3' cannot" not in line and plan.refusal(world=6, max_steps=99, done=0) is None
 
 
-def test_a_requeue_of_the_same_drill_goes_on_past_its_done_steps(tmp_path, monkeypatch):
-    """A resumed checkpoint written under the same ``MEGAFIXED_INJECT`` is that drill's own requeue: its earlier
+def test_a_requeue_of_the_same_drill_goes_on_past_its_done_steps(tmp_path):
+    """A resumed checkpoint written under the same ``faults.inject`` is that drill's own requeue: its earlier
     faults have had their turn, so only a new drill is refused for steps already done."""
+    from megafixed.train.callbacks.drills import Drills
     from megafixed.train.checkpoint import ResumePoint
-    from megafixed.train.trainer import _drill_done
 
     tag_dir = tmp_path / "checkpoints" / "step_00000006"
     tag_dir.mkdir(parents=True)
     (tag_dir / "run.json").write_text(json.dumps({"config": {}, "fault_injection": "nan@3:once"}))
     point = ResumePoint(tag=tag_dir.name, tag_dir=tag_dir)
-    monkeypatch.setenv(faults.ENV, "nan@3:once")
-    assert _drill_done(point) == 0 and _drill_done(None) == 0
-    monkeypatch.setenv(faults.ENV, "nan@3")
-    assert _drill_done(point) == 6
+    assert Drills("nan@3:once", 8)._done(point) == 0 and Drills("nan@3:once", 8)._done(None) == 0
+    assert Drills("nan@3", 8)._done(point) == 6
 
 
 def test_a_failed_run_removes_only_its_own_start_and_a_fresh_start_sets_an_attempt_aside(tmp_path):
@@ -291,7 +282,7 @@ def rechecked(tiny_shards, tmp_path_factory):
             _train(tiny_shards, runs[f"{engine}-{name}"], f"train.engine={engine}", "model.dropout=0.1", inject=inject)
     for name, flag in (("repeated", "true"), ("unchecked", "false")):
         runs[name] = root / name
-        _train(tiny_shards, runs[name], "train.on_nonfinite=skip", f"train.recheck_bad_steps={flag}", inject="nan@5")
+        _train(tiny_shards, runs[name], "guard.on_nonfinite=skip", f"guard.recheck={flag}", inject="nan@5")
     return runs
 
 
@@ -325,14 +316,14 @@ def test_a_crash_before_the_first_save_keeps_the_metrics_and_a_rerun_sets_them_a
     from megafixed.errors import report
 
     run = tmp_path / "run"
-    with pytest.raises(NonFiniteLossError) as err:  # nan@5 repeats: train.on_nonfinite=stop (the default) stops
-        _train(tiny_shards, run, "train.save_interval=100", inject="nan@5")
+    with pytest.raises(NonFiniteLossError) as err:  # nan@5 repeats: guard.on_nonfinite=stop (the default) stops
+        _train(tiny_shards, run, "checkpoint.interval=100", inject="nan@5")
     before = (run / "metrics.jsonl").read_bytes()
     assert sorted(_losses(run)) == [1, 2, 3, 4] and not (run / "checkpoints").exists()
     assert report(err.value, file=open(os.devnull, "w")) == exit_codes.FAILED
     assert any(f"kept in {run}" in note and "metrics.jsonl" in note for note in err.value.__notes__)
     lines: list[str] = []
-    result = _train(tiny_shards, run, "train.save_interval=100", lines=lines)  # fresh: nothing to resume from
+    result = _train(tiny_shards, run, "checkpoint.interval=100", lines=lines)  # fresh: nothing to resume from
     aside = run / "attempts" / "1"
     assert result.resumed_from is None and (aside / "metrics.jsonl").read_bytes() == before
     assert (aside / "faults" / "bad_steps.jsonl").exists() and (aside / "config.yaml").exists()
@@ -373,7 +364,7 @@ def test_every_checkpoint_damaged_is_one_line_exit_2_and_nothing_moves(rechecked
     shutil.copytree(rechecked["deepspeed-free"], run)
     _flip(_model_file(run / "checkpoints" / TAG8))
     with pytest.raises(CheckpointError, match="is damaged") as strict:  # the strict key: the first one stops it
-        _train(tiny_shards, run, "model.dropout=0.1", "train.checkpoint_fallback=false")
+        _train(tiny_shards, run, "model.dropout=0.1", "checkpoint.fallback=false")
     assert describe(strict.value)[0] == exit_codes.BAD_INPUT and "no checkpoint" not in str(strict.value)
     _flip(_model_file(run / "checkpoints" / TAG4))
     listing = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -400,8 +391,8 @@ def test_a_rollback_passes_over_a_damaged_checkpoint(tiny_shards, tmp_path, monk
             _flip(_model_file(Path(ckpt_dir) / tag))
     monkeypatch.setattr(checkpoint, "commit", commit_then_damage)
     rolled, fresh = tmp_path / "rolled", tmp_path / "fresh"
-    roll = ("train.max_steps=9", "train.save_interval=2", "train.spike_window=4", "train.rollback_skip=0",
-            "train.on_spike=rollback")
+    roll = ("train.max_steps=9", "checkpoint.interval=2", "guard.spike_window=4", "guard.rollback_skip=0",
+            "guard.on_spike=rollback")
     lines: list[str] = []
     _train(tiny_shards, rolled, *roll, inject="spike@7:factor=1000", lines=lines)  # it repeats: rolled back
     said = [ln for ln in lines if "damaged" in ln]
@@ -421,13 +412,14 @@ def test_a_rollback_passes_over_a_damaged_checkpoint(tiny_shards, tmp_path, monk
 
 
 # ----------------------------------------------------------------------------------- two ranks
-DP2 = ("train.max_steps=8", "train.save_interval=2", "train.eval_interval=0", "train.keep_checkpoints=0",
-       "train.spike_window=4", "train.on_spike=skip")
+DP2 = ("train.max_steps=8", "checkpoint.interval=2", "validation.interval=0", "checkpoint.keep=0",
+       "guard.spike_window=4", "guard.on_spike=skip")
 
 
 def _torchrun(run_dir, shards, *extra, inject, timeout=400):
-    args = ["-m", "megafixed.cli", "train", "/dev/null", *tiny_overrides(shards, run_dir, *DP2, *extra)]
-    return _launch(2, args, {faults.ENV: inject}, timeout=timeout)
+    args = ["-m", "megafixed.cli", "train", "/dev/null",
+            *tiny_overrides(shards, run_dir, *DP2, *extra, f"faults.inject={inject}")]
+    return _launch(2, args, {}, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -435,11 +427,11 @@ def dp2_transient(tiny_shards, tmp_path_factory):
     """DP2: a transient spike on rank 1 at step 5 (one allowed per node): the run saves and exits 77. Then the
     requeue: its newest checkpoint (5) damaged, and rank 1 hung before the first step after the resume."""
     run = tmp_path_factory.mktemp("dp2_transient") / "run"
-    first = _torchrun(run, tiny_shards, "train.max_transient_faults=1", inject="spike@5:once:rank=1")
+    first = _torchrun(run, tiny_shards, "guard.max_transient_faults=1", inject="spike@5:once:rank=1")
     saved = (run / "checkpoints" / "latest").read_text().strip()
     victim = _model_file(run / "checkpoints" / saved)
     _flip(victim)
-    second = _torchrun(run, tiny_shards, "train.hang_timeout_s=20", "parallel.collective_timeout_s=40",
+    second = _torchrun(run, tiny_shards, "watchdog.timeout_s=20", "parallel.collective_timeout_s=40",
                        inject="hang@5:rank=1")
     return run, first, saved, victim, second
 
@@ -473,8 +465,8 @@ def test_a_requeue_falls_back_and_a_hang_on_its_first_step_is_named_before_gloo(
 @pytest.mark.multiprocess
 def test_a_hang_before_the_first_checkpoint_keeps_its_stacks_and_metrics(tiny_shards, tmp_path):
     run = tmp_path / "run"
-    code, text, _, _ = _torchrun(run, tiny_shards, "train.save_interval=100", "train.hang_timeout_s=10",
-                                 "train.tensorboard=true", inject="hang@2:rank=1")
+    code, text, _, _ = _torchrun(run, tiny_shards, "checkpoint.interval=100", "watchdog.timeout_s=10",
+                                 "metrics.tensorboard=true", inject="hang@2:rank=1")
     assert f"exitcode  : {exit_codes.HUNG}" in text, text[-3000:]
     stacks = sorted((run / "faults").glob("hang.step00000002.rank*.txt"))
     assert [p.name.split(".")[2] for p in stacks] == ["rank00000", "rank00001"]

@@ -106,7 +106,7 @@ stage() {  # stage NAME LIMIT_S CMD...: a time limit capped by the deadline, a l
 }
 MF=("$PY" -m megafixed.cli)
 GC=("$PY" -m megafixed.bench.gpu_check)
-SMALL=(data.mock=true train.tensorboard=false train.eval_interval=0 train.log_interval=1)
+SMALL=(data.mock=true metrics.tensorboard=false validation.interval=0 metrics.interval=1)
 
 stage verify 45 "${GC[@]}" verify "$RES/verify.json" cuda
 stage engine_bf16 40 "${GC[@]}" engine "$RES/engine_bf16.json"
@@ -121,7 +121,7 @@ stage kernels_forward 30 "${MF[@]}" bench kernels --device cuda --mode forward -
     --csv "$RES/kernels_forward.csv" --plot "$RES/kernels_forward.png"
 stage memcheck 60 "${GC[@]}" memcheck "$RES/memcheck.json"
 stage fp16 20 "${MF[@]}" train "$REPO"/examples/configs/quickstart.yaml "${SMALL[@]}" train.precision=fp16 \
-    train.max_steps=20 train.save_interval=1000 "train.run_dir=$WORK/run_fp16"
+    train.max_steps=20 checkpoint.interval=1000 "train.run_dir=$WORK/run_fp16"
 stage train_learned 45 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1.7b-learned.yaml data.mock=true \
     train.precision=bf16 train.activation_checkpointing=false train.compile=false train.micro_batch=4 \
     train.global_batch=8 "train.run_dir=$WORK/run_learned" --steps 6 --warmup-steps 2 --json "$RES/train_learned.json"

@@ -5,9 +5,9 @@ Slurm's requeue would, then checked against a fault-free run bit for bit.
 
 The faults, about one every ``--every`` steps (``random.Random(seed)``; every kind once before any repeats):
 
-* ``exit``: ``MEGAFIXED_INJECT=exit@S:rank=R``, a real kill -9 of the rank;
-* ``nan`` / ``spike``: a deterministic loss fault (bad data): ``train.on_nonfinite=skip`` drops the step,
-  ``train.on_spike=rollback`` reloads the checkpoint before it and skips its data;
+* ``exit``: ``faults.inject=exit@S:rank=R``, a real kill -9 of the rank;
+* ``nan`` / ``spike``: a deterministic loss fault (bad data): ``guard.on_nonfinite=skip`` drops the step,
+  ``guard.on_spike=rollback`` reloads the checkpoint before it and skips its data;
 * ``once``: ``nan@S:once`` or ``spike@S:once``, a transient fault: the re-check trains on the recomputation;
 * ``hang``: ``hang@S:rank=R``: the watchdog names it and the job exits 76;
 * ``sigstop``: the supervisor pauses rank R before step S (``MEGAFIXED_PAUSE``, a known point, no race) and
@@ -48,12 +48,12 @@ KINDS = ("exit", "nan", "spike", "once", "hang", "sigstop", "damage")
 BIG_LOCK = "/tmp/megafixed-big.lock"  # as tests/_launch.py: one launch of 6+ gloo ranks at a time (memory)
 TINY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.code_bits=8",
         "model.max_seq_len=32", "data.seq_len=32", "data.mock=true", "train.global_batch=8",
-        "train.log_interval=1", "train.eval_interval=0", "train.tensorboard=false", "train.keep_checkpoints=0",
+        "metrics.interval=1", "validation.interval=0", "metrics.tensorboard=false", "checkpoint.keep=0",
         "optimizer.lr=3e-3", "optimizer.min_lr=3e-4", "schedule.warmup_steps=3"]
 # What the soak exercises: skip for a NaN, rollback for a spike, the re-check on, no exit 77 (the count is
 # high: the soak's host is the only one), rollbacks enough for every spike.
-GUARD = ["train.on_nonfinite=skip", "train.on_spike=rollback", "train.rollback_skip=2", "train.max_rollbacks=100",
-         "train.recheck_bad_steps=true", "train.max_transient_faults=1000"]
+GUARD = ["guard.on_nonfinite=skip", "guard.on_spike=rollback", "guard.rollback_skip=2", "guard.max_rollbacks=100",
+         "guard.recheck=true", "guard.max_transient_faults=1000"]
 LAYOUTS = {  # name: (ranks, overrides)
     "torch3d": (8, ["train.engine=torch", "parallel.tp=2", "parallel.pp=2", "train.micro_batch=1"]),
     "deepspeed3d": (8, ["train.engine=deepspeed", "parallel.tp=2", "parallel.pp=2", "train.micro_batch=1",
@@ -79,7 +79,7 @@ class Fault:
     tag: str = ""  # a damage's: the checkpoint damaged
 
     def spelled(self) -> Optional[str]:
-        """Its ``MEGAFIXED_INJECT`` part (None: the supervisor's own fault)."""
+        """Its ``faults.inject`` part (None: the supervisor's own fault)."""
         rank = f":rank={self.rank}" if self.rank is not None else ""
         if self.kind == "once":
             return f"{self.loss}@{self.step}{rank}:once"
@@ -220,15 +220,14 @@ class Soak:
         # The soak's spikes are x1000: 50 sigma catches them and none of a short window's own.
         spikes = [f.step for f in self.faults if f.kind in ("spike", "once")]
         window = max(4, min(32, min(spikes, default=34) - 2))
-        return [*TINY, *GUARD, *LAYOUTS[self.layout][1], f"train.run_dir={run_dir}", f"train.spike_window={window}",
-                "train.spike_sigma=50",
-                f"train.max_steps={self.steps}", f"train.save_interval={self.save_interval}",
-                f"train.hang_timeout_s={self.hang_timeout_s}",
+        return [*TINY, *GUARD, *LAYOUTS[self.layout][1], f"train.run_dir={run_dir}", f"guard.spike_window={window}",
+                "guard.spike_sigma=50",
+                f"train.max_steps={self.steps}", f"checkpoint.interval={self.save_interval}",
+                f"watchdog.timeout_s={self.hang_timeout_s}",
                 f"parallel.collective_timeout_s={self.collective_timeout_s}", *extra]
 
     def env(self, **extra) -> dict:
-        skip = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGAFIXED_INJECT",
-                "MEGAFIXED_PAUSE")
+        skip = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGAFIXED_PAUSE")
         env = {k: v for k, v in os.environ.items() if k not in skip}
         path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
@@ -245,11 +244,12 @@ class Soak:
             inject = ";".join(s for f in pending for s in [f.spelled()] if s)
             pause = next((f for f in sorted(pending, key=lambda f: f.step) if f.kind in ("sigstop", "damage")), None)
             marker = self.out / f"paused.{n}"
-            extra = {"MEGAFIXED_INJECT": inject} if inject else {}
+            extra: dict = {}
             if pause is not None:
                 extra["MEGAFIXED_PAUSE"] = f"train.step@{pause.step}:rank={pause.rank}:file={marker}"
             say(f"launch {n}: from step {resumed}; inject {inject or '-'}; pause {extra.get('MEGAFIXED_PAUSE', '-')}")
-            launch = Launch(LAYOUTS[self.layout][0], self.overrides(self.run_dir), self.env(**extra),
+            drill = [f"faults.inject={inject}"] if inject else []
+            launch = Launch(LAYOUTS[self.layout][0], self.overrides(self.run_dir, *drill), self.env(**extra),
                             self.out / f"launch-{n}.log")
             acted = self._supervise(launch, pause, marker, damaged)
             code = launch.end()
@@ -326,7 +326,7 @@ class Soak:
             before = launch.first(rf"^step {f.step - 1}/") or launch.started
             if f.kind == "nan":
                 self._met(f, launch.first(rf"^bad step {f.step}: the loss is nan"), before,
-                          "step skipped (train.on_nonfinite=skip)")
+                          "step skipped (guard.on_nonfinite=skip)")
             elif f.kind == "spike":
                 t = launch.first(rf"^bad step {f.step}: the loss .* is a spike")
                 for _, line in launch.lines:
@@ -334,7 +334,7 @@ class Soak:
                     if t is not None and m and int(m.group(2)) <= f.step <= int(m.group(3)):
                         f.lost_steps = f.step - 1 - int(m.group(1))  # computed, then thrown away by the rollback
                         self._met(f, t, before, f"rolled back to step {int(m.group(1))}, steps "
-                                                f"{m.group(2)}-{m.group(3)} skipped (train.on_spike=rollback)")
+                                                f"{m.group(2)}-{m.group(3)} skipped (guard.on_spike=rollback)")
             elif f.kind == "once":
                 line = next((ln for _, ln in launch.lines if ln.startswith(f"transient fault at step {f.step}:")), "")
                 who = re.search(r"\): (ranks? \S+ on [^.]+|no rank[^.]*)\. Trained", line)
@@ -454,7 +454,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="torch3d")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"the fault kinds to draw from ({','.join(KINDS)})")
     ap.add_argument("--save-interval", type=int, default=None, help="default: a third of --every")
-    ap.add_argument("--hang-timeout", type=float, default=20, help="train.hang_timeout_s")
+    ap.add_argument("--hang-timeout", type=float, default=20, help="watchdog.timeout_s")
     ap.add_argument("--collective-timeout", type=float, default=60, help="parallel.collective_timeout_s")
     ap.add_argument("--out", type=Path, required=True, help="a new directory: the run, the reference, every log")
     ap.add_argument("--json", type=Path, default=None, help="also write the table and the checks here")

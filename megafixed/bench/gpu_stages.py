@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "bundled" / "quickstart.yaml"
-QUIET = ["train.tensorboard=false", "train.eval_interval=0", "train.log_interval=1"]
+QUIET = ["metrics.tensorboard=false", "validation.interval=0", "metrics.interval=1"]
 
 
 def _train(overrides: list, *, mock: bool = True):
@@ -64,7 +64,7 @@ def engine() -> dict:
                             ("canonical_fused", ["model.input=canonical", "model.fused_first_layer=true"]),
                             ("gf2_fused", ["model.input=gf2", "model.fused_first_layer=true"])):
             losses, _ = _train(extra + [f"train.precision={PRECISION}", "train.max_steps=12",
-                                        "train.save_interval=1000", f"train.run_dir={tmp}/{name}"])
+                                        "checkpoint.interval=1000", f"train.run_dir={tmp}/{name}"])
             runs[name] = [losses[k] for k in sorted(losses)]
     a, b = runs["canonical_unfused"], runs["canonical_fused"]
     rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
@@ -94,7 +94,7 @@ def resume(root: Path, runs: tuple = RESUMES, extra: tuple = ()) -> dict:
     out, failures, refs = {}, [], {}
     for mode, engine_keys, steps, cut, async_save in runs:
         # decay_steps fixed: otherwise the schedule follows train.max_steps, and the first half would differ
-        common = [*engine_keys, f"train.precision={PRECISION}", f"train.save_interval={cut}",
+        common = [*engine_keys, f"train.precision={PRECISION}", f"checkpoint.interval={cut}",
                   "model.fused_first_layer=true", f"schedule.decay_steps={steps}", "schedule.warmup_steps=4", *extra]
         key = (tuple(engine_keys), steps)
         if key not in refs:  # one uninterrupted run per engine and length
@@ -102,7 +102,7 @@ def resume(root: Path, runs: tuple = RESUMES, extra: tuple = ()) -> dict:
                                   mock=False)
             out[f"reference_{mode}"] = refs[key]
         ref = refs[key]
-        run = [*common, f"train.async_save={'true' if async_save else 'false'}", f"train.run_dir={root}/{mode}"]
+        run = [*common, f"checkpoint.async_save={'true' if async_save else 'false'}", f"train.run_dir={root}/{mode}"]
         first, _ = _train(run + [f"train.max_steps={cut}"], mock=False)
         second, result = _train(run + [f"train.max_steps={steps}"], mock=False)
         curve = {**first, **second}

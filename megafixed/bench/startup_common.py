@@ -6,8 +6,8 @@ import socket
 
 TINY = ("model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.code_bits=8",
         "model.max_seq_len=32", "data.seq_len=32", "data.mock=true", "train.max_steps=1", "train.global_batch=8",
-        "train.micro_batch=4", "train.log_interval=1", "train.eval_interval=0",
-        "train.tensorboard=false", "schedule.warmup_steps=0")
+        "train.micro_batch=4", "metrics.interval=1", "validation.interval=0",
+        "metrics.tensorboard=false", "schedule.warmup_steps=0")
 
 
 def _free_port() -> int:

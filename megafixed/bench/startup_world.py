@@ -53,7 +53,7 @@ def command(world: int, kind: str, run_dir: Path, port: int) -> list[str]:
     tp, pp, dp = layout(world, kind)
     overrides = [*TINY, f"train.run_dir={run_dir}", "train.engine=torch", f"train.max_steps={STEPS}",
                  "train.micro_batch=1", f"train.global_batch={2 * dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                 f"train.save_interval={STEPS}"]
+                 f"checkpoint.interval={STEPS}"]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
             f"--master-port={port}", "-m", "megafixed.cli", "train", "/dev/null", *overrides]
 

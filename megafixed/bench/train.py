@@ -116,7 +116,7 @@ class EngineLoop(_Loop):
         from ..engine import build_engine
 
         cfg = copy.deepcopy(cfg)
-        cfg.train.on_nonfinite = "skip"  # a benchmark measures time; a non-finite loss must not stop it
+        cfg.guard.on_nonfinite = "skip"  # a benchmark measures time; a non-finite loss must not stop it
         self.engine = build_engine(cfg, topo)
         self.name = topo.plan.engine
         layout = topo.plan.batch

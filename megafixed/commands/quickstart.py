@@ -124,7 +124,7 @@ def quickstart(cfg, sample_tokens: int = 32, t_start: float | None = None,
     run_dir = rd.path
     summary = {
         "run_dir": str(run_dir), "checkpoint": str(rd.tag_dir(tag)), "metrics": str(rd.metrics_file),
-        "tensorboard": str(rd.tensorboard_dir) if cfg.train.tensorboard else None,
+        "tensorboard": str(rd.tensorboard_dir) if cfg.metrics.tensorboard else None,
         "config": str(rd.config_file), "steps": result.step,
         "val_loss_first": vals[0] if vals else None, "val_loss_last": vals[-1] if vals else None,
         "test_loss": test.loss, "test_perplexity": test.perplexity, "test_tokens": test.tokens,

@@ -65,9 +65,6 @@ def _train(args, stop) -> int:
     # sees exit 75 and knows whether the signal was the pre-timeout one): see megafixed/launch.
     # Ctrl-C (SIGINT) is the same request from a keyboard; a second one aborts (train/stop.py).
     stop.install_signal_handlers((signal.SIGUSR1, signal.SIGTERM), interrupt=True)
-    from ..run.faults import check_env
-
-    check_env()  # a malformed MEGAFIXED_INJECT is refused before anything is built
     cfg = load_config(args.config, args.overrides)
     from ..engine import prepare_runtime_env
 

@@ -21,16 +21,16 @@ from pathlib import Path
 from typing import Optional
 
 from ..engines import checkpoint_kind, engine_kind, kind_of, kinds
-from .base import ConvertError, Engine, NonFiniteLossError, StepChecks, StepResult  # noqa: F401  (the seam's types)
+from .base import ConvertError, Engine, NonFiniteLossError, StepHook, StepResult  # noqa: F401  (the seam's types)
 from .batches import TokenRangeError, split_tokens  # noqa: F401
 
 
-def build_engine(cfg, topo, checks: Optional[StepChecks] = None) -> Engine:
+def build_engine(cfg, topo, hook: Optional[StepHook] = None) -> Engine:
     """This rank's engine for the run: the model config, optimizer and engine keys from ``cfg``;
     the batch, precision and layout from the run plan the topology was made from (``topo.plan``);
-    ``checks``: the bad-step guard and the loss tap its step asks (``Engine.checks``; None: neither,
-    as for a benchmark)."""
-    return kind_of(topo.plan).build(cfg, topo, checks)
+    ``hook``: what its step asks besides its batches (``Engine.hook``: a verdict before the update, each
+    micro batch's loss on its way to its backward; None: nothing, as for a benchmark)."""
+    return kind_of(topo.plan).build(cfg, topo, hook)
 
 
 def engine_config(cfg, plan) -> dict:

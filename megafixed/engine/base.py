@@ -25,43 +25,24 @@ class StepResult:
     loss: float  # mean over the global batch (all data-parallel ranks)
     grad_norm: Optional[float]
     skipped: bool  # a bad step (non-finite or spike) with a guard: the update was dropped
-    verdict: Optional[object] = None  # the bad-step guard's verdict (megafixed.run.bad_steps.Verdict), if any
+    verdict: Optional[object] = None  # the step hook's verdict (megafixed.run.bad_steps.Verdict), if any
 
 
-class Judge(Protocol):
-    """The bad-step guard as a step asks it (``megafixed.run.bad_steps.BadStepGuard``)."""
+class StepHook(Protocol):
+    """What an engine's step asks besides its batches: the one hook it is given when it is built
+    (``megafixed.engine.build_engine(cfg, topo, hook=...)``, kept as ``Engine.hook``; the trainer's is its
+    callbacks, ``train.callbacks.CallbackHooks``). None (a benchmark, a converter): nothing is judged, each
+    loss goes to its backward as it is, and a non-finite loss follows ``guard.on_nonfinite`` (``stop`` raises)."""
 
     def judge(self, step: int, what: str, value: Optional[float]) -> Optional[object]:
         """The verdict on the loss (``what="loss"``) or the global gradient norm (``"grad_norm"``) of
-        ``step`` -- a value every rank holds identically -- or None when it is good."""
-
-
-class LossTap(Protocol):
-    """What each micro batch's loss passes through on its way to its backward (the trainer's
-    ``megafixed.train.recheck.LossTap``: an injected loss fault, the re-check's note of the loss)."""
-
-    def touches(self, step: int) -> bool:
-        """Whether ``loss`` may change or note anything at ``step`` (a pipeline schedule's loss
-        function is wrapped only then)."""
+        ``step`` -- a value every rank holds identically -- or None when it is good. With a verdict the
+        engine drops the update (weights, gradients and optimizer state as before the step) and returns
+        the verdict for the trainer to act on."""
 
     def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """The micro batch's loss as its backward is to see it."""
-
-
-@dataclass(frozen=True)
-class StepChecks:
-    """What an engine's step asks besides its batches, given to the engine when it is built
-    (``megafixed.engine.build_engine(cfg, topo, checks=...)``) and kept as ``Engine.checks``.
-
-    ``guard`` judges the step's reduced loss and global gradient norm before the update; with a
-    verdict the engine drops the update (weights, gradients and optimizer state as before the step)
-    and returns the verdict for the trainer to act on. None (a benchmark, a converter): nothing is
-    judged, and a non-finite loss follows ``train.on_nonfinite`` as it always did (``stop`` raises).
-    ``faults`` sees every micro batch's loss before its backward; None costs one ``is None`` test
-    per micro batch."""
-
-    guard: Optional[Judge] = None
-    faults: Optional[LossTap] = None
+        """Every micro batch's loss on its way to its backward, as the backward is to see it (a drill's
+        factor; the re-check's note of it)."""
 
 
 class ConvertError(ValueError):
@@ -69,14 +50,14 @@ class ConvertError(ValueError):
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN/Inf and ``train.on_nonfinite=stop``."""
+    """The training loss became NaN/Inf and ``guard.on_nonfinite=stop``."""
 
 
 def nonfinite_message(step: int, value: float) -> str:
     """``step``: numbered as in the logs (the first optimizer step is step 1)."""
     return (f"step {step}: the training loss is {value} (non-finite). The run stops here; the last "
             f"checkpoint is intact. Usual fixes: lower optimizer.lr or raise schedule.warmup_steps, lower "
-            f"optimizer.grad_clip, check the data for bad token ids; or set train.on_nonfinite=skip to drop "
+            f"optimizer.grad_clip, check the data for bad token ids; or set guard.on_nonfinite=skip to drop "
             f"such batches without an update")
 
 
@@ -93,12 +74,12 @@ class Engine(Protocol):
     module: torch.nn.Module  # this rank's part of the model (a stage under PP, shards under TP)
     device: torch.device
     name: str  # its registry name (train.engine): recorded in run records; its record file's owner
-    checks: StepChecks  # the guard and the loss faults its step asks (given at construction)
+    hook: Optional[StepHook]  # what its step asks besides its batches (given at construction)
 
     def train_step(self, batches: Iterator[torch.Tensor], lr: float, step: int) -> StepResult:
         """Optimizer step ``step`` (numbered as in the logs: the first is 1) at learning rate ``lr``
         over this rank's micro batches of one global batch (pulled from ``batches``); the loss is
-        averaged over data-parallel ranks. A step with a verdict of ``checks.guard`` leaves weights,
+        averaged over data-parallel ranks. A step with a verdict of ``hook.judge`` leaves weights,
         gradients and optimizer state as they were before it, so the same step may be computed again
         from the same state (the trainer's re-check of a bad step)."""
 

@@ -3,8 +3,8 @@
 What both engines do alike lives here: pulling ``accum`` micro batches and splitting each into
 inputs and labels on the device, summing their losses in float64 (so the logged loss does not
 depend on the compute dtype or the accumulation order), the DP mean every rank agrees on with
-one non-finite flag (``batches.dp_mean_and_flag``), the bad-step verdict and the loss tap
-(``loss_verdict``, ``norm_verdict``, ``scaled_loss``), and the eval loop's float64 mean over micro
+one non-finite flag (``batches.dp_mean_and_flag``), what the step hook is asked
+(``loss_verdict``, ``norm_verdict``, ``scaled_loss``, ``StepLoss``), and the eval loop's float64 mean over micro
 batches and DP ranks. What the engines do *between* (the forward and backward of one micro batch,
 when gradients are reduced, how a skipped update leaves weights, gradients and optimizer state
 untouched) is each engine's own and is passed in as ``micro_step`` / ``forward``.
@@ -39,38 +39,43 @@ def accumulated_loss(batches: Iterator[torch.Tensor], accum: int, micro_step: Mi
     return dp_mean_and_flag(local_sum / accum, dp_group, dp)
 
 
-# The bad-step guard and the loss tap, as both engines' steps ask them: the ``StepChecks`` the engine was
-# built with (``base.StepChecks``). An engine built without them (a benchmark) has neither: a non-finite loss
-# then follows ``train.on_nonfinite`` as it always did (``stop`` raises here), and nothing else is judged.
-# ``step`` is numbered as in the logs (the first optimizer step is 1), as verdicts and faults are.
-def scaled_loss(loss, faults, step: int):
-    """``loss`` as the step's loss tap (``StepChecks.faults``: an injected fault's factor, the re-check's
-    note of it) hands it on to the backward; ``loss`` itself without a tap."""
-    return loss if faults is None else faults.loss(loss, step)
+# The engine's step hook (``base.StepHook``, given when the engine was built), as both engines' steps ask it.
+# An engine built without one (a benchmark) judges nothing: a non-finite loss then follows
+# ``guard.on_nonfinite`` as it always did (``stop`` raises here). ``step`` is numbered as in the logs (the
+# first optimizer step is 1), as verdicts and drills are.
+def scaled_loss(loss, hook, step: int):
+    """``loss`` as the step hook hands it on to the backward (a drill's factor, the re-check's note of it);
+    ``loss`` itself without a hook."""
+    return loss if hook is None else hook.loss(loss, step)
 
 
-@contextmanager
-def faults_in_loss_fn(owner, attr: str, faults, step: int):
-    """Around one step of a pipeline schedule: ``owner.<attr>``, the loss function the schedule itself calls
-    for every micro batch on the last stage, passes its losses through the tap as ``scaled_loss`` would (so
-    the gradients carry an injected fault too). Under a pipeline only the last stage's ranks hold a loss: a
-    ``rank=R`` fault on another stage has nothing to change. A tap with nothing to do at this step leaves
-    the function as it is."""
-    if faults is None or not faults.touches(step):
-        yield
-        return
-    original = getattr(owner, attr)
-    setattr(owner, attr, lambda *args, **kwargs: scaled_loss(original(*args, **kwargs), faults, step))
-    try:
-        yield
-    finally:
-        setattr(owner, attr, original)
+class StepLoss:
+    """A pipeline schedule's loss function -- the schedule calls it itself for every micro batch on the last
+    stage -- passing each loss through the step hook as ``scaled_loss`` would, while a training step is in
+    flight (``during``; so the gradients carry an injected fault too), and as it is otherwise (validation).
+    Under a pipeline only the last stage's ranks hold a loss: a ``rank=R`` drill on another stage has nothing
+    to change."""
+
+    def __init__(self, loss_fn, hook):
+        self.loss_fn, self.hook, self.step = loss_fn, hook, None
+
+    def __call__(self, *args, **kwargs):
+        loss = self.loss_fn(*args, **kwargs)
+        return loss if self.step is None else scaled_loss(loss, self.hook, self.step)
+
+    @contextmanager
+    def during(self, step: int):
+        self.step = step
+        try:
+            yield
+        finally:
+            self.step = None
 
 
-def loss_verdict(guard, step: int, value: float, nonfinite: bool, on_nonfinite: str):
+def loss_verdict(hook, step: int, value: float, nonfinite: bool, on_nonfinite: str):
     """The verdict on the step's global-batch loss (already all-reduced: identical on every rank)."""
-    if guard is not None:
-        return guard.judge(step, "loss", float("nan") if nonfinite else value)
+    if hook is not None:
+        return hook.judge(step, "loss", float("nan") if nonfinite else value)
     if not nonfinite:
         return None
     if on_nonfinite == "stop":
@@ -80,9 +85,9 @@ def loss_verdict(guard, step: int, value: float, nonfinite: bool, on_nonfinite: 
     return Verdict(step, "nonfinite", "loss", value, on_nonfinite)
 
 
-def norm_verdict(guard, step: int, norm: Optional[float]):
+def norm_verdict(hook, step: int, norm: Optional[float]):
     """The verdict on the global gradient norm the update would clip with (identical on every rank)."""
-    return guard.judge(step, "grad_norm", norm) if guard is not None else None
+    return hook.judge(step, "grad_norm", norm) if hook is not None else None
 
 
 def eval_mean(batches: Iterator[torch.Tensor], iters: int, forward: Forward, *, device,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # annotations only; all of these sit beneath the engine packa
     from ..parallel.topology import Topology
     from ..parallel.traffic import Traffic
     from ..run_plan import RunPlan
-    from .base import Engine, StepChecks
+    from .base import Engine, StepHook
 
 
 class CheckpointFormat(Protocol):
@@ -130,7 +130,7 @@ class EngineKind(Protocol):
     def setup_groups(self, plan: RunPlan) -> dict:
         """The ``Topology``'s process-group fields."""
 
-    def build(self, cfg: Config, topo: Topology, checks: Optional[StepChecks] = None) -> Engine: ...
+    def build(self, cfg: Config, topo: Topology, hook: Optional[StepHook] = None) -> Engine: ...
 
     def engine_config(self, cfg: Config, plan: RunPlan) -> dict:
         """Its own config as JSON, for the machine the plan is for."""

@@ -8,7 +8,7 @@ injected faults a step can meet.
 * ``optim`` -- the AdamW the engines wrap (``SkippableAdamW``), and its parameter groups;
 * ``bad_steps`` -- the bad-step guard's verdict (a non-finite or spiking loss or gradient norm);
   ``skip_steps`` -- the steps whose batches are consumed without training;
-* ``faults`` -- faults injected by ``MEGAFIXED_INJECT`` (NaN, spike, hang, straggler, a dead rank), for the
+* ``faults`` -- faults injected by the config key ``faults.inject`` (NaN, spike, hang, straggler, a dead rank), for the
   tests and a user's drill.
 
 The engines (``megafixed.engine``) and the trainer (``megafixed.train``) both use these; nothing here

@@ -3,11 +3,11 @@ norm of a step, taken before that step's update (Megatron core's NaN check and
 ``--check-for-spiky-loss``, OLMo-core's ``SkipStepOptimizer``).
 
 * non-finite: the global-batch loss or the global gradient norm is NaN/Inf;
-* spike: the value is beyond ``train.spike_sigma`` standard deviations above the mean of the last
-  ``train.spike_window`` accepted steps (one-sided: a loss that falls faster is no fault). No verdict
+* spike: the value is beyond ``guard.spike_sigma`` standard deviations above the mean of the last
+  ``guard.spike_window`` accepted steps (one-sided: a loss that falls faster is no fault). No verdict
   before the window is full, so warm-up's steep first steps are never judged.
 
-``train.on_nonfinite`` / ``train.on_spike`` say what a verdict does: ``stop``, ``skip`` (the update is
+``guard.on_nonfinite`` / ``guard.on_spike`` say what a verdict does: ``stop``, ``skip`` (the update is
 dropped, the batch counted as consumed) or ``rollback`` (the trainer reloads the newest verified
 checkpoint and skips the data up to the bad step; ``megafixed.train.rollback``).
 
@@ -54,7 +54,7 @@ class Verdict:
         return f"bad step {self.step}: {why}{again}; action {self.action} ({self.key()}={self.action})"
 
     def key(self) -> str:
-        return "train.on_nonfinite" if self.kind == "nonfinite" else "train.on_spike"
+        return "guard.on_nonfinite" if self.kind == "nonfinite" else "guard.on_spike"
 
     def record(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -86,8 +86,8 @@ class BadStepGuard:
 
     @classmethod
     def from_config(cls, train_cfg) -> "BadStepGuard":
-        return cls(sigma=getattr(train_cfg, "spike_sigma", 6.0), window=getattr(train_cfg, "spike_window", 128),
-                   on_nonfinite=train_cfg.on_nonfinite, on_spike=getattr(train_cfg, "on_spike", "stop"))
+        return cls(sigma=train_cfg.spike_sigma, window=train_cfg.spike_window, on_nonfinite=train_cfg.on_nonfinite,
+                   on_spike=train_cfg.on_spike)
 
     def judge(self, step: int, what: str, value: Optional[float]) -> Optional[Verdict]:
         """The verdict on ``value`` (the loss or the grad norm of log step ``step``), or None if good."""

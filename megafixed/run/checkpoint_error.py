@@ -9,7 +9,7 @@ class CheckpointError(ValueError):
 
 class DamagedCheckpoint(CheckpointError):
     """A checkpoint whose files fail their manifest (missing, truncated, corrupt) or whose manifest is
-    unreadable: what a run may fall back from (``train.checkpoint_fallback``). ``why`` is one word for the
+    unreadable: what a run may fall back from (``checkpoint.fallback``). ``why`` is one word for the
     name it is moved aside under (``step_00000008.damaged-corrupt``)."""
 
     def __init__(self, message: str, why: str):

@@ -1,12 +1,12 @@
 """Injected faults, for the tests and for a user's drill of a long run (Megatron core's
-``fault_injector.py`` is the model): ``MEGAFIXED_INJECT`` holds faults separated by ``;``, steps
+``fault_injector.py`` is the model): the config key ``faults.inject`` holds faults separated by ``;``, steps
 numbered as in the logs (the first optimizer step is step 1):
 
 * ``nan@STEP[:rank=R][:once]``: the loss of that step turns NaN on rank R (or on every rank) -- before its
   backward, so the gradients are NaN too, as a real overflow makes them;
 * ``spike@STEP[:rank=R][:factor=F][:once]``: that loss is multiplied by F (default 1000), gradients with it;
 * ``:once`` (nan and spike): only the step's first computation is hit, as a flaky device or a flipped bit
-  would be; its re-computation (``train.recheck_bad_steps``) is clean, so the fault is found transient.
+  would be; its re-computation (``guard.recheck``) is clean, so the fault is found transient.
   Without it the fault hits every computation of the step: a deterministic fault, as bad data is
   (Megatron core's ``--error-injection-type transient_error`` / ``persistent_error``);
 * ``hang@STEP[:rank=R]``: the rank stops making progress before that step (the hang watchdog's drill);
@@ -14,7 +14,7 @@ numbered as in the logs (the first optimizer step is step 1):
   straggler, seen as compute (the straggler report's drill);
 * ``exit@STEP[:rank=R]``: the rank dies (SIGKILL, as a lost node does) before that step.
 
-Unset, ``FaultPlan.from_env`` returns None and the loop pays one ``is None`` test per step. A
+Unset, ``FaultPlan.from_config`` returns None and the loop pays one ``is None`` test per step. A
 malformed value is one ``InjectError`` line naming the bad fault and the grammar, and so is a drill that
 cannot fire in this run (``FaultPlan.refusal``: a rank not below the world size, a step beyond
 ``train.max_steps``, a step a resumed run has already done -- unless its checkpoint was written under the
@@ -28,19 +28,21 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Optional
 
-ENV = "MEGAFIXED_INJECT"
+from ..errors import ConfigError
+
+KEY = "faults.inject"  # the config key a drill is given in (recorded in config.yaml like any other)
 KINDS = ("nan", "spike", "hang", "slow", "exit")
 DEFAULT_FACTOR = {"spike": 1000.0, "slow": 3.0}
 ONCE = ("nan", "spike")  # the loss faults, which a re-computation of the step can tell apart
 GRAMMAR = ("nan@STEP, spike@STEP, hang@STEP, exit@STEP or slow, each with optional :rank=R (and :factor=F for "
            "spike and slow, :once for nan and spike), separated by ';' -- e.g. "
-           "MEGAFIXED_INJECT='nan@3:rank=1;spike@5:once;slow:rank=0:factor=2'")
+           "faults.inject='nan@3:rank=1;spike@5:once;slow:rank=0:factor=2'")
 
 
-class InjectError(ValueError):
-    """A malformed ``MEGAFIXED_INJECT`` (exit 2, one line)."""
+class InjectError(ConfigError):
+    """A malformed ``faults.inject``, or a drill that cannot fire (exit 2, one line)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class Fault:
 
 
 def _bad(raw: str, part: str, why: str) -> InjectError:
-    return InjectError(f"{ENV}={raw!r}: {part!r} {why}; expected {GRAMMAR}, or unset {ENV}")
+    return InjectError(f"{KEY}={raw!r}: {part!r} {why}; expected {GRAMMAR}, or leave {KEY} unset")
 
 
 def _number(raw: str, part: str, key: str, text: str, kind=int):
@@ -87,7 +89,7 @@ def _number(raw: str, part: str, key: str, text: str, kind=int):
 
 
 def parse(raw: str) -> list[Fault]:
-    """The faults named by ``raw`` (a ``MEGAFIXED_INJECT`` value), or InjectError naming the bad one."""
+    """The faults named by ``raw`` (a ``faults.inject`` value), or InjectError naming the bad one."""
     faults = []
     for part in (p.strip() for p in raw.split(";")):
         if not part:
@@ -116,39 +118,30 @@ def parse(raw: str) -> list[Fault]:
     return faults
 
 
-def check_env(env: Mapping[str, str] = os.environ) -> Optional[str]:
-    """The value of ``MEGAFIXED_INJECT`` once it parses (None when unset): for the run record, and
-    for refusing a malformed value before anything is built."""
-    raw = env.get(ENV, "")
-    if not raw.strip():
-        return None
-    parse(raw)
-    return raw
-
-
 class FaultPlan:
     """This rank's share of the injected faults; the trainer and the engine's step ask it."""
 
-    def __init__(self, faults: list[Fault], rank: int, say=print):
-        self.every_rank = list(faults)
+    def __init__(self, faults: list[Fault], rank: int, say=print, raw: str = ""):
+        self.every_rank, self.raw = list(faults), raw
         self.faults = [f for f in faults if f.applies(rank)]
         self.rank, self.say = rank, say
         self.slow = next((f.factor for f in self.faults if f.kind == "slow"), None)
         self.step, self.computation = 0, 0  # the step being computed, and which computation of it (1: the first)
 
     @classmethod
-    def from_env(cls, rank: int, env: Mapping[str, str] = os.environ, say=print) -> Optional["FaultPlan"]:
-        raw = env.get(ENV, "")
-        return cls(parse(raw), rank, say) if raw.strip() else None
+    def from_config(cls, inject: Optional[str], rank: int, say=print) -> Optional["FaultPlan"]:
+        """``inject``: the ``faults.inject`` value (None or blank: no drill)."""
+        raw = inject or ""
+        return cls(parse(raw), rank, say, raw) if raw.strip() else None
 
     def refusal(self, world: int, max_steps: int, done: int) -> Optional[str]:
         """One line naming every fault (of any rank) that cannot fire in this run, or None."""
         bad = [(f, why) for f in self.every_rank for why in [f.cannot_fire(world, max_steps, done)] if why]
         if not bad:
             return None
-        raw = os.environ.get(ENV, "; ".join(f.spelled() for f in self.every_rank))
-        return (f"{ENV}={raw!r}: " + "; ".join(f"{f.spelled()!r} cannot fire: {why}" for f, why in bad)
-                + f". A drill that cannot fire would test nothing; change it, or unset {ENV}")
+        raw = self.raw or "; ".join(f.spelled() for f in self.every_rank)
+        return (f"{KEY}={raw!r}: " + "; ".join(f"{f.spelled()!r} cannot fire: {why}" for f, why in bad)
+                + f". A drill that cannot fire would test nothing; change it, or leave {KEY} unset")
 
     def _at(self, kind: str, step: int) -> Optional[Fault]:
         return next((f for f in self.faults if f.kind == kind and f.step == step
@@ -169,10 +162,10 @@ class FaultPlan:
         if self.computation > 1:
             return
         if self._at("exit", step):
-            self._line(f"injected fault ({ENV}): rank {self.rank} dies (SIGKILL) before step {step}")
+            self._line(f"injected fault ({KEY}): rank {self.rank} dies (SIGKILL) before step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
         if self._at("hang", step):
-            self._line(f"injected fault ({ENV}): rank {self.rank} stops making progress before step {step}")
+            self._line(f"injected fault ({KEY}): rank {self.rank} stops making progress before step {step}")
             while True:  # the main thread stays alive and silent; the hang watchdog's thread must notice
                 time.sleep(1.0)
 

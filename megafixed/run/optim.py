@@ -35,7 +35,7 @@ def param_groups(model: nn.Module, opt: OptimizerConfig) -> list[dict]:
 class SkippableAdamW(torch.optim.AdamW):
     """AdamW whose next ``step()`` can be turned into a no-op.
 
-    ``train.on_nonfinite=skip`` must drop a batch *without* an update, yet DeepSpeed takes the
+    ``guard.on_nonfinite=skip`` must drop a batch *without* an update, yet DeepSpeed takes the
     optimizer step itself at the accumulation boundary. The trainer decides (identically on every
     rank, after an all-reduce) and sets ``skip_next_step``; the step then leaves parameters and
     moments untouched. ZeRO 1/2 additionally skip on non-finite gradients on their own.

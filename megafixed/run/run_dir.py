@@ -4,7 +4,7 @@
     <run_dir>/ds_config.json         the DeepSpeed JSON it ran with (train.engine=deepspeed)
     <run_dir>/torch_engine.json      the torch-native engine's record: mesh, FSDP2, precision (train.engine=torch)
     <run_dir>/metrics.jsonl          one JSON object per logged step
-    <run_dir>/tensorboard/           TensorBoard events (``train.tensorboard=true``)
+    <run_dir>/tensorboard/           TensorBoard events (``metrics.tensorboard=true``)
     <run_dir>/.megafixed.lock        the writer's lock while a trainer runs (``run_lock.py``)
     <run_dir>/checkpoints/latest     one line: the tag of the newest *complete* checkpoint
     <run_dir>/checkpoints/<tag>/     DeepSpeed's files, ``run.json`` and ``manifest.json``

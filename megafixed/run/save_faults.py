@@ -118,7 +118,7 @@ def describe(code: int, ckpt_dir: Path, tag: str, handed_bytes: int = 0, asynchr
     except ValueError:
         latest = None
     where = ckpt_dir / tag
-    mode = "the background (train.async_save) save of" if asynchronous else "saving"
+    mode = "the background (checkpoint.async_save) save of" if asynchronous else "saving"
     head = f"{mode} checkpoint {where} failed: {WHY[code]} ({ckpt_dir})"
     if code in (errno.ENOSPC, errno.EDQUOT):
         prev = checkpoint_bytes(ckpt_dir / latest) if latest else None
@@ -126,7 +126,7 @@ def describe(code: int, ckpt_dir: Path, tag: str, handed_bytes: int = 0, asynchr
                 f"at least {human_size(handed_bytes)} (what was handed to the writer before it failed)")
         free = free_bytes(ckpt_dir)
         head += f"; a checkpoint needs {need}" + (f", {human_size(free)} is free there" if free is not None else "")
-        fix = ("free space there (or lower train.keep_checkpoints, or move train.run_dir to a larger filesystem; "
+        fix = ("free space there (or lower checkpoint.keep, or move train.run_dir to a larger filesystem; "
                "for a quota: `quota -s` / `lfs quota` shows yours)")
     elif code in (errno.EACCES, errno.EPERM):
         fix = f"make {ckpt_dir} writable for this user, or choose another train.run_dir"

@@ -1,4 +1,4 @@
-"""Training time lost per checkpoint save, sync against ``train.async_save=true``.
+"""Training time lost per checkpoint save, sync against ``checkpoint.async_save=true``.
 
     python -m megafixed.train.bench_save CONFIG [overrides...] --steps 24 --every 4
 
@@ -33,15 +33,15 @@ def main(argv=None) -> None:
     out, topo = {}, None
     # An untimed warm-up run first: the first engine in a process pays one-off costs (DeepSpeed's op
     # load, allocator growth, thread pools) that would otherwise be charged to whichever mode runs first.
-    for mode, extra in (("warmup", [f"train.save_interval={10 ** 9}"]),
-                        ("none", [f"train.save_interval={10 ** 9}"]),
-                        ("sync", [f"train.save_interval={a.every}", "train.async_save=false"]),
-                        ("async", [f"train.save_interval={a.every}", "train.async_save=true"])):
+    for mode, extra in (("warmup", [f"checkpoint.interval={10 ** 9}"]),
+                        ("none", [f"checkpoint.interval={10 ** 9}"]),
+                        ("sync", [f"checkpoint.interval={a.every}", "checkpoint.async_save=false"]),
+                        ("async", [f"checkpoint.interval={a.every}", "checkpoint.async_save=true"])):
         with tempfile.TemporaryDirectory() as d:
             cfg = load_config(a.config, [*a.overrides, "data.mock=true", f"train.max_steps={a.steps}",
-                                         "train.eval_interval=0", "train.tensorboard=false",
-                                         f"train.log_interval={a.steps}", f"train.run_dir={d}/run",
-                                         "train.keep_checkpoints=2", *extra])
+                                         "validation.interval=0", "metrics.tensorboard=false",
+                                         f"metrics.interval={a.steps}", f"train.run_dir={d}/run",
+                                         "checkpoint.keep=2", *extra])
             topo = topo or setup_distributed(RunPlan.for_launch(cfg))
             t0 = time.perf_counter()
             train(cfg, topo, log=lambda *_: None)

@@ -4,16 +4,16 @@ rest, once, for any engine.
 Layout (``RunDirectory``): ``<run_dir>/checkpoints/step_00000100/`` (the engine's files for that
 step, ``run.json`` and ``manifest.json``) and ``<run_dir>/checkpoints/latest`` (one line: the
 tag). The commit protocol: every rank's RNG state gathered into the client state; the engine
-writes its files (in the background with ``train.async_save=true``) and reports each one's size
+writes its files (in the background with ``checkpoint.async_save=true``) and reports each one's size
 and sha256; each rank then writes a marker (``MARKER``) listing them; rank 0 waits for every
 rank's marker, checks every file's size on disk, writes the run record and the manifest and only
 then moves ``latest`` -- via a temporary file and ``os.replace`` -- and rotates old tags
-(``train.keep_checkpoints``). A crash (kill -9) at any point leaves ``latest`` on the previous,
+(``checkpoint.keep``). A crash (kill -9) at any point leaves ``latest`` on the previous,
 complete checkpoint; a full disk or a refused write is named (``save_faults.py``). Loading is the
 same in reverse: verify the files against the manifest, check the run record against the new
 config (``resume.py``), let the engine load (re-layout if the layout changed), restore RNG.
 
-The checkpointer also decides its own cadence: ``train.save_interval``, the last step and a stop
+The checkpointer also decides its own cadence: ``checkpoint.interval``, the last step and a stop
 request (``save(..., force=True)``).
 """
 from __future__ import annotations
@@ -195,16 +195,17 @@ class RunIdentity:
 class Checkpointer:
     """Saves and loads a run's checkpoints for any engine; decides when to save.
 
-    Built from the config's ``train`` section (run dir, save interval, how many to keep, the last
-    step), the topology (ranks; its ``plan``: the layout the resume check compares) and the run's
-    identity (``RunIdentity``: what a checkpoint records about the config)."""
+    Built from the config's ``checkpoint`` section (interval, how many to keep, fallback) and its
+    ``train`` section (run dir, the last step), the topology (ranks; its ``plan``: the layout the resume
+    check compares) and the run's identity (``RunIdentity``: what a checkpoint records about the config)."""
 
-    def __init__(self, train, topo, identity: RunIdentity):
+    def __init__(self, cfg, topo, identity: RunIdentity):
+        train, checkpoint = cfg.train, cfg.checkpoint
         self.topo, self.identity = topo, identity
         self.run_dir = RunDirectory(train.run_dir)
         self.ckpt_dir = self.run_dir.checkpoints
-        self.interval, self.keep, self.last_step = train.save_interval, train.keep_checkpoints, train.max_steps
-        self.strict = not train.checkpoint_fallback  # a damaged checkpoint stops the run instead of being passed over
+        self.interval, self.keep, self.last_step = checkpoint.interval, checkpoint.keep, train.max_steps
+        self.strict = not checkpoint.fallback  # a damaged checkpoint stops the run instead of being passed over
         self.record = dict(identity.record)  # what every checkpoint's run.json holds (``note``: and more)
         self.latest: Optional[str] = None  # the newest complete (or, async: in-flight) tag of this run
         self._meta: Optional[dict] = None

@@ -1,4 +1,4 @@
-"""A damaged checkpoint does not stop an unattended run (``train.checkpoint_fallback``, on by default).
+"""A damaged checkpoint does not stop an unattended run (``checkpoint.fallback``, on by default).
 
 When the checkpoint a resume, a requeue or a rollback would load fails verification (a file missing,
 truncated or corrupt against its manifest, or the manifest unreadable: ``run.checkpoint_error.
@@ -10,7 +10,7 @@ record (``fallbacks``) and in ``<run_dir>/faults/damaged_checkpoints.jsonl``.
 
 When none verifies nothing is moved: one line names each checkpoint and its damage, exit 2. So is a
 checkpoint that cannot be checked at all (a run record without its manifest): that needs a person.
-``train.checkpoint_fallback=false`` keeps the strict behaviour: the first damaged checkpoint stops the
+``checkpoint.fallback=false`` keeps the strict behaviour: the first damaged checkpoint stops the
 run in one line, and nothing is moved.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def set_aside(rd, damaged: list, loaded: str, *, is_main: bool, world: int, when
         if dist.is_initialized():
             dist.barrier()  # no rank reads the checkpoints before they are where they are now
     what = "; ".join(f"{d.detail}, moved aside to {rd.checkpoints / e['moved_to']}" for d, e in zip(damaged, entries))
-    say(f"{what}. Loading {rd.tag_dir(loaded)} instead, the newest that verifies (train.checkpoint_fallback; "
+    say(f"{what}. Loading {rd.tag_dir(loaded)} instead, the newest that verifies (checkpoint.fallback; "
         f"recorded in {rd.faults_dir / FILE})")
     return entries
 

@@ -2,14 +2,14 @@
 ``--rerun-mode validate_results``): on a verdict every rank recomputes the step from the state before
 its update -- the same micro batches, the same RNG -- and only the recomputation's verdict counts.
 
-What a step keeps for it while ``train.recheck_bad_steps`` is on is host-side bookkeeping, with no
-device read and no collective: the RNG states before the step (torch's CPU generator and this rank's
-CUDA one, the only ones a step draws from: a few KiB copied, ``StepReplay``), references to the micro
-batches as the engine pulls them, and each micro batch's loss on its way to the backward, detached and
-left on the device (``LossTap``). The state before the update needs no copy: an engine drops the update of a step its
-guard gave a verdict on, leaving weights, gradients and optimizer state bit-identical (tested on both
-engines), so recomputing is restoring the RNG and replaying the kept micro batches through
-``engine.train_step``.
+What a step keeps for it while ``guard.recheck`` is on (``callbacks/bad_steps.py``) is host-side
+bookkeeping, with no device read and no collective: the RNG states before the step (torch's CPU
+generator and this rank's CUDA one, the only ones a step draws from: a few KiB copied, ``StepReplay``),
+references to the micro batches as the engine pulls them, and each micro batch's loss on its way to the
+backward, detached and left on the device (the bad-step callback's ``micro_loss``). The state before the
+update needs no copy: an engine drops the update of a step its guard gave a verdict on, leaving weights,
+gradients and optimizer state bit-identical (tested on both engines), so recomputing is restoring the
+RNG and replaying the kept micro batches through ``engine.train_step``.
 
 Which rank: each rank compares its own micro-batch losses of the two computations bit for bit, and
 one gather (after a verdict only) tells every rank who differed, with its node (``differing``). Under
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,36 +31,6 @@ import torch.distributed as dist
 def node_name() -> str:
     """This rank's node as Slurm names it (what ``sbatch --exclude`` takes), else its host name."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-class LossTap:
-    """``StepChecks.faults``: what every micro batch's loss passes through before its backward -- an
-    injected loss fault (``run.faults.FaultPlan``, or None) and, with the re-check on, a note of it."""
-
-    def __init__(self, plan, note: bool):
-        self.plan, self.note, self.seen = plan, note, []
-
-    @classmethod
-    def for_run(cls, plan, recheck: bool) -> Optional["LossTap"]:
-        """None when there is nothing to inject and nothing to note: the engine then pays one ``is None``."""
-        return cls(plan, recheck) if plan is not None or recheck else None
-
-    def touches(self, step: int) -> bool:
-        return self.note or self.plan.loss_factor(step) is not None
-
-    def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        if self.plan is not None:
-            factor = self.plan.loss_factor(step)
-            if factor is not None:
-                loss = loss * factor
-        if self.note:
-            self.seen.append(loss.detach())
-        return loss
-
-    def take(self) -> list:
-        """The losses noted since the last take (this rank's, in the order computed)."""
-        seen, self.seen = self.seen, []
-        return seen
 
 
 class StepReplay:

@@ -1,5 +1,5 @@
 """Stragglers named (Megatron core's ``StragglerDetector``): every log interval the ranks' step times
-are gathered, and a rank whose compute is slower than ``train.straggler_factor`` x the median is named
+are gathered, and a rank whose compute is slower than ``stragglers.factor`` x the median is named
 with its host, in one line and in ``metrics.jsonl``; the per-rank figures are in every record.
 
 Per rank and step, two figures:
@@ -115,7 +115,7 @@ class StragglerReport:
             return None
         names = ", ".join(f"rank {s['rank']} on {s['host']} ({s['compute_s'] * 1e3:.1f} ms)" for s in slow)
         return (f"straggler at step {step}: {names} of forward compute per step, over {self.factor:g}x the median "
-                f"{figures['median_compute_s'] * 1e3:.1f} ms of the {self.world} ranks (train.straggler_factor)")
+                f"{figures['median_compute_s'] * 1e3:.1f} ms of the {self.world} ranks (stragglers.factor)")
 
 
 FILE = "stragglers.jsonl"  # under <run_dir>/faults/

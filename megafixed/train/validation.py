@@ -7,16 +7,16 @@ from ..model.heldout import score_heldout
 
 
 class Validator:
-    """``train.eval_iters`` global batches of the validation split (Megatron's meaning), scored
-    from its first sample each time, every ``train.eval_interval`` steps and at the last step.
+    """``validation.iters`` global batches of the validation split (Megatron's meaning), scored
+    from its first sample each time, every ``validation.interval`` steps and at the last step.
     Polls the stop request between batches, so a stop is honoured inside a long validation pass
     (``run`` returns None: the pass was cut short)."""
 
-    def __init__(self, engine, dataset, train, topo, stop=None):
-        """``train``: the config's ``train`` section (eval_iters, eval_interval, max_steps); ``topo``:
+    def __init__(self, engine, dataset, validation, max_steps: int, topo, stop=None):
+        """``validation``: the config's ``validation`` section (iters, interval); ``topo``:
         the DP rank and size, and its plan's batch layout."""
         self.engine, self.dataset, self.topo, self.layout, self.stop = engine, dataset, topo, topo.plan.batch, stop
-        self.iters, self.interval, self.last_step = train.eval_iters, train.eval_interval, train.max_steps
+        self.iters, self.interval, self.last_step = validation.iters, validation.interval, max_steps
 
     @property
     def enabled(self) -> bool:

@@ -1,4 +1,4 @@
-"""Weights & Biases beside metrics.jsonl and TensorBoard (``train.wandb=true``; ``pip install 'megafixed[wandb]'``).
+"""Weights & Biases beside metrics.jsonl and TensorBoard (``wandb.enabled=true``; ``pip install 'megafixed[wandb]'``).
 
 The same records, at the same steps (``step=`` is the optimizer step, as in torchtitan and Megatron),
 under the same ``train/*`` and ``valid/*`` names as the TensorBoard scalars.
@@ -9,7 +9,7 @@ run logs again up to there (the steps between the checkpoint and the kill) are n
 the reproducibility contract (train/trainer.py) they are the same values, and W&B refuses steps that
 go backwards anyway.
 
-Offline (``train.wandb_mode=offline`` or ``WANDB_MODE=offline``, e.g. on compute nodes without internet)
+Offline (``wandb.mode=offline`` or ``WANDB_MODE=offline``, e.g. on compute nodes without internet)
 writes under ``<run_dir>/wandb/``; ``wandb sync <run_dir>/wandb/offline-run-*`` uploads every segment
 into the one run.
 """
@@ -23,7 +23,7 @@ from ..atomic import atomic_write_text
 from ..config import ConfigError
 
 RUN_FILE = "wandb_run.json"
-NO_WANDB = "train.wandb=true needs the wandb package: pip install 'megafixed[wandb]' (or set train.wandb=false)"
+NO_WANDB = "wandb.enabled=true needs the wandb package: pip install 'megafixed[wandb]' (or set wandb.enabled=false)"
 
 
 def scalar_name(key: str) -> str:
@@ -46,15 +46,15 @@ class WandbLog:
 
     def _open(self) -> None:
         import wandb
-        t = self.cfg.train
+        t = self.cfg.wandb
         path = self.run_dir / RUN_FILE
         saved = json.loads(path.read_text()) if path.exists() else {}
         run_id = saved.get("id") or secrets.token_hex(4)  # W&B ids: 8 lowercase letters/digits
         self.last_step = int(saved.get("last_step", -1))
-        self.run = wandb.init(project=t.wandb_project, entity=t.wandb_entity,
-                              name=t.wandb_run_name or self.run_dir.name,
-                              tags=list(t.wandb_tags or []) or None, id=run_id, resume="allow",
-                              mode=None if t.wandb_mode == "auto" else t.wandb_mode, dir=str(self.run_dir),
+        self.run = wandb.init(project=t.project, entity=t.entity,
+                              name=t.run_name or self.run_dir.name,
+                              tags=list(t.tags or []) or None, id=run_id, resume="allow",
+                              mode=None if t.mode == "auto" else t.mode, dir=str(self.run_dir),
                               settings=wandb.Settings(console="off"))  # our stdout is the job log already
         # Config as the run resolved it; a restart may change the "safe" keys (train/resume.py).
         self.run.config.update(self.cfg.to_dict(), allow_val_change=True)

@@ -1,5 +1,5 @@
 """The hang watchdog (NVRx's in-job hang detection, torchtitan's flight-recorder dump on a timeout):
-when no step completes within ``train.hang_timeout_s``, every live rank writes the Python stacks of
+when no step completes within ``watchdog.timeout_s``, every live rank writes the Python stacks of
 all its threads to ``<run_dir>/faults/``, rank 0 names in one line the ranks (and hosts) that never
 reached the step, and the job exits ``exit_codes.HUNG``, which the Slurm job script requeues.
 
@@ -9,7 +9,7 @@ rendezvous store once a second, which outlives a stuck collective, so the ranks 
 the step can be told from those waiting in its collectives. The first rank to time out raises a
 flag on the store; the others see it within a poll and dump their stacks too.
 
-The timeout: ``train.hang_timeout_s``, or 0 (auto) = max(300 s, 20 x the median of the last steps).
+The timeout: ``watchdog.timeout_s``, or 0 (auto) = max(300 s, 20 x the median of the last steps).
 Checkpoint saves and validation passes (``grace``) get at least ``parallel.collective_timeout_s``: those
 are slow by nature, and a peer lost inside them is already named by the collective timeout
 (``launch/lost.py``). The first step (compilation, the first collectives' set-up) gets nearly as long,
@@ -69,7 +69,7 @@ class HangWatchdog:
     @classmethod
     def for_run(cls, timeout_s: float, slow_phase_s: float, topo, faults_dir: Path, say, done: int = 0
                 ) -> "HangWatchdog":
-        """Started at the first step (``start``): ``train.hang_timeout_s``, ``parallel.collective_timeout_s``."""
+        """Started at the first step (``start``): ``watchdog.timeout_s``, ``parallel.collective_timeout_s``."""
         from ..launch import rendezvous
 
         hosts = [p["host"] for p in sorted(rendezvous.peers(), key=lambda p: p["rank"])] or None
@@ -133,6 +133,15 @@ class HangWatchdog:
         """Progress without a timed step (a skipped step's batches consumed)."""
         self.entered = self.finished = step
         self.deadline = time.monotonic() + self.timeout()
+
+    def slow_phase(self) -> None:
+        """From now to ``pace``: a save or a validation pass, given at least ``parallel.collective_timeout_s``."""
+        self.deadline = time.monotonic() + max(self.timeout(), self.slow_phase_s)
+
+    def pace(self) -> None:
+        """A full timeout for the step about to begin (the first one keeps its own allowance from ``start``)."""
+        if self.finished > self.done:
+            self.deadline = time.monotonic() + self.timeout()
 
     @contextlib.contextmanager
     def grace(self):
@@ -250,7 +259,7 @@ class HangWatchdog:
                    f"{step} (the others wait in its collectives)")
         else:
             who = f"every rank entered step {step} and none finished it (a collective or the device is stuck)"
-        self.say(f"hang: no step completed within {self.timeout():g}s (train.hang_timeout_s) after step "
+        self.say(f"hang: no step completed within {self.timeout():g}s (watchdog.timeout_s) after step "
                  f"{min((p[1] for p in progress.values()), default=self.finished)}: {who}; {files}; exit "
                  f"{exit_codes.HUNG} (a Slurm job requeues itself)")
         if self.store is not None:

@@ -1,4 +1,4 @@
-"""Writing checkpoint files: checksummed always, in the background with ``train.async_save=true``.
+"""Writing checkpoint files: checksummed always, in the background with ``checkpoint.async_save=true``.
 
 ``CheckpointWriter`` replaces the engine's ``checkpoint_engine`` (DeepSpeed's seam for how shard
 files are written: every ``mp_rank_*``, ``layer_*`` and ``zero_pp_rank_*`` file goes through its

@@ -5,9 +5,9 @@ from ...run.optim import build_optimizer
 from ..dtypes import COMPUTE_DTYPES, restore_exact_buffers
 
 
-def build(cfg, topo, layout, precision: str, checks=None):
+def build(cfg, topo, layout, precision: str, hook=None):
     """A ``DeepSpeedEngine`` for this rank of the layout (``layout``: ``parallel.layout.Layout``);
-    ``checks``: the ``StepChecks`` its step asks (None: none)."""
+    ``hook``: the ``StepHook`` its step asks (None: none)."""
     import deepspeed
 
     from ...model import GPT
@@ -51,4 +51,4 @@ def build(cfg, topo, layout, precision: str, checks=None):
             engine.enable_backward_allreduce = False
             step_sync = grad_sync
     return DeepSpeedEngine(engine, optimizer, cfg=cfg, topo=topo, layout=layout, ds_config=ds_config,
-                           grad_sync=step_sync, checks=checks)
+                           grad_sync=step_sync, hook=hook)

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ...run.run_dir import CheckpointError
-from ..base import StepChecks, StepResult
+from ..base import StepHook, StepResult
 from ..common import corrupt_checkpoint_error, misfit_checkpoint_error, one_line
 from . import step as ds_step
 
@@ -32,17 +32,21 @@ class DeepSpeedEngine:
     """One rank's DeepSpeed engine (plain or pipeline) behind the engine seam."""
 
     name = NAME
-    checks = StepChecks()  # what its step asks (none, unless build_engine was given them)
+    hook: Optional[StepHook] = None  # what its step asks besides its batches (none, unless build_engine was given one)
     derived_dirs = ("universal",)  # universal.UNIVERSAL_DIR: DeepSpeed's re-layout copy, made on a layout change
 
     def __init__(self, ds_engine, optimizer, *, cfg, topo, layout, ds_config: dict, grad_sync=None,
-                 checks: Optional[StepChecks] = None):
+                 hook: Optional[StepHook] = None):
         self.ds = ds_engine  # deepspeed.DeepSpeedEngine or PipelineEngine
-        self.checks = checks or self.checks  # the guard and the loss tap its step asks
+        self.hook = hook
+        if ds_step.is_pipeline_engine(ds_engine):  # its schedule calls the module's loss function itself
+            from ..loops import StepLoss
+
+            ds_engine.module.loss_fn = StepLoss(ds_engine.module.loss_fn, hook)
         self.optimizer = optimizer
         self.cfg, self.topo, self.layout, self.ds_config = cfg, topo, layout, ds_config
         self.grad_sync = grad_sync  # TPGradSync the step finishes at the boundary (plain engine, SP, ZeRO 0/1)
-        self.writer = self._install_writer(bool(cfg.train.async_save))
+        self.writer = self._install_writer(bool(cfg.checkpoint.async_save))
         self._universal_info: Optional[dict] = None
 
     # ---- the model
@@ -61,9 +65,9 @@ class DeepSpeedEngine:
         # The loss mean over the whole job in one all-reduce (TP peers add equal copies; a pipeline engine
         # aggregates its own): every rank holds the same bits for the bad-step guard.
         return ds_step.train_step(self.ds, self.optimizer, batches, self.layout.accum, dp=self.topo.world_size,
-                                  dp_group=None, on_nonfinite=self.cfg.train.on_nonfinite,
+                                  dp_group=None, on_nonfinite=self.cfg.guard.on_nonfinite,
                                   step=step, grad_sync=self.grad_sync, vocab_size=self.cfg.model.vocab_size,
-                                  guard=self.checks.guard, faults=self.checks.faults)
+                                  hook=self.hook)
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         return ds_step.eval_loss(self.ds, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,

@@ -53,10 +53,10 @@ class DeepSpeedKind:
 
         return megatron_groups(plan)
 
-    def build(self, cfg, topo, checks=None):
+    def build(self, cfg, topo, hook=None):
         from .build import build
 
-        return build(cfg, topo, topo.plan.batch, topo.plan.precision, checks)
+        return build(cfg, topo, topo.plan.batch, topo.plan.precision, hook)
 
     def engine_config(self, cfg, plan) -> dict:
         """DeepSpeed's JSON, for the machine the plan is for (a dry run on a CPU login node plans a GPU run)."""

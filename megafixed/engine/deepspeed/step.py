@@ -11,6 +11,7 @@ shifted views (``megafixed.engine.batches.split_tokens``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator, Optional
 
@@ -18,7 +19,7 @@ import torch
 
 from ..base import StepResult
 from ..batches import none_if_nan, split_tokens
-from ..loops import accumulated_loss, eval_mean, faults_in_loss_fn, loss_verdict, norm_verdict, scaled_loss
+from ..loops import StepLoss, accumulated_loss, eval_mean, loss_verdict, norm_verdict, scaled_loss
 
 
 def _fence_checkpoint_copies(engine) -> None:
@@ -67,7 +68,7 @@ def _stage0_grad_norm(engine) -> Optional[float]:
 
 def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *, dp: int, dp_group=None,
                on_nonfinite: str = "stop", step: int = 0, grad_sync=None,
-               vocab_size: Optional[int] = None, guard=None, faults=None) -> StepResult:
+               vocab_size: Optional[int] = None, hook=None) -> StepResult:
     """Run one optimizer step over ``accum`` micro batches from ``batches`` on this rank.
 
     ``grad_sync`` (plain engine, sequence parallelism, ZeRO 0/1) sums the sequence-parallel
@@ -77,10 +78,10 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
     engine.train()
     if is_pipeline_engine(engine):
         return _pipeline_train_step(engine, optimizer, batches, accum, on_nonfinite=on_nonfinite, step=step,
-                                    vocab_size=vocab_size, guard=guard, faults=faults)
+                                    vocab_size=vocab_size, hook=hook)
 
     def micro_step(k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = scaled_loss(engine(inputs, labels), faults, step)  # an injected fault (MEGAFIXED_INJECT), if any
+        loss = scaled_loss(engine(inputs, labels), hook, step)  # an injected fault (faults.inject), if any
         engine.backward(loss)
         if k < accum - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro step
@@ -93,16 +94,16 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
                                         dp=dp, dp_group=dp_group)
     # The guard judges values every rank already holds (the reduced loss, the global norm): every rank
     # reaches the same verdict with no collective of its own, and no device read is added.
-    verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+    verdict = loss_verdict(hook, step, value, nonfinite, on_nonfinite)
     grad_norm, judged = None, {}
     if verdict is None and engine.zero_optimization_stage() == 0:
         grad_norm = _stage0_grad_norm(engine)  # before the update: ours to compute without ZeRO
-        verdict = norm_verdict(guard, step, grad_norm)
-    elif verdict is None and guard is not None:
+        verdict = norm_verdict(hook, step, grad_norm)
+    elif verdict is None and hook is not None:
         def judge_zero_norm() -> bool:  # inside ZeRO's step: its norm is computed, the update not yet run
             # the one read of it (also the logged norm below), rank 0's bits on every rank
             judged["norm"] = rank0s_values([_zero_grad_norm(engine)], engine.device)[0]
-            judged["verdict"] = norm_verdict(guard, step, judged["norm"])
+            judged["verdict"] = norm_verdict(hook, step, judged["norm"])
             return judged["verdict"] is not None
         optimizer.before_update = judge_zero_norm
     # skip: DeepSpeed still takes the optimizer step at the boundary (and zeroes the gradients after
@@ -118,7 +119,7 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
 
 
 def _pipeline_train_step(engine, optimizer, batches, accum: int, *, on_nonfinite: str, step: int,
-                         vocab_size: Optional[int], guard, faults) -> StepResult:
+                         vocab_size: Optional[int], hook) -> StepResult:
     """One ``train_batch`` of a DeepSpeed pipeline engine, judged before its update.
 
     The schedule runs the micro batches and ends in the optimizer step, all inside ``train_batch``. So the
@@ -139,18 +140,19 @@ def _pipeline_train_step(engine, optimizer, batches, accum: int, *, on_nonfinite
         value, norm = rank0s_values([value, _zero_grad_norm(engine)], engine.device)  # the same bits everywhere
         judged["loss"] = value
         nonfinite = not math.isfinite(value)
-        verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+        verdict = loss_verdict(hook, step, value, nonfinite, on_nonfinite)
         if verdict is None:
             judged["norm"] = norm
-            verdict = norm_verdict(guard, step, judged["norm"])
+            verdict = norm_verdict(hook, step, judged["norm"])
         judged["verdict"] = verdict
         return verdict is not None
 
-    if guard is not None:
+    if hook is not None:
         optimizer.before_update = judge_before_update
     _fence_checkpoint_copies(engine)  # train_batch ends in the update: no overlap to be had here
     try:
-        with faults_in_loss_fn(engine.module, "loss_fn", faults, step):
+        loss_fn = engine.module.loss_fn  # a StepLoss when the engine was built with a hook (engine.py)
+        with loss_fn.during(step) if isinstance(loss_fn, StepLoss) else contextlib.nullcontext():
             loss = engine.train_batch(data_iter=pairs)  # averaged over micro batches and DP, every stage
     finally:
         optimizer.skip_next_step, optimizer.before_update = False, None
@@ -162,10 +164,10 @@ def _pipeline_train_step(engine, optimizer, batches, accum: int, *, on_nonfinite
     # non-finite loss makes) and skipped the update itself, before calling the optimizer.
     value = float(loss)
     nonfinite = not math.isfinite(value)
-    verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+    verdict = loss_verdict(hook, step, value, nonfinite, on_nonfinite)
     grad_norm = none_if_nan(engine.get_global_grad_norm())
-    return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite or guard is not None,
-                      verdict=verdict or norm_verdict(guard, step, grad_norm))
+    return StepResult(loss=value, grad_norm=grad_norm, skipped=nonfinite or hook is not None,
+                      verdict=verdict or norm_verdict(hook, step, grad_norm))
 
 
 def _zero_grad_norm(engine):

@@ -67,9 +67,9 @@ def build_model(cfg, topo):
     return model
 
 
-def build(cfg, topo, checks=None):
+def build(cfg, topo, hook=None):
     """A ``NativeEngine`` for this rank of the run (``topo`` from ``setup_distributed``: its mesh);
-    ``checks``: the ``StepChecks`` its step asks (None: none)."""
+    ``hook``: the ``StepHook`` its step asks (None: none)."""
     from .engine import NativeEngine
 
     if topo.mesh is None and topo.world_size > 1:  # a caller bug: the topology of another engine
@@ -77,7 +77,7 @@ def build(cfg, topo, checks=None):
     if topo.plan.pp > 1:  # the pipeline's stages and schedule (pipeline.py, pipeline_step.py)
         from .pipeline_step import build_pipeline_engine
 
-        return build_pipeline_engine(cfg, topo, checks)
+        return build_pipeline_engine(cfg, topo, hook)
     model = build_model(cfg, topo)
     optimizer = build_optimizer(model, cfg.optimizer)
-    return NativeEngine(model, optimizer, cfg=cfg, topo=topo, checks=checks)
+    return NativeEngine(model, optimizer, cfg=cfg, topo=topo, hook=hook)

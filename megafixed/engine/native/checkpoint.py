@@ -23,7 +23,7 @@ through its ``FileSystem.create_stream``, sequentially (``tell``-based offsets, 
 ``FileSystem`` whose streams hash what passes through gives the records; ``.metadata`` is written
 as ``.metadata.tmp`` and renamed, so the rename moves its record.
 
-Async save (``train.async_save=true``): ``dcp.async_save`` stages a CPU copy of the state on the
+Async save (``checkpoint.async_save=true``): ``dcp.async_save`` stages a CPU copy of the state on the
 training thread (``FileSystemWriter`` is DCP's blocking stager: training may change the weights as
 soon as it returns), then writes from a background thread. That thread runs DCP's collectives
 (plan gather, result gather) on a gloo group of its own, so they never interleave with the

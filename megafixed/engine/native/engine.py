@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..base import StepChecks, StepResult
+from ..base import StepHook, StepResult
 from . import step as native_step
 
 NAME = "torch"
@@ -18,17 +18,17 @@ NAME = "torch"
 class NativeEngine:
     """One rank's torch-native engine behind the engine seam."""
     name = NAME
-    checks = StepChecks()  # what its step asks (none, unless build_engine was given them)
+    hook: Optional[StepHook] = None  # what its step asks besides its batches (none, unless build_engine was given one)
     derived_dirs: tuple = ()  # DCP reshards on load: no re-layout copy beside a tag
 
-    def __init__(self, model: torch.nn.Module, optimizer, *, cfg, topo, checks: Optional[StepChecks] = None):
+    def __init__(self, model: torch.nn.Module, optimizer, *, cfg, topo, hook: Optional[StepHook] = None):
         self.model, self.optimizer, self.cfg, self.topo = model, optimizer, cfg, topo
-        self.checks = checks or self.checks  # the guard and the loss tap its step asks
+        self.hook = hook
         self.plan = topo.plan
         self._loss_context = self._pick_loss_context()
         from .checkpoint import DcpCheckpoint
 
-        self.checkpoints = DcpCheckpoint(model, optimizer, async_save=bool(cfg.train.async_save))
+        self.checkpoints = DcpCheckpoint(model, optimizer, async_save=bool(cfg.checkpoint.async_save))
 
     def _pick_loss_context(self) -> Callable:
         if self.plan.tp > 1:
@@ -55,10 +55,10 @@ class NativeEngine:
         job = job_group(self.topo.mesh) if self.topo.mesh is not None else None
         return native_step.train_step(self.model, self.optimizer, batches, self.plan.batch.accum, lr=lr,
                                       dp=self.topo.world_size, dp_group=job,
-                                      grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.train.on_nonfinite,
+                                      grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.guard.on_nonfinite,
                                       step=step, vocab_size=self.cfg.model.vocab_size, device=self.device,
                                       loss_context=self._loss_context, precision=self.plan.precision,
-                                      guard=self.checks.guard, faults=self.checks.faults)
+                                      hook=self.hook)
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         return native_step.eval_loss(self.model, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,

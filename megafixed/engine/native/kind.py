@@ -65,10 +65,10 @@ class TorchKind:
         return dict(mesh=mesh, tp_group=tp_group, dp_group=dp_submesh(mesh).get_group(),
                     model_parallel_group=tp_group)
 
-    def build(self, cfg, topo, checks=None):
+    def build(self, cfg, topo, hook=None):
         from .build import build
 
-        return build(cfg, topo, checks)
+        return build(cfg, topo, hook)
 
     def engine_config(self, cfg, plan) -> dict:
         from .config import engine_config

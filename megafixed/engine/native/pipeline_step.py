@@ -32,17 +32,19 @@ from .engine import NativeEngine
 class PipelineEngine(NativeEngine):
     """``NativeEngine`` whose model is this rank's pipeline stages (``pipeline.PipelineParts``)."""
 
-    def __init__(self, parts, stages, ids, optimizer, *, cfg, topo, checks=None):
-        super().__init__(parts, optimizer, cfg=cfg, topo=topo, checks=checks)
+    def __init__(self, parts, stages, ids, optimizer, *, cfg, topo, hook=None):
+        super().__init__(parts, optimizer, cfg=cfg, topo=topo, hook=hook)
         self.stages, self.ids = stages, ids
         self.checkpoints.every_rank_reads = True  # train.init_from: each stage keeps its own weights
         self.pp_group = topo.mesh["pp"].get_group()
         self.n_stages = self.plan.pp * self.plan.engine_plan.vpp
         self._tp_mesh = topo.mesh["tp"] if self.plan.tp > 1 else None
         accum = self.plan.batch.accum
-        # The loss the training schedule calls for each microbatch on the last stage, held here, where
-        # a step's injected fault swaps it (loops.faults_in_loss_fn); the schedule calls through it.
-        self.loss_fn = self._microbatch_loss(accum)
+        # The loss the training schedule calls for each microbatch on the last stage: through the step hook
+        # while a training step is in flight (loops.StepLoss).
+        from ..loops import StepLoss
+
+        self.loss_fn = StepLoss(self._microbatch_loss(accum), self.hook)
         self.schedule = self._schedule(accum, lambda output, target: self.loss_fn(output, target))
         self._eval_schedules: dict = {}  # microbatch count -> its evaluation schedule (not accum's)
 
@@ -77,10 +79,7 @@ class PipelineEngine(NativeEngine):
         self.model.train()
         inputs, labels = self._local_batch(batches, self.plan.batch.accum)
         losses: list = [] if self.has_last else None
-        from ..loops import faults_in_loss_fn
-
-        with self._loss_context(self.model), self._compute()(), \
-                faults_in_loss_fn(self, "loss_fn", self.checks.faults, step):
+        with self._loss_context(self.model), self._compute()(), self.loss_fn.during(step):
             self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
                                losses=losses, return_outputs=False)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -92,9 +91,9 @@ class PipelineEngine(NativeEngine):
         from .step import apply_update
 
         return apply_update(self.optimizer, value, nonfinite, lr=lr, grad_clip=self.cfg.optimizer.grad_clip,
-                            on_nonfinite=self.cfg.train.on_nonfinite, step=step,
+                            on_nonfinite=self.cfg.guard.on_nonfinite, step=step,
                             norm=lambda params: pp_grad_norm(params, self.pp_group),
-                            guard=self.checks.guard)  # the bad-step guard, before the update
+                            hook=self.hook)  # the verdict, before the update
 
     def eval_schedule(self, n_microbatches: int):
         """The schedule a validation pass of ``n_microbatches`` micro batches runs (see the module's doc)."""
@@ -140,10 +139,10 @@ def _reshard(stages) -> None:
             stage.reshard()
 
 
-def build_pipeline_engine(cfg, topo, checks=None) -> PipelineEngine:
+def build_pipeline_engine(cfg, topo, hook=None) -> PipelineEngine:
     from ...run.optim import build_optimizer
     from .pipeline import build_stages
 
     parts, stages, ids = build_stages(cfg, topo)
     optimizer = build_optimizer(parts, cfg.optimizer)
-    return PipelineEngine(parts, stages, ids, optimizer, cfg=cfg, topo=topo, checks=checks)
+    return PipelineEngine(parts, stages, ids, optimizer, cfg=cfg, topo=topo, hook=hook)

@@ -163,7 +163,7 @@ def clip_(parameters, max_norm: float, total: float) -> None:
 def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *, lr: float, dp: int, dp_group,
                grad_clip: float, on_nonfinite: str = "stop", step: int = 0, vocab_size: Optional[int] = None,
                device=None, loss_context: Callable = lambda _m: contextlib.nullcontext(),
-               precision: str = "fp32", guard=None, faults=None) -> StepResult:
+               precision: str = "fp32", hook=None) -> StepResult:
     """One optimizer step over ``accum`` micro batches of this rank (``batches``)."""
     model.train()
     device = device if device is not None else next(model.parameters()).device
@@ -175,14 +175,14 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
         _reduce_replicas(model, last=k == accum - 1)
         with loss_context(model):
             with compute():
-                loss = scaled_loss(model(inputs, labels), faults, step)  # MEGAFIXED_INJECT, if set
+                loss = scaled_loss(model(inputs, labels), hook, step)  # faults.inject, if set
             (loss / accum).backward()
         return _plain(loss)
 
     value, nonfinite = accumulated_loss(batches, accum, micro_step, device=device, vocab_size=vocab_size,
                                         dp=dp, dp_group=dp_group)
     return apply_update(optimizer, value, nonfinite, lr=lr, grad_clip=grad_clip, on_nonfinite=on_nonfinite, step=step,
-                        guard=guard)
+                        hook=hook)
 
 
 def _reduce_replicas(model, *, last: bool) -> None:
@@ -202,7 +202,7 @@ def _reduce_replicas(model, *, last: bool) -> None:
 
 
 def apply_update(optimizer, value: float, nonfinite: bool, *, lr: float, grad_clip: float, on_nonfinite: str,
-                 step: int, norm: Callable = grad_norm, guard=None) -> StepResult:
+                 step: int, norm: Callable = grad_norm, hook=None) -> StepResult:
     """The step's end, after the backward of every micro batch: the bad-step verdict, the global
     gradient norm (``norm``: the pipeline's sums it over the pp group too), clipping, AdamW.
 
@@ -210,10 +210,10 @@ def apply_update(optimizer, value: float, nonfinite: bool, *, lr: float, grad_cl
     device read of its own: both values are read here anyway). A dropped update: torch has no step to
     turn into a no-op; not calling it and dropping the gradients leaves weights and optimizer state
     untouched (DeepSpeed's engine needs SkippableAdamW)."""
-    verdict = loss_verdict(guard, step, value, nonfinite, on_nonfinite)
+    verdict = loss_verdict(hook, step, value, nonfinite, on_nonfinite)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     total = float(host_values(norm(params))) if verdict is None else None
-    verdict = verdict or norm_verdict(guard, step, total)
+    verdict = verdict or norm_verdict(hook, step, total)
     if verdict is not None:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(loss=value, grad_norm=None, skipped=True, verdict=verdict)  # the batch is dropped
