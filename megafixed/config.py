@@ -227,6 +227,24 @@ class FaultsConfig:
     inject: Optional[str] = None  # parsed (and a malformed one refused) when the run's callbacks are built
 
 
+@dataclass
+class EvalConfig:
+    """In-loop zero-shot evaluation (megafixed/train/callbacks/zero_shot.py), e.g.
+    ``eval.tasks=[hellaswag,piqa,lambada] eval.interval=50 eval.limit=200``. The task names are checked
+    when the callback is built (before the run starts): the task registry lives above the config."""
+    tasks: list = field(default_factory=list)  # megafixed eval's task names (and mmlu, mmlu_<subject>)
+    interval: int = 0  # steps between evaluations (and the last step); 0: off
+    limit: int = 100  # the first N documents of each task (per MMLU subject), as megafixed eval --limit
+    batch_size: int = 32  # packed rows per forward pass, as megafixed eval --batch-size
+
+    def validate(self) -> None:
+        if any(not isinstance(t, str) for t in self.tasks):
+            raise ConfigError(f"eval.tasks={self.tasks!r} must be a list of task names, e.g. [hellaswag, piqa]")
+        if self.interval > 0 and not self.tasks:
+            raise ConfigError(f"eval.interval={self.interval} needs eval.tasks, e.g. "
+                              f"eval.tasks=[hellaswag,piqa,lambada] (or eval.interval=0: no in-loop evaluation)")
+
+
 # A key that left the train section -> its place now: named in the one-line refusal of the old key.
 MOVED_KEYS = {
     "train.on_nonfinite": "guard.on_nonfinite", "train.on_spike": "guard.on_spike",
@@ -306,6 +324,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # User callbacks (megafixed/train/callbacks/): each {name: "package.module:Class", args: {...}}.
     callbacks: list = field(default_factory=list)
 

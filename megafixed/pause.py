@@ -29,7 +29,7 @@ pause ends when
 ``PATH`` is removed when the pause ends (a killed process leaves it). A test waits for ``PATH`` to
 appear, which it does only once the process is stopped there. The pause fires once per process; a
 point that is never reached never pauses. Signals are seen from the main thread only (every point
-above runs there, but ``checkpoint.file`` under ``train.async_save``). Unset, :func:`armed` returns
+above runs there, but ``checkpoint.file`` under ``checkpoint.async_save``). Unset, :func:`armed` returns
 None and the point costs one ``is None`` test per batch, step or row (one environment look-up per
 checkpoint file); a malformed value is one :class:`PauseError` line naming this grammar.
 """

@@ -265,7 +265,7 @@ def test_the_dropout_resume_stage_draws_from_the_rng_and_catches_a_wrong_restore
     def fake_train(overrides, *, mock=True):
         keys = dict(o.split("=", 1) for o in overrides)
         calls.append(keys)
-        steps, cut = int(keys["train.max_steps"]), int(keys["train.save_interval"])
+        steps, cut = int(keys["train.max_steps"]), int(keys["checkpoint.interval"])
         run = Path(keys["train.run_dir"]).name
         start = cut if not run.startswith("reference") and steps > cut else 0
         curve = {k: 10.0 - k / 100 for k in range(start + 1, steps + 1)}

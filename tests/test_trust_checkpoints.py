@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TAG1, TAG2 = "step_00000001", "step_00000002"
 ENGINES = ("deepspeed", "torch")
 EXTRA = ("model.input=canonical", "model.vocab_size=320", "model.code_bits=9", "train.max_steps=2",
-         "train.save_interval=1", "train.eval_interval=0", "schedule.warmup_steps=1", "train.keep_checkpoints=0")
+         "checkpoint.interval=1", "validation.interval=0", "schedule.warmup_steps=1", "checkpoint.keep=0")
 # the file every reader of each engine unpickles (a resume reads these too)
 READ_BY_ALL = {"deepspeed": "mp_rank_00_model_states.pt", "torch": ".metadata"}
 # what only a resume unpickles: DeepSpeed's optimizer partition, the torch engine's client state
@@ -362,7 +362,7 @@ def test_a_latest_naming_anything_but_a_tag_of_the_run_is_damage(ws, tmp_path, c
         line = _one_error(err)
         assert rc == 2 and "latest" in line and "which is not a checkpoint tag" in line, line
         assert not (tmp_path / "out").exists()
-    # a resume falls back to the newest tag that verifies (train.checkpoint_fallback), saying so
+    # a resume falls back to the newest tag that verifies (checkpoint.fallback), saying so
     proc = subprocess.run(_cmd(ws["shards"], run, "train.max_steps=3"), cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "not a checkpoint tag of a run" in proc.stderr, proc.stderr[-3000:]

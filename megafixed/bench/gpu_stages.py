@@ -128,7 +128,7 @@ def resume_dropout(root: Path) -> dict:
 # The fused first layer compiled: Dynamo traces its autograd.Functions (a device guard, an lru-cached
 # row table, the Triton launches) on CUDA, which the CPU suite cannot (there it traces the torch path).
 FUSED_COMPILE = ["train.engine=torch", "model.fused_first_layer=true", "model.input=gf2", "train.max_steps=8",
-                 "train.save_interval=1000"]
+                 "checkpoint.interval=1000"]
 
 
 def fused_compile() -> dict:

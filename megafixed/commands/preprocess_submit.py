@@ -42,13 +42,13 @@ def add_arguments(p) -> None:
 
 
 def _options(args) -> dict:
-    from .preprocess import max_record_bytes
+    from ..data.readers import DEFAULT_MAX_RECORD_BYTES
 
     return {"tokenizer": os.path.abspath(args.tokenizer), "json_keys": list(args.json_keys), "workers": args.workers,
             "append_eod": args.append_eod, "shard_size_mb": args.shard_size_mb, "strict": args.strict,
             "text_split": args.text_split, "code_bits": args.code_bits, "batch_records": args.batch_size,
             "chunk_mb": args.chunk_mb, "backend": args.backend, "verify_chars": args.verify_chars,
-            "max_record_bytes": max_record_bytes(args)}
+            "max_record_bytes": args.max_record_bytes or DEFAULT_MAX_RECORD_BYTES}
 
 
 def _header(name: str, log: str, args, extra: list[str]) -> list[str]:

@@ -74,9 +74,11 @@ def _train(args, stop) -> int:
     from ..data.prepare import prepare_data
     from ..parallel import setup_distributed
     from ..run_plan import RunPlan
+    from ..train.callbacks import build_callbacks
     from ..train.trainer import train
 
     plan = RunPlan.for_launch(cfg)  # the layout, validated once, before any process group exists
+    build_callbacks(cfg, [])  # a callback that cannot run on this layout is refused here, on every rank alike
     topo = setup_distributed(plan)  # the one Topology of this process; topo.plan is the plan
     cfg = prepare_data(cfg, is_main=topo.is_main)  # fills in data paths only: nothing the plan read
     _barrier()  # other ranks read the shards rank 0 may just have written
@@ -114,10 +116,12 @@ def dry_run(args) -> int:
     from ..engines import kind_of
     from ..parallel.topology import launch_world
     from ..run_plan import RunPlan
+    from ..train.callbacks import build_callbacks
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or launch_world()[0]
     plan = RunPlan.build(cfg, world, gpu=args.target == "gpu")  # what the real run will build
+    build_callbacks(cfg, [])  # what the real run would refuse when it builds its callbacks
     try:
         _check_data_paths(cfg)
     except ValueError as exc:

@@ -15,6 +15,10 @@ NAME = os.path.join("slurm", "plan_choice.json")
 PathLike = Union[str, os.PathLike]
 
 
+
+class PlanChoiceError(ValueError):
+    """The run directory's chosen row names another layout and ``--overwrite`` was not given (exit 2)."""
+
 def path(run_dir: PathLike) -> str:
     return os.path.join(os.fspath(run_dir), NAME)
 
@@ -41,7 +45,6 @@ def read(run_dir: PathLike) -> Optional[dict]:
 def write(run_dir: PathLike, chosen: dict, overwrite: bool = False) -> str:
     """Write ``chosen``; an existing file naming another row is replaced only with ``overwrite``."""
     from ..atomic import atomic_write_text
-    from ..outputs import OutputError
 
     file = path(run_dir)
     if not overwrite:
@@ -50,7 +53,7 @@ def write(run_dir: PathLike, chosen: dict, overwrite: bool = False) -> str:
         except ValueError:
             old = {"unreadable": True}
         if old is not None and old != chosen:
-            raise OutputError(f"{file} names another layout (row {old.get('row')} of `{old.get('chosen_by')}`, "
+            raise PlanChoiceError(f"{file} names another layout (row {old.get('row')} of `{old.get('chosen_by')}`, "
                               f"{' '.join(old.get('overrides', []))}); this run was laid out by another plan: pass "
                               f"--overwrite to replace it, or use another train.run_dir")
     os.makedirs(os.path.dirname(file), exist_ok=True)

@@ -234,7 +234,7 @@ class Checkpointer:
             tag = tags[-1]
             if self.topo.is_main:
                 print(f"warning: {str(exc).partition('; ')[0]}; resuming from the newest tag that verifies, "
-                      f"at or below {tag} (train.checkpoint_fallback)", file=sys.stderr, flush=True)
+                      f"at or below {tag} (checkpoint.fallback)", file=sys.stderr, flush=True)
         if tag is None:
             return None
         tag, damaged = newest_verified(self.run_dir, tag, rank=self.topo.rank, world=self.topo.world_size,

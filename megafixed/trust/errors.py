@@ -3,7 +3,7 @@ this package, so it imports nothing of ``run/``), so the CLI's error boundary
 (``megafixed.errors.report``) prints their one line and exits 2 (``exit_codes.BAD_INPUT``).
 
 Neither is a ``DamagedCheckpoint``: a file that would run code, or a run directory someone else
-can write, is not an accident a run should silently fall back from (``train.checkpoint_fallback``);
+can write, is not an accident a run should silently fall back from (``checkpoint.fallback``);
 a person decides."""
 from __future__ import annotations
 

@@ -20,6 +20,11 @@ def _faults(section, cfg):
     return build(section, cfg)
 
 
+def _eval(section, cfg):
+    from .zero_shot import build
+    return build(section, cfg)
+
+
 def _validation(section, cfg):
     from .validation import build
     return build(section, cfg)
@@ -66,6 +71,7 @@ BUILT_IN = [
     ("watchdog", _watchdog),
     ("stragglers", _stragglers),  # after the drills: the ``slow`` drill's spin is timed as compute
     ("guard", _guard),  # the bad-step guard, its re-check, rollbacks and skipped data
+    ("eval", _eval),  # in-loop zero-shot scores of the settled update, in a record of their own
     ("wandb", _wandb),  # before metrics: a sink of the records the metrics log writes
     ("metrics", _metrics),  # after every callback that adds to a step's record
     ("train", _pause),  # a test's pause point between steps (MEGAFIXED_PAUSE), after the step's record and save

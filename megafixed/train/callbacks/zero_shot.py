@@ -7,34 +7,21 @@ forward passes; a tensor- or pipeline-parallel model has no plain forward on one
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
+from ...config import EvalConfig
 from ...errors import ConfigError
 from .base import Callback, RunContext
 
 
-@dataclass
-class EvalConfig:
-    """Section ``eval``: ``eval.tasks=[hellaswag,piqa,lambada] eval.interval=50 eval.limit=200``."""
-    tasks: list = field(default_factory=list)  # megafixed eval's task names (and mmlu, mmlu_<subject>)
-    interval: int = 0  # steps between evaluations; 0: off
-    limit: int = 100  # the first N documents of each task (per MMLU subject), as megafixed eval --limit
-    batch_size: int = 32  # packed rows per forward pass, as megafixed eval --batch-size
+def check_tasks(section: EvalConfig) -> None:
+    """Every name in ``eval.tasks`` is one ``megafixed eval`` knows (one line naming them otherwise)."""
+    from ...eval.tasks import TaskError, parse_tasks
 
-    def validate(self) -> None:
-        from ...eval.tasks import TaskError, parse_tasks
-
-        if any(not isinstance(t, str) for t in self.tasks):
-            raise ConfigError(f"eval.tasks={self.tasks!r} must be a list of task names, e.g. [hellaswag, piqa]")
-        if self.tasks:
-            try:
-                parse_tasks(self.tasks)
-            except TaskError as exc:
-                raise ConfigError(str(exc).replace("--tasks", "eval.tasks", 1)) from None
-        elif self.interval > 0:
-            raise ConfigError(f"eval.interval={self.interval} needs eval.tasks, e.g. "
-                              f"eval.tasks=[hellaswag,piqa,lambada] (or eval.interval=0: no in-loop evaluation)")
+    try:
+        parse_tasks(section.tasks)
+    except TaskError as exc:
+        raise ConfigError(str(exc).replace("--tasks", "eval.tasks", 1)) from None
 
 
 def check_layout(tp: int, pp: int) -> None:
@@ -90,5 +77,6 @@ def build(section: EvalConfig, cfg) -> Optional[ZeroShotEval]:
     before the run starts."""
     if section.interval <= 0:
         return None
+    check_tasks(section)
     check_layout(cfg.parallel.tp, cfg.parallel.pp)
     return ZeroShotEval(section, cfg.train.max_steps)
