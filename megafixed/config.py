@@ -20,6 +20,7 @@ import yaml
 
 from .config_checks import check_ranges
 from .errors import ConfigError  # noqa: F401 -- re-exported: callers import it from megafixed.config
+from .train.callbacks.profile import ProfileConfig
 
 
 def _require_at_least(section: str, obj: Any, minimum: int, names: tuple) -> None:
@@ -437,6 +438,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # User callbacks (megafixed/train/callbacks/): each {name: "package.module:Class", args: {...}}.
     callbacks: list = field(default_factory=list)
 
