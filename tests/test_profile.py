@@ -144,3 +144,24 @@ def test_a_snapshot_without_a_window_is_refused():
 
     with pytest.raises(ConfigError, match="profile.memory_snapshot=true needs profile.steps"):
         load_config(None, ["profile.memory_snapshot=true"])
+
+
+def test_a_hang_dumps_the_flight_recorder_only_on_cuda_with_nccl(tmp_path, monkeypatch):
+    """The guard and the file layout torch's analyzer reads (``<folder>/rank_<R>``); on CPU the dump is torch's
+    generic flight recorder, the one NCCL's builds also answer."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from megafixed.train.flight_recorder import dump_flight_recorder
+
+    assert dump_flight_recorder(tmp_path / "fr", 1) is None  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    assert dump_flight_recorder(tmp_path / "fr", 1) is None and not (tmp_path / "fr").exists()  # not NCCL
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "cpu:gloo,cuda:nccl")
+    path = dump_flight_recorder(tmp_path / "fr", 1)
+    assert path == tmp_path / "fr" / "rank_1"
+    assert "version" in pickle.loads(path.read_bytes())
