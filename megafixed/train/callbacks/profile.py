@@ -131,6 +131,7 @@ class Profile(Callback):
         if self.prof is None and self.started_at is None and self.first <= step <= self.last:
             self._start(step)
         if self.prof is not None:
+            self._end_step()  # a rollback inside the window left its step's range open
             self.step_range = self._torch.profiler.record_function(f"ProfilerStep#{step}")
             self.step_range.__enter__()
 
