@@ -13,44 +13,15 @@ second profile of the same window (a resumed run) gets ``.2``, ``.3``, ... befor
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
-from ...errors import ConfigError
+from ...config import ProfileConfig  # the section lives in config.py: the config package sits beneath train
 from .base import Callback
 
 # Operators that are communication: c10d's ops, the backends' own ranges and kernels, DeepSpeed's comm ops.
 COMM_MARKERS = ("c10d", "gloo", "nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
                 "_reduce_scatter", "broadcast", "all_to_all", "alltoall", "send", "recv", "barrier")
-
-
-@dataclass
-class ProfileConfig:
-    """Section ``profile``: ``profile.steps=10-12 profile.memory_snapshot=true``."""
-    steps: Union[int, str] = ""  # a window of steps as numbered in the logs, "10-12" (or one step); "": off
-    memory_snapshot: bool = False  # also CUDA's allocation history over the window (needs CUDA)
-    memory_entries: int = 100000  # allocation events the CUDA history keeps (the oldest are dropped)
-    record_shapes: bool = False  # operators' input shapes in the trace (bigger traces)
-    with_stack: bool = False  # Python stacks of operators in the trace (much bigger traces, slower)
-    top: int = 5  # operators named in the summary line
-
-    def validate(self) -> None:
-        if self.window() is None and self.memory_snapshot:
-            raise ConfigError("profile.memory_snapshot=true needs profile.steps, the window it records "
-                              "(e.g. profile.steps=10-12)")
-
-    def window(self) -> Optional[tuple[int, int]]:
-        """``(first, last)`` step of the window, or None when profiling is off."""
-        from ...step_ranges import parse
-
-        ranges = parse(self.steps, key="profile.steps", error=ConfigError)
-        if not ranges:
-            return None
-        if len(ranges) != 1:
-            raise ConfigError(f"profile.steps={self.steps!r} must be one window of steps, e.g. 10-12 (a trace "
-                              f"holds one window; profile another in another run)")
-        return ranges[0]
 
 
 def _is_comm(name: str) -> bool:
