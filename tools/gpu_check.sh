@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: one command, offline, on one GPU, within 300 s by default (so that a rerun fits in the same
-# device attempt). NOT part of the test suite (tests/test_gpu_check.py runs it on CPU up to its preflight).
+# The GPU check: one command, offline, on one GPU, within 480 s by default and 300 s with --quick (so that a
+# rerun fits in the same device attempt). NOT part of the test suite (tests/test_gpu_check.py runs it on CPU up to its preflight).
 #
 #   on a CPU machine with the registry:  tools/device_wheels.sh .whl      (carry .whl along)
 #   on the GPU machine:                  tools/gpu_check.sh [--quick]     (results in $OUT, else ./gpu_check_out)
