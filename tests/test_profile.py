@@ -165,3 +165,19 @@ def test_a_hang_dumps_the_flight_recorder_only_on_cuda_with_nccl(tmp_path, monke
     path = dump_flight_recorder(tmp_path / "fr", 1)
     assert path == tmp_path / "fr" / "rank_1"
     assert "version" in pickle.loads(path.read_bytes())
+
+
+@pytest.mark.parametrize("done, max_steps, words", [(12, 50, "those steps were done before this run started"),
+                                                    (0, 9, "begins after train.max_steps=9")])
+def test_a_window_the_run_never_reaches_is_said_in_one_line(tmp_path, done, max_steps, words):
+    from types import SimpleNamespace
+
+    from megafixed.config import load_config
+    from megafixed.train.callbacks.profile import build
+
+    cfg = load_config(None, ["profile.steps=10-12", f"train.max_steps={max_steps}"])
+    said = []
+    run = SimpleNamespace(cfg=cfg, done=done, say=said.append, run_dir=tmp_path,
+                          engine=SimpleNamespace(device=SimpleNamespace(type="cpu")))
+    build(cfg.profile, cfg).setup(run)
+    assert len(said) == 1 and said[0].startswith("profile.steps=10-12") and words in said[0]

@@ -96,6 +96,12 @@ class Profile(Callback):
             run.say(f"profile.memory_snapshot=true needs CUDA (this run's device is {run.engine.device.type}): "
                     f"no memory snapshot; training goes on")
         self._torch = torch
+        window = f"profile.steps={self.first}-{self.last}"
+        if run.done >= self.last:
+            run.say(f"{window}: those steps were done before this run started (at step {run.done}); nothing is "
+                    f"profiled")
+        elif self.first > run.cfg.train.max_steps:
+            run.say(f"{window} begins after train.max_steps={run.cfg.train.max_steps}: nothing is profiled")
 
     def before_step(self, step: int) -> None:
         self._say_pending()
