@@ -14,7 +14,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -245,6 +245,35 @@ class EvalConfig:
                               f"eval.tasks=[hellaswag,piqa,lambada] (or eval.interval=0: no in-loop evaluation)")
 
 
+@dataclass
+class ProfileConfig:
+    """Section ``profile`` (megafixed/train/callbacks/profile.py, docs/profiling.md): ``profile.steps=10-12
+    profile.memory_snapshot=true``."""
+    steps: Union[int, str] = ""  # a window of steps as numbered in the logs, "10-12" (or one step); "": off
+    memory_snapshot: bool = False  # also CUDA's allocation history over the window (needs CUDA)
+    memory_entries: int = 100000  # allocation events the CUDA history keeps (the oldest are dropped)
+    record_shapes: bool = False  # operators' input shapes in the trace (bigger traces)
+    with_stack: bool = False  # Python stacks of operators in the trace (much bigger traces, slower)
+    top: int = 5  # operators named in the summary line
+
+    def validate(self) -> None:
+        if self.window() is None and self.memory_snapshot:
+            raise ConfigError("profile.memory_snapshot=true needs profile.steps, the window it records "
+                              "(e.g. profile.steps=10-12)")
+
+    def window(self) -> Optional[tuple[int, int]]:
+        """``(first, last)`` step of the window, or None when profiling is off."""
+        from .step_ranges import parse
+
+        ranges = parse(self.steps, key="profile.steps", error=ConfigError)
+        if not ranges:
+            return None
+        if len(ranges) != 1:
+            raise ConfigError(f"profile.steps={self.steps!r} must be one window of steps, e.g. 10-12 (a trace "
+                              f"holds one window; profile another in another run)")
+        return ranges[0]
+
+
 # A key that left the train section -> its place now: named in the one-line refusal of the old key.
 MOVED_KEYS = {
     "train.on_nonfinite": "guard.on_nonfinite", "train.on_spike": "guard.on_spike",
@@ -325,6 +354,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # User callbacks (megafixed/train/callbacks/): each {name: "package.module:Class", args: {...}}.
     callbacks: list = field(default_factory=list)
 

@@ -126,10 +126,14 @@ RANGES: dict[str, Range] = {
     "eval.interval": _at_least(0, "steps between zero-shot evaluations; 0 turns them off"),
     "eval.limit": _at_least(1, "documents scored per task (per MMLU subject)"),
     "eval.batch_size": _at_least(1, "packed rows per forward pass"),
+    # profile (megafixed/train/callbacks/profile.py)
+    "profile.memory_entries": _at_least(1, "allocation events CUDA's memory history keeps"),
+    "profile.top": _at_least(0, "operators named in the profile's summary line"),
 }
 
 # Numeric fields validated where their meaning lives, not by a simple range.
 CHECKED_ELSEWHERE = {
+    "profile.steps": "a window of steps ('10-12'); ProfileConfig.window parses it",
     "model.code_rows": "rows of the GF(2) matrix; megafixed.codes checks shape and invertibility",
     "model.code_shift": "the affine shift b; megafixed.codes checks it fits model.code_bits",
 }

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check: one command, offline, on one GPU, within 300 s by default (so that a rerun fits in the same
-# device attempt). NOT part of the test suite (tests/test_gpu_check.py runs it on CPU up to its preflight).
+# The GPU check: one command, offline, on one GPU, within 480 s by default and 300 s with --quick (so that a
+# rerun fits in the same device attempt). NOT part of the test suite (tests/test_gpu_check.py runs it on CPU up to its preflight).
 #
 #   on a CPU machine with the registry:  tools/device_wheels.sh .whl      (carry .whl along)
-#   on the GPU machine:                  tools/gpu_check.sh               (results in $OUT, else ./gpu_check_out)
+#   on the GPU machine:                  tools/gpu_check.sh [--quick]     (results in $OUT, else ./gpu_check_out)
 #
 # 1. Install without the network: megafixed is put on the path as it is (a folder of links, no build), the
 #    carried wheels ($GPU_CHECK_WHEELS, default .whl) go into a temporary --target with --no-index --no-deps.
@@ -14,18 +14,25 @@
 # 3. Stages, most valuable first, each under its own time limit and all under one deadline (GPU_CHECK_BUDGET_S,
 #    default 280 s); a stage that would start past the deadline is cut, and the summary says so. A stage's
 #    benchmarks write their JSON after every row, so one stopped at its limit still reports what it measured.
+#    Then, unless --quick, the stages a slow run's user reaches for (a profiler trace and a memory snapshot,
+#    the kernels against their compile-only roofline, float8 against bf16) under a deadline of their own,
+#    PERF_BUDGET_S more (default 190 s): with the install, the whole check stays within 10 minutes.
 # 4. $OUT gets three files, refreshed after every stage (so even a killed run leaves them): gpu_check.md (the
 #    summary), gpu_check.json (every result) and gpu_check.tar.gz (every log, CSV, PNG and JSON).
 #
-# Knobs: GPU_CHECK_STAGES=verify,resume (rerun only those; default: all), GPU_CHECK_BUDGET_S (280),
+# Knobs: --quick (the first stages only), GPU_CHECK_STAGES=verify,resume (rerun only those; default: all),
+#        GPU_CHECK_BUDGET_S (280), GPU_CHECK_PERF_BUDGET_S (190),
 #        GPU_CHECK_WHEELS (.whl), OUT (gpu_check_out). Exit: 0 all passed, 1 a stage failed or was cut or timed
 #        out, 2 preflight failed, 3 no CUDA device (preflight passed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
+QUICK=0
+if [ "${1:-}" = --quick ]; then QUICK=1; shift; fi
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
 WHEELS="${GPU_CHECK_WHEELS:-.whl}"
 BUDGET="${GPU_CHECK_BUDGET_S:-280}"
+PERF_BUDGET="${GPU_CHECK_PERF_BUDGET_S:-190}"
 STAGES="${GPU_CHECK_STAGES:-all}"
 PY=$(command -v python3) || { echo "error: no python3 on PATH"; exit 2; }
 mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd)
@@ -133,6 +140,16 @@ stage kernels_full 25 "${MF[@]}" bench kernels --device cuda --mode full --dtype
     --width 2048,8192 --providers megafixed-canonical,megafixed-gf2,torch-embedding --warmup 5 --rep 20 \
     --json "$RES/kernels_full.json" --csv "$RES/kernels_full.csv" --plot "$RES/kernels_full.png"
 stage eval_generate 30 "${GC[@]}" eval_generate "$RES/eval_generate.json" "$WORK/resume/sync"
+
+# ---- the stages for a slow run (not with --quick), on a deadline of their own after the first stages'
+if [ "$QUICK" = 0 ]; then
+    deadline=$(( $(date +%s) + PERF_BUDGET ))
+    BUDGET=$PERF_BUDGET   # what a cut stage's line names
+    stage profile 40 "${GC[@]}" profile "$RES/profile.json" "$WORK/profile"
+    stage kernels_roofline 40 "${GC[@]}" kernels_roofline "$RES/kernels_roofline.json" "$RES/kernels_forward.json" \
+        "$RES/roofline"
+    stage float8 100 "${GC[@]}" float8 "$RES/float8.json" "$WORK/float8"
+fi
 
 leftover=$(find "$TORCH_EXTENSIONS_DIR" -type f 2>/dev/null | head -3)
 [ -z "$leftover" ] || { echo "!!! a DeepSpeed op was JIT-built: $leftover"; status=1; }

@@ -10,7 +10,8 @@ the test suite, which has no GPU).
 * a fused vs an unfused model, fp32 on the GPU (kernels active): loss, logits and every gradient.
 
 ``report DIR [OUT]`` (``gpu_report.py``) merges the stages' JSON into ``gpu_check.json`` and a markdown
-summary; ``preflight`` is ``gpu_preflight.py``; the end-to-end stages are ``gpu_stages.py``.
+summary; ``preflight`` is ``gpu_preflight.py``; the end-to-end stages are ``gpu_stages.py``; the trace, roofline
+and float8 stages ``gpu_perf_stages.py``.
 """
 from __future__ import annotations
 
@@ -206,9 +207,13 @@ def main(argv: list) -> int:
                                                "eval_generate"):
         from . import gpu_stages
         return gpu_stages.main(argv[0], argv[1:])
+    if len(argv) >= 2 and argv[0] in ("profile", "kernels_roofline", "float8"):
+        from . import gpu_perf_stages
+        return gpu_perf_stages.main(argv[0], argv[1:])
     print("usage: python -m megafixed.bench.gpu_check verify OUT.json [cuda|cpu] | preflight OUT.json | "
           "engine OUT.json | resume OUT.json DIR | resume_dropout OUT.json DIR | fused_compile OUT.json | "
           "memcheck OUT.json | eval_generate OUT.json RUN | "
+          "profile OUT.json DIR | kernels_roofline OUT.json MEASURED.json DIR | float8 OUT.json DIR | "
           "report DIR [OUT_DIR]", file=sys.stderr)
     return 2
 

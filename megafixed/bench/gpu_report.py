@@ -39,6 +39,19 @@ def _load(p: Path):
         return {"unreadable": f"{type(exc).__name__}: {exc}"}
 
 
+def _roofline(part) -> list:
+    """The token-code kernel's measured time per token against the compile-only roofline of this GPU."""
+    if not part or "rows" not in part:
+        return [f"**kernels_roofline**: {part.get('skipped', part)}", ""] if part else []
+    lines = [f"## Kernels against the compile-only roofline ({part['arch']})", "",
+             "| provider | dtype | d | tokens | ns/token | roofline ns/token | of roofline | GB/s | regs | store |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['provider']} | {r['dtype']} | {r['width']} | {r['n_tokens']:,} | "
+              f"{r['measured_ns_per_token']:.4f} | {r['roofline_ns_per_token']:.4f} | {r['roofline_share']:.0%} | "
+              f"{r['measured_gbps']:.0f} | {r['registers']} | {r['store_bits']} b |" for r in part["rows"]]
+    return lines + ([f"Failures: {'; '.join(part['failures'])}."] if part.get("failures") else []) + [""]
+
+
 def report(folder: Path, out: Path = None) -> str:
     """Merge ``folder/*.json`` into ``out/gpu_check.json`` and a markdown summary ``out/gpu_check.md``."""
     out = out or folder
@@ -62,9 +75,11 @@ def report(folder: Path, out: Path = None) -> str:
         if isinstance(part, dict) and part.get("complete") is False:
             what = f"{len(part['rows'])} rows measured" if "rows" in part else "the parts checked are in its JSON"
             lines.append(f"`{name}` is partial: {what} before it stopped.")
-    for name in ("engine_bf16", "resume", "resume_dropout", "fused_compile", "memcheck", "eval_generate"):
+    for name in ("engine_bf16", "resume", "resume_dropout", "fused_compile", "memcheck", "eval_generate", "profile",
+                 "float8"):
         if name in parts:
             lines += [f"**{name}**: " + json.dumps(parts[name].get("summary", parts[name]))[:1500], ""]
+    lines += _roofline(parts.get("kernels_roofline"))
     v = parts.get("verify")
     if v:
         lines += [f"Device: {v['device_name']}; torch {v['torch']}.", "",

@@ -36,8 +36,9 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "bundled" / "quickstart.yaml"
 QUIET = ["metrics.tensorboard=false", "validation.interval=0", "metrics.interval=1"]
 
 
-def _train(overrides: list, *, mock: bool = True):
-    """``megafixed train`` in this process (one DeepSpeed import for every run of a stage); its history."""
+def _train(overrides: list, *, mock: bool = True, log=None):
+    """``megafixed train`` in this process (one DeepSpeed import for every run of a stage); its history.
+    ``log``: what the run says (default: nothing)."""
     from ..config import load_config
     from ..data.prepare import prepare_data
     from ..parallel import setup_distributed
@@ -47,7 +48,7 @@ def _train(overrides: list, *, mock: bool = True):
     cfg = load_config(str(QUICKSTART), (["data.mock=true"] if mock else []) + QUIET + overrides + EXTRA)
     topo = setup_distributed(RunPlan.for_launch(cfg))
     cfg = prepare_data(cfg, is_main=True)
-    result = train(cfg, topo, log=lambda *_: None)
+    result = train(cfg, topo, log=log or (lambda *_: None))
     return {r["step"]: r["loss"] for r in result.history if "loss" in r}, result
 
 

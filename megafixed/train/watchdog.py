@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 from .. import exit_codes
+from .flight_recorder import dump_flight_recorder
 
 AUTO_FLOOR_S = 300.0
 AUTO_FACTOR = 20.0
@@ -204,6 +205,12 @@ class HangWatchdog:
                     f"{self.entered}. Python stacks of every thread:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        # after the stacks: they are written even if this fails
+        recorder = dump_flight_recorder(self.faults_dir / f"nccl_trace.step{step:08d}", self.rank)
+        if recorder is not None:
+            with open(path, "a") as f:
+                f.write(f"# NCCL's flight recorder of this rank: {recorder} (every rank's: python -m "
+                        f"torch.distributed.flight_recorder.fr_trace {recorder.parent} -p rank_)\n")
         return path
 
     def _wait_for(self, done) -> None:

@@ -60,6 +60,11 @@ def _pause(section, cfg):
     return build(section, cfg)
 
 
+def _profile(section, cfg):
+    from .profile import build
+    return build(section, cfg)
+
+
 def _evidence(section, cfg):
     from .evidence import build
     return build(section, cfg)
@@ -67,6 +72,7 @@ def _evidence(section, cfg):
 
 BUILT_IN = [
     ("faults", _faults),  # first: an injected exit or hang comes before the watchdog sees the step begin
+    ("profile", _profile),  # its step range opens before the other callbacks' before_step work
     ("validation", _validation),  # its step-0 pass before the watchdog starts; its val_loss before the record
     ("watchdog", _watchdog),
     ("stragglers", _stragglers),  # after the drills: the ``slow`` drill's spin is timed as compute
