@@ -31,6 +31,7 @@ def modules_before_this_file():
 class ToyPlan:
     zero_stage: int  # the toy shards like ZeRO (it borrows DeepSpeed's planner arithmetic)
     flavour: str
+    start_words: str = "toy engine (vanilla)"  # what shards the state, in the trainer's start line
 
 
 class ToyCheckpoint:
@@ -76,7 +77,7 @@ class ToyKind:
     def planner(self):
         return engines.default_kind().planner
 
-    def make_plan(self, cfg):
+    def make_plan(self, cfg, dp):
         return ToyPlan(zero_stage=0, flavour="vanilla")
 
     def check_supported(self, cfg, plan):
@@ -100,9 +101,6 @@ class ToyKind:
 
     def accelerator_name(self):
         return "cpu"
-
-    def start_words(self, plan):
-        return f"toy engine ({plan.engine_plan.flavour})"
 
     def dry_run_lines(self, cfg, plan):
         return []

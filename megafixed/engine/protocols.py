@@ -118,8 +118,9 @@ class EngineKind(Protocol):
     @property
     def planner(self) -> Planner: ...
 
-    def make_plan(self, cfg: Config) -> Any:
-        """Its frozen part of the run plan (``RunPlan.engine_plan``)."""
+    def make_plan(self, cfg: Config, dp: int) -> Any:
+        """Its frozen part of the run plan (``RunPlan.engine_plan``) for ``dp`` data-parallel ranks; its
+        ``start_words`` field says what shards the state, for the trainer's start line."""
 
     def check_supported(self, cfg: Config, plan: RunPlan) -> None:
         """Raise its refusal (``LayoutError``/``ConfigError``) of what it cannot run."""
@@ -140,9 +141,6 @@ class EngineKind(Protocol):
 
     def accelerator_name(self) -> str:
         """The device kind its library computes on ("cuda", "cpu", ...)."""
-
-    def start_words(self, plan: RunPlan) -> str:
-        """What shards the state, for the trainer's start line."""
 
     def dry_run_lines(self, cfg: Config, plan: RunPlan) -> list[str]:
         """``--dry-run``'s extra lines (e.g. a pipeline's bubble)."""

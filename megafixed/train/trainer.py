@@ -235,12 +235,4 @@ def _start_line(cfg, plan) -> str:
     b = plan.batch
     return (f"training {cfg.model.input} interface: {cfg.train.max_steps} steps, global batch {b.global_batch} "
             f"= micro {b.micro_batch} x accum {b.accum} x dp {plan.dp}, tp {plan.tp}, pp {plan.pp}, "
-            f"{plan.precision}, {_engine_words(plan)}, run dir {Path(cfg.train.run_dir)}")
-
-
-def _engine_words(plan) -> str:
-    """``zero 1`` (DeepSpeed) or ``torch engine, FSDP2 dp 2`` / ``HSDP 2x2``: what shards the state,
-    in the plan's engine's own words."""
-    from ..engines import kind_of
-
-    return kind_of(plan).start_words(plan)
+            f"{plan.precision}, {plan.engine_plan.start_words}, run dir {Path(cfg.train.run_dir)}")
