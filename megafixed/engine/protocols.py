@@ -108,7 +108,9 @@ class EngineKind(Protocol):
 
     name: str  # the train.engine value
     record_file: str  # <run_dir>/<record_file>: its own config, written next to the run's config
-    default: bool  # what wrote a run record without "engine" (records from before the registry)
+    # the format of a checkpoint no other engine claims and of a layout without "engine" (another tool's
+    # DeepSpeed folder; ``megafixed import hf``/``convert`` output): one engine is the default
+    default: bool
     config_title: str  # the name ``--dry-run`` gives its config
     dry_run_words: str  # ``--dry-run``'s words on it: ``str.format`` fields of its config record (``engine_config``)
 
