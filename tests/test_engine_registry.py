@@ -40,9 +40,6 @@ class ToyCheckpoint:
     def is_checkpoint(self, tag_dir):
         return (Path(tag_dir) / MARKER).is_file()
 
-    def resolve_tag_dir(self, ckpt, tag=None):
-        return Path(ckpt)
-
     def read_state_dict(self, tag_dir, *, verify=True):
         return {"toy": json.loads((Path(tag_dir) / MARKER).read_text())}
 

@@ -26,9 +26,6 @@ class CheckpointFormat(Protocol):
     def is_checkpoint(self, tag_dir: Path) -> bool:
         """Whether ``tag_dir`` is this engine's (the default engine's format claims anything)."""
 
-    def resolve_tag_dir(self, ckpt: Path, tag: Optional[str] = None) -> Path:
-        """The tag directory of ``ckpt`` (a tag directory, or a checkpoint root with ``latest`` or ``tag``)."""
-
     def read_state_dict(self, tag_dir: Path, *, verify: bool = True) -> dict:
         """The full plain-GPT state dict; its files checked against the manifest first (``verify``)."""
 

@@ -228,7 +228,7 @@ def _write_run_files(cfg, topo, engine) -> None:
     save_config(cfg, str(run_dir.config_file))
     record = engine.config_record()
     if record is not None:
-        atomic_write_text(run_dir.engine_config_file(engine.name), json.dumps(record, indent=2) + "\n")
+        atomic_write_text(run_dir.engine_config_file(topo.plan.engine), json.dumps(record, indent=2) + "\n")
 
 
 def _start_line(cfg, plan) -> str:
