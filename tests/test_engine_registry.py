@@ -120,7 +120,7 @@ def test_the_built_in_engines_register_one_record_each():
     names = engines.names()
     assert names[0] == engines.default_kind().name  # the default first
     assert len(names) == len(set(names)) >= 2
-    assert engines.kind_of({}).default  # an old run record without "engine": the default engine's
+    assert engines.kind_of({}).default  # a layout without "engine" (import hf, convert): the default engine's
     with pytest.raises(ConfigError, match=r"train\.engine='nope' is not one of"):
         load_config(QUICKSTART, ["train.engine=nope"])
     # the registry module imports no engine library (nor does looking an engine up)
