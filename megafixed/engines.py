@@ -67,7 +67,8 @@ def default_kind() -> Any:
 
 
 def engine_kind(name: Optional[str], error: type = UnknownEngine) -> Any:
-    """The engine called ``name`` (None or "": the default one, as an old run record means)."""
+    """The engine called ``name`` (None or "": the default one, whose format a layout without "engine" is in:
+    ``megafixed import hf``/``convert`` output, another tool's checkpoint)."""
     _ensure_builtins()
     if not name:
         return default_kind()
@@ -77,8 +78,8 @@ def engine_kind(name: Optional[str], error: type = UnknownEngine) -> Any:
 
 
 def kind_of(plan_or_layout: Any) -> Any:
-    """The engine of a run plan, a topology's plan, or a run-record layout (a dict; a record
-    without "engine" was written by the default engine)."""
+    """The engine of a run plan, a topology's plan, or a run-record layout (a dict; a layout without
+    "engine" is in the default engine's format)."""
     if isinstance(plan_or_layout, dict):
         return engine_kind(plan_or_layout.get("engine"))
     return engine_kind(getattr(plan_or_layout, "engine", None))

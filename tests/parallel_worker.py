@@ -52,9 +52,10 @@ class RecordingGuard:
     step hands them over -- so the ranks' copies can be compared."""
 
     def __init__(self):
+        from megafixed.config import GuardConfig
         from megafixed.run.bad_steps import BadStepGuard
 
-        self.guard, self.judged = BadStepGuard(), []
+        self.guard, self.judged = BadStepGuard.from_config(GuardConfig()), []
 
     def judge(self, step, what, value):
         import struct

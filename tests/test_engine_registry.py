@@ -31,6 +31,7 @@ def modules_before_this_file():
 class ToyPlan:
     zero_stage: int  # the toy shards like ZeRO (it borrows DeepSpeed's planner arithmetic)
     flavour: str
+    start_words: str = "toy engine (vanilla)"  # what shards the state, in the trainer's start line
 
 
 class ToyCheckpoint:
@@ -38,9 +39,6 @@ class ToyCheckpoint:
 
     def is_checkpoint(self, tag_dir):
         return (Path(tag_dir) / MARKER).is_file()
-
-    def resolve_tag_dir(self, ckpt, tag=None):
-        return Path(ckpt)
 
     def read_state_dict(self, tag_dir, *, verify=True):
         return {"toy": json.loads((Path(tag_dir) / MARKER).read_text())}
@@ -76,7 +74,7 @@ class ToyKind:
     def planner(self):
         return engines.default_kind().planner
 
-    def make_plan(self, cfg):
+    def make_plan(self, cfg, dp):
         return ToyPlan(zero_stage=0, flavour="vanilla")
 
     def check_supported(self, cfg, plan):
@@ -101,9 +99,6 @@ class ToyKind:
     def accelerator_name(self):
         return "cpu"
 
-    def start_words(self, plan):
-        return f"toy engine ({plan.engine_plan.flavour})"
-
     def dry_run_lines(self, cfg, plan):
         return []
 
@@ -125,7 +120,7 @@ def test_the_built_in_engines_register_one_record_each():
     names = engines.names()
     assert names[0] == engines.default_kind().name  # the default first
     assert len(names) == len(set(names)) >= 2
-    assert engines.kind_of({}).default  # an old run record without "engine": the default engine's
+    assert engines.kind_of({}).default  # a layout without "engine" (import hf, convert): the default engine's
     with pytest.raises(ConfigError, match=r"train\.engine='nope' is not one of"):
         load_config(QUICKSTART, ["train.engine=nope"])
     # the registry module imports no engine library (nor does looking an engine up)

@@ -17,7 +17,6 @@ class FileEngine:
     """A minimal ``Engine``: its checkpoint is one ``torch.save`` of a tensor."""
 
     name = "fake"
-    saves_in_background = False
     derived_dirs = ()
 
     def __init__(self, fail_with: BaseException | None = None):

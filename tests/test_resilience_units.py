@@ -75,7 +75,7 @@ def test_skip_steps_parse_and_file(tmp_path):
 def test_guard_matches_numpy_and_waits_for_a_full_window():
     rng = np.random.default_rng(0)
     values = list(3.0 + 0.01 * rng.standard_normal(12))
-    guard = BadStepGuard(sigma=6.0, window=8)
+    guard = BadStepGuard(sigma=6.0, window=8, on_nonfinite="stop", on_spike="stop")
     for i, v in enumerate(values[:8]):
         assert guard.judge(i + 1, "loss", v) is None  # window not yet full: no verdict, however odd
         guard.accept(v, None)
@@ -88,7 +88,7 @@ def test_guard_matches_numpy_and_waits_for_a_full_window():
     assert guard.judge(9, "loss", 0.0) is None  # one-sided: a falling loss is no fault
     nan = guard.judge(9, "grad_norm", float("nan"))
     assert nan.kind == "nonfinite" and nan.what == "grad_norm"
-    restored = BadStepGuard(sigma=6.0, window=8)
+    restored = BadStepGuard(sigma=6.0, window=8, on_nonfinite="stop", on_spike="stop")
     restored.load_state_dict(json.loads(json.dumps(guard.state_dict())))  # through a checkpoint's JSON
     assert restored.judge(9, "loss", 100.0).mean == spike.mean
 
@@ -182,11 +182,13 @@ def test_the_real_quickstart_trace_gets_no_verdict_and_a_spike_in_it_does():
     tests/quickstart_trace.json; the run takes ~10 min on 2 cores) through the guard's defaults."""
     from pathlib import Path
 
+    from megafixed.config import GuardConfig
+
     rows = json.loads((Path(__file__).parent / "quickstart_trace.json").read_text())["steps"]
     assert [r[0] for r in rows] == list(range(1, 301))
 
     def replay(trace):
-        guard, found = BadStepGuard(), []
+        guard, found = BadStepGuard.from_config(GuardConfig()), []
         for step, loss, norm in trace:
             found += [v for v in (guard.judge(step, "loss", loss), guard.judge(step, "grad_norm", norm)) if v]
             guard.accept(loss, norm)

@@ -28,7 +28,7 @@ from .batches import TokenRangeError, split_tokens  # noqa: F401
 def build_engine(cfg, topo, hook: Optional[StepHook] = None) -> Engine:
     """This rank's engine for the run: the model config, optimizer and engine keys from ``cfg``;
     the batch, precision and layout from the run plan the topology was made from (``topo.plan``);
-    ``hook``: what its step asks besides its batches (``Engine.hook``: a verdict before the update, each
+    ``hook``: what its step asks besides its batches (kept by the engine: a verdict before the update, each
     micro batch's loss on its way to its backward; None: nothing, as for a benchmark)."""
     return kind_of(topo.plan).build(cfg, topo, hook)
 

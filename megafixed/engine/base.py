@@ -30,7 +30,7 @@ class StepResult:
 
 class StepHook(Protocol):
     """What an engine's step asks besides its batches: the one hook it is given when it is built
-    (``megafixed.engine.build_engine(cfg, topo, hook=...)``, kept as ``Engine.hook``; the trainer's is its
+    (``megafixed.engine.build_engine(cfg, topo, hook=...)``, kept by the engine; the trainer's is its
     callbacks, ``train.callbacks.CallbackHooks``). None (a benchmark, a converter): nothing is judged, each
     loss goes to its backward as it is, and a non-finite loss follows ``guard.on_nonfinite`` (``stop`` raises)."""
 
@@ -73,8 +73,6 @@ class Engine(Protocol):
 
     module: torch.nn.Module  # this rank's part of the model (a stage under PP, shards under TP)
     device: torch.device
-    name: str  # its registry name (train.engine): recorded in run records; its record file's owner
-    hook: Optional[StepHook]  # what its step asks besides its batches (given at construction)
 
     def train_step(self, batches: Iterator[torch.Tensor], lr: float, step: int) -> StepResult:
         """Optimizer step ``step`` (numbered as in the logs: the first is 1) at learning rate ``lr``
@@ -86,12 +84,12 @@ class Engine(Protocol):
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
         """Mean loss over ``micro_batches`` micro batches on this rank, averaged over DP ranks."""
 
-    def save(self, tag_dir: Path, client_state: dict, *, on_written: OnWritten, on_failed: OnFailed) -> None:
+    def save(self, tag_dir: Path, client_state: dict, *, on_written: OnWritten, on_failed: OnFailed) -> bool:
         """Write this rank's engine files (model, optimizer, ``client_state``) into ``tag_dir``;
         call ``on_written(records)`` once they are written and fsynced (maybe from a background
-        thread: the engine may save asynchronously). A failure goes through ``on_failed``."""
+        thread: the engine may save asynchronously). A failure goes through ``on_failed``. Returns
+        whether it returned before the files are written (the save goes on in the background)."""
 
-    saves_in_background: bool  # save() may return before the files are written
     derived_dirs: tuple  # sub-folders of a tag the engine may make from it later (a re-layout copy): not saved files
 
     def wait_for_saves(self) -> None:

@@ -26,9 +26,6 @@ class CheckpointFormat(Protocol):
     def is_checkpoint(self, tag_dir: Path) -> bool:
         """Whether ``tag_dir`` is this engine's (the default engine's format claims anything)."""
 
-    def resolve_tag_dir(self, ckpt: Path, tag: Optional[str] = None) -> Path:
-        """The tag directory of ``ckpt`` (a tag directory, or a checkpoint root with ``latest`` or ``tag``)."""
-
     def read_state_dict(self, tag_dir: Path, *, verify: bool = True) -> dict:
         """The full plain-GPT state dict; its files checked against the manifest first (``verify``)."""
 
@@ -108,7 +105,9 @@ class EngineKind(Protocol):
 
     name: str  # the train.engine value
     record_file: str  # <run_dir>/<record_file>: its own config, written next to the run's config
-    default: bool  # what wrote a run record without "engine" (records from before the registry)
+    # the format of a checkpoint no other engine claims and of a layout without "engine" (another tool's
+    # DeepSpeed folder; ``megafixed import hf``/``convert`` output): one engine is the default
+    default: bool
     config_title: str  # the name ``--dry-run`` gives its config
     dry_run_words: str  # ``--dry-run``'s words on it: ``str.format`` fields of its config record (``engine_config``)
 
@@ -118,8 +117,9 @@ class EngineKind(Protocol):
     @property
     def planner(self) -> Planner: ...
 
-    def make_plan(self, cfg: Config) -> Any:
-        """Its frozen part of the run plan (``RunPlan.engine_plan``)."""
+    def make_plan(self, cfg: Config, dp: int) -> Any:
+        """Its frozen part of the run plan (``RunPlan.engine_plan``) for ``dp`` data-parallel ranks; its
+        ``start_words`` field says what shards the state, for the trainer's start line."""
 
     def check_supported(self, cfg: Config, plan: RunPlan) -> None:
         """Raise its refusal (``LayoutError``/``ConfigError``) of what it cannot run."""
@@ -140,9 +140,6 @@ class EngineKind(Protocol):
 
     def accelerator_name(self) -> str:
         """The device kind its library computes on ("cuda", "cpu", ...)."""
-
-    def start_words(self, plan: RunPlan) -> str:
-        """What shards the state, for the trainer's start line."""
 
     def dry_run_lines(self, cfg: Config, plan: RunPlan) -> list[str]:
         """``--dry-run``'s extra lines (e.g. a pipeline's bubble)."""

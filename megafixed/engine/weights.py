@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engines import checkpoint_kind, default_kind, kinds
+from ..engines import checkpoint_kind, kinds
 from .deepspeed.convert import (  # noqa: F401  (the written format's public functions)
     ConvertError,
     check_target_layout,
     shard_state_dict,
     write_checkpoint,
 )
+from .deepspeed.convert import resolve_tag_dir as default_resolve_tag_dir
 from .protocols import CheckpointFormat
 
 
@@ -29,12 +30,9 @@ def _format(tag_dir) -> CheckpointFormat:
 def resolve_tag_dir(ckpt, tag: str | None = None) -> Path:
     """``ckpt`` may be a tag directory (any engine's), or a checkpoint root with a ``latest`` file or ``tag``."""
     root = Path(ckpt)
-    if tag is None and root.is_dir():
-        for kind in kinds()[1:]:  # a tag another engine's detector claims
-            fmt = kind.checkpoint
-            if fmt.is_checkpoint(root):
-                return fmt.resolve_tag_dir(root)
-    return default_kind().checkpoint.resolve_tag_dir(ckpt, tag)
+    if tag is None and root.is_dir() and any(kind.checkpoint.is_checkpoint(root) for kind in kinds()[1:]):
+        return root  # a tag directory another engine's detector claims
+    return default_resolve_tag_dir(ckpt, tag)  # the default format's: its tag folder, ``latest`` or ``tag``
 
 
 def gather_state_dict(ckpt, tag: str | None = None, verify: bool = True) -> dict:

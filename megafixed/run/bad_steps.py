@@ -77,17 +77,19 @@ class Window:
 
 
 class BadStepGuard:
-    """Judges each step's loss and gradient norm; ``accept`` adds a good step to the windows."""
+    """Judges each step's loss and gradient norm; ``accept`` adds a good step to the windows. No defaults:
+    the ``guard`` section's (``GuardConfig``, through ``from_config``) are the only ones."""
 
-    def __init__(self, *, sigma: float = 6.0, window: int = 128, on_nonfinite: str = "stop", on_spike: str = "stop"):
+    def __init__(self, *, sigma: float, window: int, on_nonfinite: str, on_spike: str):
         self.sigma, self.size = float(sigma), int(window)
         self.on_nonfinite, self.on_spike = on_nonfinite, on_spike
         self.windows = {"loss": Window(self.size), "grad_norm": Window(self.size)}
 
     @classmethod
-    def from_config(cls, train_cfg) -> "BadStepGuard":
-        return cls(sigma=train_cfg.spike_sigma, window=train_cfg.spike_window, on_nonfinite=train_cfg.on_nonfinite,
-                   on_spike=train_cfg.on_spike)
+    def from_config(cls, section) -> "BadStepGuard":
+        """From the ``guard`` section (``GuardConfig``)."""
+        return cls(sigma=section.spike_sigma, window=section.spike_window, on_nonfinite=section.on_nonfinite,
+                   on_spike=section.on_spike)
 
     def judge(self, step: int, what: str, value: Optional[float]) -> Optional[Verdict]:
         """The verdict on ``value`` (the loss or the grad norm of log step ``step``), or None if good."""
@@ -111,7 +113,7 @@ class BadStepGuard:
     def state_dict(self) -> dict:
         return {what: list(w.values) for what, w in self.windows.items()}
 
-    def load_state_dict(self, state: Optional[dict]) -> None:
-        """Restore the windows a checkpoint kept (a checkpoint from before the guard: start empty)."""
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the windows a checkpoint kept (``state_dict``'s)."""
         for what in self.windows:
-            self.windows[what] = Window(self.size, (state or {}).get(what, ()))
+            self.windows[what] = Window(self.size, state[what])

@@ -11,7 +11,7 @@ has the wrong size or the wrong checksum. ``verify_for_reading`` is the check ev
 before it uses a tensor (resume, eval, export, generate, probe, convert, ``init_from``, universal
 conversion, ``ckpt inspect``): a checkpoint with a run record but no manifest was written by a
 megafixed that writes manifests, so its manifest was lost and it is refused; one with neither
-(written before run records and manifests existed) is read with a one-line warning. Then every
+(a DeepSpeed folder written by another tool, ``megafixed convert``'s input) is read with a one-line warning. Then every
 pickle a loader will unpickle is scanned (``megafixed.trust.pickles.check_tag_dir``): a global outside
 the allow-lists is refused in one line naming the file and the global (the manifest is no defence: whoever
 can write the files can rewrite it). A manifest entry naming a path outside its tag directory is damage.
@@ -201,22 +201,13 @@ def warn(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _old_import(tag_dir: Path) -> bool:
-    """A ``megafixed import hf`` output from before imports wrote manifests: a run record marked
-    ``imported_from`` without the ``format`` that current imports add."""
-    try:
-        record = json.loads((tag_dir / RUN_RECORD).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and "imported_from" in record and "format" not in record
-
-
 def verify_for_reading(tag_dir, *, only: Optional[Callable[[str], bool]] = None, rank: int = 0, world: int = 1,
                        group=None, warn: Callable[[str], None] = warn) -> Optional[dict]:
     """The check every reader runs before using a tensor of ``tag_dir`` (``only``: the files it will
-    open, e.g. ``megafixed.engine.is_model_file``). Returns the manifest, or None for a pre-manifest checkpoint, after
-    passing its one-line warning to ``warn`` (readers pass a list's ``append`` and print it once the
-    files were read, so a failed read still ends in one ``error:`` line)."""
+    open, e.g. ``megafixed.engine.is_model_file``). Returns the manifest, or None for a checkpoint with neither
+    manifest nor run record -- a DeepSpeed folder written by another tool (``megafixed convert``'s input), which
+    megafixed reads without a checksum check -- after passing its one-line warning to ``warn`` (readers pass
+    a list's ``append`` and print it once the files were read, so a failed read still ends in one ``error:`` line)."""
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
         raise CheckpointError(f"checkpoint {tag_dir} does not exist")
@@ -224,12 +215,12 @@ def verify_for_reading(tag_dir, *, only: Optional[Callable[[str], bool]] = None,
         manifest = verify(tag_dir, rank, world, group, only=only)
         check_tag_dir(tag_dir)
         return manifest
-    if (tag_dir / RUN_RECORD).exists() and not _old_import(tag_dir):
+    if (tag_dir / RUN_RECORD).exists():
         raise CheckpointError(f"checkpoint {tag_dir} has a run record ({RUN_RECORD}) but no {MANIFEST}: it was "
                               f"written by a megafixed that writes manifests, so its manifest was deleted or lost "
                               f"and its files cannot be checked. Restore {tag_dir / MANIFEST}, or point "
                               f"{tag_dir.parent / LATEST} at an earlier tag (--tag for the reading verbs)")
-    warn(f"warning: {tag_dir} has no {MANIFEST} (written before megafixed wrote manifests); its files are read "
+    warn(f"warning: {tag_dir} has no {MANIFEST} (not written by megafixed); its files are read "
          f"without a checksum check")
     check_tag_dir(tag_dir)
     return None

@@ -78,7 +78,7 @@ class RunDirectory:
         return self.path / CONFIG
 
     def engine_config_file(self, engine: str) -> Path:
-        """Where the config record of ``engine`` (``Engine.name``; ``Engine.config_record``) goes:
+        """Where the config record of ``engine`` (``train.engine``; ``Engine.config_record``) goes:
         its ``EngineKind.record_file`` (``ds_config.json``, ``torch_engine.json``)."""
         from ..engines import engine_kind
 

@@ -47,7 +47,8 @@ def plan_engine(plan) -> str:
 
 def record_engine(record: Optional[dict]) -> str:
     """The engine that wrote a checkpoint, from its run record (or a manifest's layout); a record
-    without "engine" was written by the default engine (before there was a second one)."""
+    without "engine" is in the default engine's format (``megafixed import hf``'s and ``convert``'s DeepSpeed
+    files, a checkpoint of another tool without a record)."""
     lay = (record or {}).get("layout") or {}
     return kind_of(lay).name
 
@@ -59,7 +60,7 @@ def write_run_record(tag_dir: Path, record: dict) -> None:
 def read_run_record(tag_dir: Path) -> Optional[dict]:
     path = Path(tag_dir) / RUN_RECORD
     if not path.exists():
-        return None  # a checkpoint from before run records: only the engine's own load checks apply
+        return None  # another tool's checkpoint (a DeepSpeed folder): only the engine's own load checks apply
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:

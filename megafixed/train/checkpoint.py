@@ -309,13 +309,13 @@ class Checkpointer:
                 commit(self.ckpt_dir, tag, world, self.keep, self.record, meta, engine.derived_dirs)
 
         try:
-            engine.save(tag_dir, client_state, on_written=on_written, on_failed=failed)
+            in_background = engine.save(tag_dir, client_state, on_written=on_written, on_failed=failed)
         except Exception as exc:
             err = failed(exc)
             if err is exc:
                 raise
             raise err from exc
-        if distributed and not getattr(engine, "saves_in_background", False):
+        if distributed and not in_background:
             dist.barrier()  # sync: when save returns on any rank, `latest` names this checkpoint
         return tag
 

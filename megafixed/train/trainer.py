@@ -228,19 +228,11 @@ def _write_run_files(cfg, topo, engine) -> None:
     save_config(cfg, str(run_dir.config_file))
     record = engine.config_record()
     if record is not None:
-        atomic_write_text(run_dir.engine_config_file(engine.name), json.dumps(record, indent=2) + "\n")
+        atomic_write_text(run_dir.engine_config_file(topo.plan.engine), json.dumps(record, indent=2) + "\n")
 
 
 def _start_line(cfg, plan) -> str:
     b = plan.batch
     return (f"training {cfg.model.input} interface: {cfg.train.max_steps} steps, global batch {b.global_batch} "
             f"= micro {b.micro_batch} x accum {b.accum} x dp {plan.dp}, tp {plan.tp}, pp {plan.pp}, "
-            f"{plan.precision}, {_engine_words(plan)}, run dir {Path(cfg.train.run_dir)}")
-
-
-def _engine_words(plan) -> str:
-    """``zero 1`` (DeepSpeed) or ``torch engine, FSDP2 dp 2`` / ``HSDP 2x2``: what shards the state,
-    in the plan's engine's own words."""
-    from ..engines import kind_of
-
-    return kind_of(plan).start_words(plan)
+            f"{plan.precision}, {plan.engine_plan.start_words}, run dir {Path(cfg.train.run_dir)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .convert import MODEL_FILE_RE, detect_layout, is_zero3, recorded_model_config, resolve_tag_dir  # noqa: F401
+from .convert import MODEL_FILE_RE, detect_layout, is_zero3, recorded_model_config  # noqa: F401
 
 
 def is_checkpoint(tag_dir) -> bool:

@@ -195,7 +195,7 @@ def gather_state_dict(ckpt: str | os.PathLike, tag: str | None = None, verify: b
     False``: the caller already did): the model files, or under ZeRO-3 every rank's partitions."""
     tag_dir = resolve_tag_dir(ckpt, tag)
     zero3 = is_zero3(tag_dir)
-    unverified: list = []  # a pre-manifest checkpoint's warning, said once it has been read
+    unverified: list = []  # the no-manifest warning (another tool's checkpoint), said once it has been read
     if verify:
         from ...run.manifest import verify_for_reading
         only = None if zero3 else lambda name: bool(MODEL_FILE_RE.match(name))

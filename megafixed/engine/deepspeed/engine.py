@@ -18,8 +18,6 @@ from ..base import StepHook, StepResult
 from ..common import corrupt_checkpoint_error, misfit_checkpoint_error, one_line
 from . import step as ds_step
 
-NAME = "deepspeed"
-
 
 def hp_grad(p: torch.Tensor):
     """The gradient at the accumulation boundary: DeepSpeed's BF16 optimizer moves each micro
@@ -31,7 +29,6 @@ def hp_grad(p: torch.Tensor):
 class DeepSpeedEngine:
     """One rank's DeepSpeed engine (plain or pipeline) behind the engine seam."""
 
-    name = NAME
     hook: Optional[StepHook] = None  # what its step asks besides its batches (none, unless build_engine was given one)
     derived_dirs = ("universal",)  # universal.UNIVERSAL_DIR: DeepSpeed's re-layout copy, made on a layout change
 
@@ -87,7 +84,7 @@ class DeepSpeedEngine:
     def saved_bytes(self) -> int:
         return self.writer.handed_bytes
 
-    def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> None:
+    def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> bool:
         from .universal import client_state as universal_client_state
 
         tag_dir = Path(tag_dir)
@@ -99,9 +96,6 @@ class DeepSpeedEngine:
         self.ds.save_checkpoint(str(tag_dir.parent), tag=tag_dir.name, client_state=client_state,
                                 save_latest=False)
         self.writer.finish(on_written, on_failed=lambda exc: on_failed(exc, True))
-
-    @property
-    def saves_in_background(self) -> bool:
         return self.writer.async_save
 
     def wait_for_saves(self) -> None:

@@ -12,6 +12,7 @@ from ...engines import register
 class DeepSpeedPlan:
     """The DeepSpeed engine's part of a ``RunPlan`` (``plan.engine_plan``)."""
     zero_stage: int  # zero.stage
+    start_words: str = ""  # what shards the state, in the trainer's start line ("zero 1")
 
 
 class DeepSpeedKind:
@@ -35,8 +36,8 @@ class DeepSpeedKind:
 
         return planner
 
-    def make_plan(self, cfg) -> DeepSpeedPlan:
-        return DeepSpeedPlan(zero_stage=cfg.zero.stage)
+    def make_plan(self, cfg, dp: int) -> DeepSpeedPlan:
+        return DeepSpeedPlan(zero_stage=cfg.zero.stage, start_words=f"zero {cfg.zero.stage}")
 
     def check_supported(self, cfg, plan) -> None:
         from .support import check_supported
@@ -74,9 +75,6 @@ class DeepSpeedKind:
         from .env import accelerator_name
 
         return accelerator_name()
-
-    def start_words(self, plan) -> str:
-        return f"zero {plan.engine_plan.zero_stage}"
 
     def dry_run_lines(self, cfg, plan) -> list:
         return []

@@ -232,8 +232,8 @@ def _nested_param_groups(tag_dir: Path) -> bool:
 class DcpCheckpoint(BackgroundSave):
     """One rank's DCP checkpoint files for a model (FSDP2/DTensor or plain) and its optimizer.
 
-    The engine's ``save``/``load``/``load_weights``/``wait_for_saves``/``saved_bytes``/
-    ``saves_in_background`` are these (``engine.py`` delegates); the commit protocol around them
+    The engine's ``save``/``load``/``load_weights``/``wait_for_saves``/``saved_bytes`` are these
+    (``engine.py`` delegates); the commit protocol around them
     (markers, manifest, ``latest``, RNG) is the engine-agnostic ``train.checkpoint.Checkpointer``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, async_save: bool = False):
@@ -246,10 +246,6 @@ class DcpCheckpoint(BackgroundSave):
         self.every_rank_reads = False  # load_weights: True for pipeline stages (pipeline_step.py)
 
     # ---- what the engine seam asks
-    @property
-    def saves_in_background(self) -> bool:
-        return self.async_save
-
     @property
     def saved_bytes(self) -> int:
         return self.handed_bytes

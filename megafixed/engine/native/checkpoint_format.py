@@ -14,11 +14,6 @@ def is_checkpoint(tag_dir) -> bool:
     return (Path(tag_dir) / METADATA).is_file()
 
 
-def resolve_tag_dir(ckpt, tag=None) -> Path:
-    """Only ever asked for a tag directory that ``is_checkpoint`` claimed."""
-    return Path(ckpt)
-
-
 def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
     from .reader import read_state_dict as read
 

@@ -12,12 +12,9 @@ import torch
 from ..base import StepHook, StepResult
 from . import step as native_step
 
-NAME = "torch"
-
 
 class NativeEngine:
     """One rank's torch-native engine behind the engine seam."""
-    name = NAME
     hook: Optional[StepHook] = None  # what its step asks besides its batches (none, unless build_engine was given one)
     derived_dirs: tuple = ()  # DCP reshards on load: no re-layout copy beside a tag
 
@@ -66,12 +63,9 @@ class NativeEngine:
                                      loss_context=self._loss_context, precision=self.plan.precision)
 
     # ---- checkpoint files (native/checkpoint.py: DCP)
-    def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> None:
+    def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> bool:
         self.checkpoints.save(tag_dir, client_state, on_written=on_written, on_failed=on_failed)
-
-    @property
-    def saves_in_background(self) -> bool:
-        return self.checkpoints.saves_in_background
+        return self.checkpoints.async_save
 
     def wait_for_saves(self) -> None:
         self.checkpoints.wait()

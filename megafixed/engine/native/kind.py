@@ -16,6 +16,7 @@ class TorchPlan:
     pp_schedule: str = "1F1B"  # parallel.pp_schedule
     vpp: int = 1  # parallel.vpp
     pp_input_head_layers: int = 1  # parallel.pp_input_head_layers
+    start_words: str = "torch engine"  # what shards the state, in the trainer's start line (``_start_words``)
 
 
 class TorchKind:
@@ -41,10 +42,11 @@ class TorchKind:
 
         return planner
 
-    def make_plan(self, cfg) -> TorchPlan:
+    def make_plan(self, cfg, dp: int) -> TorchPlan:
         t, p = cfg.torch_engine, cfg.parallel
         return TorchPlan(dp_replicate=t.dp_replicate, reshard_after_forward=t.reshard_after_forward,
-                         pp_schedule=p.pp_schedule, vpp=p.vpp, pp_input_head_layers=p.pp_input_head_layers)
+                         pp_schedule=p.pp_schedule, vpp=p.vpp, pp_input_head_layers=p.pp_input_head_layers,
+                         start_words=_start_words(dp, t.dp_replicate))
 
     def check_supported(self, cfg, plan) -> None:
         from .support import check_supported
@@ -85,15 +87,6 @@ class TorchKind:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def start_words(self, plan) -> str:
-        """``torch engine, FSDP2 over dp 2`` / ``HSDP 2 x 2``: what shards the state."""
-        replicate = plan.engine_plan.dp_replicate
-        if plan.dp == 1:
-            return "torch engine"
-        if replicate == 1:
-            return f"torch engine, FSDP2 over dp {plan.dp}"
-        return f"torch engine, HSDP {replicate} x {plan.dp // replicate}"
-
     def dry_run_lines(self, cfg, plan) -> list:
         """Under PP: the schedule, its bubble and each stage's in-flight activation memory
         (``pipeline_plan.py``)."""
@@ -121,6 +114,15 @@ class TorchKind:
         """FSDP2 shards parameters and optimizer state over the DP ranks, so every DP/TP change is a
         re-layout, which DCP's resharding does on load."""
         return ["tp", "pp", "dp", "precision"]
+
+
+def _start_words(dp: int, replicate: int) -> str:
+    """``torch engine, FSDP2 over dp 2`` / ``HSDP 2 x 2``: what shards the state."""
+    if dp == 1:
+        return "torch engine"
+    if replicate == 1:
+        return f"torch engine, FSDP2 over dp {dp}"
+    return f"torch engine, HSDP {replicate} x {dp // replicate}"
 
 
 register(TorchKind())
