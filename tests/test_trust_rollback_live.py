@@ -15,13 +15,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_trust_checkpoints import READ_ON_RESUME, ROOT, _cmd, _env, _one_error, _plant
+from test_trust_checkpoints import READ_BY_ALL, ROOT, _cmd, _env, _one_error, _plant
 
 from _pause import ended, pause_env, wait_paused
 from _train_data import write_shards
 
 ENGINES = ("deepspeed", "torch")
 TAG4 = "step_00000004"
+# READ_BY_ALL: the file each engine's rollback unpickles first and unrestricted (DeepSpeed's model states,
+# DCP's .metadata): without the scan the payload runs there and the run rolls back and finishes (exit 0)
 DRILL = ("train.max_steps=6", "checkpoint.interval=2", "guard.on_nonfinite=rollback", "faults.inject=nan@5")
 
 
@@ -52,7 +54,7 @@ def test_a_live_rollback_refuses_a_checkpoint_planted_while_the_run_waits(shards
             ckpts = run / "checkpoints"
             assert (ckpts / "latest").read_text() == TAG4 + "\n"  # step 4's checkpoint is committed
             assert _steps(run / "metrics.jsonl") == [1, 2, 3, 4]
-            victim = ckpts / TAG4 / READ_ON_RESUME[engine]
+            victim = ckpts / TAG4 / READ_BY_ALL[engine]
             _plant(victim.parent, victim.name, marker)
             paused.unlink()  # the release: step 5 runs, turns NaN, and the rollback reads step 4
             rc = proc.wait(timeout=600)
@@ -61,11 +63,11 @@ def test_a_live_rollback_refuses_a_checkpoint_planted_while_the_run_waits(shards
                 proc.kill()
                 proc.wait()
     stderr = log.read_text()
+    assert not marker.exists(), "the planted payload ran: " + stderr[-3000:]
     assert rc == 2, stderr[-3000:]
     line = _one_error("\n".join(ln for ln in stderr.splitlines() if not ln.startswith("paused at ")))
     assert str(victim) in line and "would import" in line and "nothing was loaded" in line, line
     assert "pathlib" in line or "builtins.getattr" in line, line  # the payload's global, named
-    assert not marker.exists()
     # nothing was loaded and nothing trained on: past step 4 the metrics hold only the guard's record of the
     # NaN that asked for the rollback, and no checkpoint was written past step 4
     records = _records(run / "metrics.jsonl")
