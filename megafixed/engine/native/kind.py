@@ -16,6 +16,7 @@ class TorchPlan:
     pp_schedule: str = "1F1B"  # parallel.pp_schedule
     vpp: int = 1  # parallel.vpp
     pp_input_head_layers: int = 1  # parallel.pp_input_head_layers
+    float8: str = "off"  # train.float8: the backbone's Linears in float8 (float8.py)
 
 
 class TorchKind:
@@ -24,7 +25,7 @@ class TorchKind:
     name = "torch"
     record_file = "torch_engine.json"
     planned_keys = ("torch_engine.dp_replicate", "torch_engine.reshard_after_forward", "parallel.pp_schedule",
-                    "parallel.vpp", "parallel.pp_input_head_layers")
+                    "parallel.vpp", "parallel.pp_input_head_layers", "train.float8")
     default = False
 
     @property
@@ -42,7 +43,8 @@ class TorchKind:
     def make_plan(self, cfg) -> TorchPlan:
         t, p = cfg.torch_engine, cfg.parallel
         return TorchPlan(dp_replicate=t.dp_replicate, reshard_after_forward=t.reshard_after_forward,
-                         pp_schedule=p.pp_schedule, vpp=p.vpp, pp_input_head_layers=p.pp_input_head_layers)
+                         pp_schedule=p.pp_schedule, vpp=p.vpp, pp_input_head_layers=p.pp_input_head_layers,
+                         float8=cfg.train.float8)
 
     def check_supported(self, cfg, plan) -> None:
         from .support import check_supported
@@ -86,24 +88,31 @@ class TorchKind:
     def start_words(self, plan) -> str:
         """``torch engine, FSDP2 over dp 2`` / ``HSDP 2 x 2``: what shards the state."""
         replicate = plan.engine_plan.dp_replicate
+        float8 = _float8_words(plan)
         if plan.dp == 1:
-            return "torch engine"
+            return "torch engine" + float8
         if replicate == 1:
-            return f"torch engine, FSDP2 over dp {plan.dp}"
-        return f"torch engine, HSDP {replicate} x {plan.dp // replicate}"
+            return f"torch engine, FSDP2 over dp {plan.dp}" + float8
+        return f"torch engine, HSDP {replicate} x {plan.dp // replicate}" + float8
 
     def config_title(self) -> str:
         return f"{self.name} engine"
 
     def dry_run_words(self, plan, record: dict) -> str:
         d = record["data_parallel"]
-        return f"engine torch, {d['mode']} (dp_replicate {d['replicate_degree']} x dp_shard {d['shard_degree']})"
+        return (f"engine torch, {d['mode']} (dp_replicate {d['replicate_degree']} x dp_shard {d['shard_degree']})"
+                + _float8_words(plan))
 
     def dry_run_lines(self, cfg, plan) -> list:
-        """Under PP: the schedule, its bubble and each stage's in-flight activation memory
-        (``pipeline_plan.py``)."""
+        """Under float8: which Linears (float8.py); under PP: the schedule, its bubble and each stage's
+        in-flight activation memory (``pipeline_plan.py``)."""
+        lines = []
+        if plan.engine_plan.float8 != "off":
+            from .float8 import dry_run_line
+
+            lines.append(dry_run_line(cfg, plan))
         if plan.pp == 1:
-            return []
+            return lines
         from ...parallel.memory import GiB, estimate
         from .planner import make_layout
 
@@ -113,9 +122,10 @@ class TorchKind:
         pipe = estimate(cfg.model, b.seq_len, layout, plan.precision).pipeline
         acts = ", ".join(f"stage {k}: {pipe['in_flight_per_stage'][k]} in flight, {v / GiB:.3f} GiB"
                          for k, v in pipe["activation_bytes_per_stage"].items())
-        return [f"# pipeline: {pipe['schedule']}, {plan.pp} ranks x {pipe['vpp']} stages, {b.accum} microbatches; "
-                f"bubble {pipe['bubble_fraction']:.3f} from its action table ((p-1)/(v*m) = "
-                f"{pipe['bubble_formula']:.3f}); activations {acts}"]
+        return lines + [
+            f"# pipeline: {pipe['schedule']}, {plan.pp} ranks x {pipe['vpp']} stages, {b.accum} microbatches; "
+            f"bubble {pipe['bubble_fraction']:.3f} from its action table ((p-1)/(v*m) = "
+            f"{pipe['bubble_formula']:.3f}); activations {acts}"]
 
     def record_layout(self, plan) -> dict:
         """None of its own keys: it does not read ``zero.*`` (FSDP2 shards by the DP degree), so a record
@@ -126,6 +136,11 @@ class TorchKind:
         """FSDP2 shards parameters and optimizer state over the DP ranks, so every DP/TP change is a
         re-layout, which DCP's resharding does on load."""
         return ["tp", "pp", "dp", "precision"]
+
+
+def _float8_words(plan) -> str:
+    recipe = plan.engine_plan.float8
+    return "" if recipe == "off" else f", float8 {recipe}" + ("" if plan.device == "cuda" else " (emulated)")
 
 
 register(TorchKind())
