@@ -29,11 +29,11 @@ pytest.importorskip("torchao")
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.code_bits=8",
         "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=8", "train.micro_batch=4"]
-# |loss(float8) - loss(off)| / loss(off) at step 20, measured on this tiny model before choosing: seeds
-# 1, 2, 3 gave TOL_MEASURED (tensorwise) against a seed-to-seed spread of the loss itself of
-# SEED_SPREAD; the bound is ~3x the largest float8 gap and still below the seed spread, so a run that
-# trained something else (a wrong scale, an unconverted weight update lost) falls outside it.
-FLOAT8_RTOL = 0.01
+# |loss(float8) - loss(off)| / loss(off) at step 20 of this tiny model (fp32, seed-for-seed), measured
+# before choosing: tensorwise 4.9e-5, 7.1e-5, 2.3e-5 and rowwise 6.1e-5, 2.5e-5, 1.3e-5 for seeds 1, 2, 3,
+# where the loss itself moves 7.4e-3 from seed to seed. 5e-4 is 7x the largest float8 gap and 15x below
+# the seed spread: a run that trained another model (a lost update, a wrong scale) falls outside it.
+FLOAT8_RTOL = 5e-4
 DP_RTOL = 1e-5  # the bar: the same fp32 arithmetic, sharded reductions in another order
 
 
@@ -156,7 +156,8 @@ def test_cli_refusal_is_one_line_and_dry_run_names_float8():
 # ----------------------------------------------------------------------------------- through `megafixed train`
 def _train(shards, run_dir, *extra, torchrun=None) -> str:
     overrides = tiny_overrides(shards, run_dir, "model.input=canonical", "train.engine=torch", "train.seed=1",
-                               "validation.interval=0", "checkpoint.interval=10", *extra)
+                               "validation.interval=0", "checkpoint.interval=10",
+                               "schedule.decay_steps=20", *extra)  # the 20-step schedule, whatever max_steps
     args = ["-m", "megafixed.cli", "train", "/dev/null", *overrides]
     if torchrun is not None:
         return torchrun(2, args).stdout
@@ -206,7 +207,7 @@ def test_resume_across_the_switch_both_ways(runs):
         got, same = _losses(run_dir), _losses(runs[(first, first)][0])
         assert "resum" in out.lower(), out[-2000:]
         assert sorted(got) == list(range(1, 21)), f"{first} -> {then}"
-        assert math.isclose(got[11], same[11], rel_tol=2e-3), (first, then, got[11], same[11])
+        assert math.isclose(got[11], same[11], rel_tol=FLOAT8_RTOL), (first, then, got[11], same[11])
         assert math.isclose(got[20], same[20], rel_tol=FLOAT8_RTOL), (first, then, got[20], same[20])
     record = json.loads((runs[("off", "tensorwise")][0] / "torch_engine.json").read_text())
     assert record["float8"]["recipe"] == "tensorwise"
