@@ -93,8 +93,6 @@ def test_conversion_keeps_state_dict_keys_and_values_both_ways(recipe):
 @pytest.mark.parametrize("overrides,world,needle", [
     (["train.float8=tensorwise"], 1, "train.float8=tensorwise is not supported by train.engine=deepspeed; set "
                                      "train.engine=torch, or train.float8=off"),
-    (["train.engine=torch", "train.float8=rowwise", "parallel.tp=2"], 2,
-     "train.float8=rowwise is not wired with tensor parallelism yet (parallel.tp=2)"),
 ])
 def test_what_float8_refuses_by_name(overrides, world, needle):
     with pytest.raises((ConfigError, LayoutError), match=needle.replace(".", r"\.").replace("(", r"\(")
@@ -220,4 +218,18 @@ def test_fsdp2_over_two_ranks_equals_one_process(runs, tiny_shards, torchrun, tm
     got, want = _losses(tmp_path / "run"), _losses(runs[("tensorwise", "tensorwise")][0])
     assert sorted(got) == sorted(want)
     for step in want:
+        assert math.isclose(got[step], want[step], rel_tol=DP_RTOL), (step, got[step], want[step])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["parallel.pp=2", "parallel.tp=2"])
+def test_pipeline_and_tensor_parallel_runs_equal_one_process(layout, runs, tiny_shards, torchrun, tmp_path):
+    # pp=2: pipeline.build_stages converts each stage's blocks (its own path, not build_model's);
+    # tp=2: DTensor's TP styles over Float8Linear, whose scales are taken over the whole DTensors
+    out = _train(tiny_shards, tmp_path / "run", "train.float8=tensorwise", "train.max_steps=3", layout,
+                 torchrun=torchrun)
+    assert f"{layout.split('=')[0][-2:]} 2" in out and "float8 tensorwise (emulated)" in out
+    got, want = _losses(tmp_path / "run"), _losses(runs[("tensorwise", "tensorwise")][0])
+    assert sorted(got) == [1, 2, 3]
+    for step in got:
         assert math.isclose(got[step], want[step], rel_tol=DP_RTOL), (step, got[step], want[step])
