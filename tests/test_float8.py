@@ -119,6 +119,7 @@ def test_plan_words_record_and_memory_model():
     assert kind.start_words(gpu) == "torch engine, FSDP2 over dp 4, float8 tensorwise"
     assert kind.start_words(RunPlan.build(cfg, 1, gpu=False)) == "torch engine, float8 tensorwise (emulated)"
     assert engine_config(cfg, gpu)["float8"]["fsdp_float8_all_gather"] is True
+    assert engine_config(cfg, RunPlan.build(cfg, 1, gpu=True))["float8"]["fsdp_float8_all_gather"] is False
     assert engine_config(_cfg("train.engine=torch", "train.float8=rowwise"), gpu)["float8"] == {
         "recipe": "rowwise", "by": "torchao convert_to_float8_training (the blocks' Linears)", "emulate": False,
         "fsdp_float8_all_gather": False}  # torchao gathers float8 for tensorwise scales only
@@ -213,10 +214,15 @@ def test_resume_across_the_switch_both_ways(runs):
 
 @pytest.mark.multiprocess
 def test_fsdp2_over_two_ranks_equals_one_process(runs, tiny_shards, torchrun, tmp_path):
-    out = _train(tiny_shards, tmp_path / "run", "train.float8=tensorwise", "train.max_steps=20", torchrun=torchrun)
+    # FSDP2 all-gathers the tensorwise weights in float8 (one uint8 buffer per block over gloo) with the
+    # amax precompute after each step; ten steps, a save, a resume into those float8 weights, ten more
+    out = _train(tiny_shards, tmp_path / "run", "train.float8=tensorwise", "train.max_steps=10", torchrun=torchrun)
     assert "FSDP2 over dp 2, float8 tensorwise (emulated)" in out
+    record = json.loads((tmp_path / "run" / "torch_engine.json").read_text())
+    assert record["float8"]["fsdp_float8_all_gather"] is True
+    _train(tiny_shards, tmp_path / "run", "train.float8=tensorwise", "train.max_steps=20", torchrun=torchrun)
     got, want = _losses(tmp_path / "run"), _losses(runs[("tensorwise", "tensorwise")][0])
-    assert sorted(got) == sorted(want)
+    assert sorted(got) == sorted(want) == list(range(1, 21))
     for step in want:
         assert math.isclose(got[step], want[step], rel_tol=DP_RTOL), (step, got[step], want[step])
 

@@ -13,8 +13,9 @@ and FSDP2 (``build.py``), so TP and FSDP2 wrap ``Float8Linear`` modules. What is
 On CUDA the GEMMs are ``torch._scaled_mm`` (SM 8.9+); anywhere else torchao's ``emulate=True``
 (the same casts and scales, the matmul on dequantised values): CPU tests run the real conversion.
 Tensorwise under FSDP2 all-gathers the float8 weights (``enable_fsdp_float8_all_gather``, with the
-per-step amax precompute torchtitan runs after the optimizer), on CUDA only: gloo has no float8
-collectives. Rowwise has no float8 all-gather in torchao (it gathers the master dtype's bf16).
+per-step amax precompute torchtitan runs after the optimizer; the pipeline's stages compute each
+weight's amax in its pre-all-gather instead). Rowwise has no float8 all-gather in torchao (it
+gathers the compute dtype).
 
 ``Float8Linear`` keeps ``weight``/``bias`` as ordinary parameters in the master dtype, so state-dict
 keys and values are the unconverted model's: a float8 run resumes without float8 and the other way.
@@ -67,10 +68,11 @@ def float8_config(recipe: str, *, emulate: bool, fsdp_all_gather: bool):
                                enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise")
 
 
-def uses_float8_all_gather(recipe: str, *, dp_shard: int, on_cuda: bool) -> bool:
-    """FSDP2 gathers float8 weights: tensorwise, sharded over more than one rank, on CUDA (gloo has
-    no float8 collectives; emulation exists for the matmul, not for the all-gather's transport)."""
-    return recipe == "tensorwise" and dp_shard > 1 and on_cuda
+def uses_float8_all_gather(recipe: str, *, dp_shard: int) -> bool:
+    """FSDP2 gathers float8 weights: tensorwise (torchao supports no other), sharded over more than one
+    rank. Gloo too: a block's group mixes float8 weights with its norms', so FSDP2 gathers one uint8
+    buffer (gloo has no float8 dtypes; a group of float8 weights alone would not go through it)."""
+    return recipe == "tensorwise" and dp_shard > 1
 
 
 def convert_to_float8(model, recipe: str, *, emulate: bool, fsdp_all_gather: bool) -> Float8Layers:
@@ -118,7 +120,7 @@ def float8_all_gather(cfg, plan) -> bool:
     from .mesh import mesh_shape
 
     _, shard, _ = mesh_shape(plan.dp, plan.tp, cfg.torch_engine.dp_replicate)
-    return uses_float8_all_gather(cfg.train.float8, dp_shard=shard, on_cuda=plan.device == "cuda")
+    return uses_float8_all_gather(cfg.train.float8, dp_shard=shard)
 
 
 def dry_run_line(cfg, plan) -> str:
