@@ -88,12 +88,16 @@ def convert_to_float8(model, recipe: str, *, emulate: bool, fsdp_all_gather: boo
 
 
 def precompute_scales_after_step(model, optimizer) -> None:
-    """With the float8 all-gather: one amax all-reduce for every weight's scale after each optimizer
+    """With the float8 all-gather: one amax all-reduce for every weight's scale now and after each optimizer
     step (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, as torchtitan hooks it), instead of
     one per weight in the next forward."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     optimizer.register_step_post_hook(lambda *_args, **_kwargs: precompute_float8_dynamic_scale_for_fsdp(model))
+    # and for the first step: torchao's fallback (each weight's amax in its pre-all-gather) rounds the
+    # scale apart from the precompute in the last bits, so a run that took it only at its first step
+    # (or at a resume's: NativeEngine.load precomputes too) would not be the uninterrupted run bit for bit
+    precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def describe(recipe: str, layers: Float8Layers, *, emulate: bool, all_gather: bool) -> str:
