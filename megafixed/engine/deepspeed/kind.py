@@ -36,7 +36,7 @@ class DeepSpeedKind:
 
         return planner
 
-    def make_plan(self, cfg, dp: int) -> DeepSpeedPlan:
+    def make_plan(self, cfg, dp: int, device: str = "cpu") -> DeepSpeedPlan:
         return DeepSpeedPlan(zero_stage=cfg.zero.stage, start_words=f"zero {cfg.zero.stage}")
 
     def check_supported(self, cfg, plan) -> None:

@@ -13,6 +13,11 @@ from ...parallel.layout import LayoutError
 
 def check_supported(cfg, plan) -> None:
     pp = plan.pp
+    if cfg.train.float8 != "off":
+        # torchao's Float8Linear under FSDP2/DTensor is the torch engine's; DeepSpeed's ZeRO and its
+        # megatron-core TP layers have no float8 route here.
+        raise ConfigError(f"train.float8={cfg.train.float8} is not supported by train.engine=deepspeed; "
+                          f"set train.engine=torch, or train.float8=off")
     if cfg.train.compile and pp > 1:
         # DeepSpeed's pipeline engine runs its stages' layers through its own schedule (activation
         # checkpointing, p2p buffers); compiling them is untested there, and silently running eager

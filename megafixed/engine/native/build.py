@@ -3,6 +3,7 @@
 torchtitan's order, on the meta device until the end::
 
     meta_gpt(cfg.model)                       the plain GPT: names, shapes, no memory
+    -> float8.apply_float8                    the blocks' Linears -> torchao Float8Linear (train.float8)
     -> tensor.apply_tp(model, mesh["tp"])     DTensor TP/SP from the one TP plan (parallel.tp > 1)
     -> activation checkpointing, compile      per block, in place (parameter names stay the GPT's)
     -> fully_shard per block, the head, root  FSDP2 over mesh["dp_shard"] (HSDP: 2-D) when dp > 1
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from ...run.optim import build_optimizer
 from ..dtypes import COMPUTE_DTYPES
+from .float8 import apply_float8, float8_all_gather, precompute_scales_after_step
 from .materialize import materialize
 from .precision import mixed_precision_policy  # noqa: F401  (its home was here)
 
@@ -46,6 +48,7 @@ def build_model(cfg, topo):
 
     plan = topo.plan
     model = meta_gpt(cfg.model)
+    apply_float8(model, cfg, topo)  # before TP and FSDP2 (torchtitan's order): they wrap Float8Linear
     if plan.tp > 1:
         from .tensor import apply_tp
 
@@ -80,4 +83,6 @@ def build(cfg, topo, hook=None):
         return build_pipeline_engine(cfg, topo, hook)
     model = build_model(cfg, topo)
     optimizer = build_optimizer(model, cfg.optimizer)
+    if cfg.train.float8 != "off" and float8_all_gather(cfg, topo.plan):
+        precompute_scales_after_step(model, optimizer)
     return NativeEngine(model, optimizer, cfg=cfg, topo=topo, hook=hook)

@@ -68,6 +68,7 @@ def engine_config(cfg, plan) -> dict:
                             "plan": "megafixed.parallel.tensor.TP_PLAN (DTensor parallelize_module)",
                             "vocab_parallel_loss": tp > 1},
         "pipeline_parallel": pipeline_record(cfg, plan),
+        "float8": _float8_record(cfg, plan),
         "compile": {"enabled": cfg.train.compile, "unit": "each block"},
         "activation_checkpointing": {"enabled": cfg.train.activation_checkpointing, "unit": "each block"},
         "optimizer": {"type": "AdamW", "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
@@ -80,6 +81,16 @@ def engine_config(cfg, plan) -> dict:
                   # once per step (pipelining's PipelineStage drives the sync)
                   "gradient_sync": _gradient_sync(plan, b)},
     }
+
+
+def _float8_record(cfg, plan) -> dict:
+    """train.float8 (float8.py): the recipe, how the GEMMs run, and FSDP2's all-gather dtype."""
+    if cfg.train.float8 == "off":
+        return {"recipe": "off"}
+    from .float8 import float8_all_gather
+
+    return {"recipe": cfg.train.float8, "by": "torchao convert_to_float8_training (the blocks' Linears)",
+            "emulate": plan.device != "cuda", "fsdp_float8_all_gather": float8_all_gather(cfg, plan)}
 
 
 def _gradient_sync(plan, b) -> str:

@@ -75,10 +75,23 @@ class NativeEngine:
         return self.checkpoints.saved_bytes
 
     def load(self, tag_dir: Path, *, relayout: bool = False) -> dict:
-        return self.checkpoints.load(tag_dir, relayout=relayout)
+        client_state = self.checkpoints.load(tag_dir, relayout=relayout)
+        self._after_weights_changed()
+        return client_state
 
     def load_weights(self, read_state_dict: Callable[[], dict], scratch: Path) -> None:
         self.checkpoints.load_weights(read_state_dict, scratch)
+        self._after_weights_changed()
+
+    def _after_weights_changed(self) -> None:
+        """FSDP2's float8 all-gather: the loaded weights' scales, as the optimizer step's hook computes
+        them (float8.py), so the next step casts as an uninterrupted run's would."""
+        from .float8 import float8_all_gather
+
+        if self.cfg.train.float8 != "off" and self.plan.pp == 1 and float8_all_gather(self.cfg, self.plan):
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
 
     def config_record(self) -> Optional[dict]:
         """The engine's own record (mesh, FSDP, mixed precision, compile, AC): ``native/config.py``."""

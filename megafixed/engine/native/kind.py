@@ -17,6 +17,7 @@ class TorchPlan:
     vpp: int = 1  # parallel.vpp
     pp_input_head_layers: int = 1  # parallel.pp_input_head_layers
     start_words: str = "torch engine"  # what shards the state, in the trainer's start line (``_start_words``)
+    float8: str = "off"  # train.float8: the backbone's Linears in float8 (float8.py)
 
 
 class TorchKind:
@@ -42,11 +43,12 @@ class TorchKind:
 
         return planner
 
-    def make_plan(self, cfg, dp: int) -> TorchPlan:
+    def make_plan(self, cfg, dp: int, device: str = "cpu") -> TorchPlan:
         t, p = cfg.torch_engine, cfg.parallel
         return TorchPlan(dp_replicate=t.dp_replicate, reshard_after_forward=t.reshard_after_forward,
                          pp_schedule=p.pp_schedule, vpp=p.vpp, pp_input_head_layers=p.pp_input_head_layers,
-                         start_words=_start_words(dp, t.dp_replicate))
+                         float8=cfg.train.float8,
+                         start_words=_start_words(dp, t.dp_replicate) + _float8_words(cfg.train.float8, device))
 
     def check_supported(self, cfg, plan) -> None:
         from .support import check_supported
@@ -88,10 +90,15 @@ class TorchKind:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def dry_run_lines(self, cfg, plan) -> list:
-        """Under PP: the schedule, its bubble and each stage's in-flight activation memory
-        (``pipeline_plan.py``)."""
+        """Under float8: which Linears (float8.py); under PP: the schedule, its bubble and each stage's
+        in-flight activation memory (``pipeline_plan.py``)."""
+        lines = []
+        if plan.engine_plan.float8 != "off":
+            from .float8 import dry_run_line
+
+            lines.append(dry_run_line(cfg, plan))
         if plan.pp == 1:
-            return []
+            return lines
         from ...parallel.memory import GiB, estimate
         from .planner import make_layout
 
@@ -101,9 +108,10 @@ class TorchKind:
         pipe = estimate(cfg.model, b.seq_len, layout, plan.precision).pipeline
         acts = ", ".join(f"stage {k}: {pipe['in_flight_per_stage'][k]} in flight, {v / GiB:.3f} GiB"
                          for k, v in pipe["activation_bytes_per_stage"].items())
-        return [f"# pipeline: {pipe['schedule']}, {plan.pp} ranks x {pipe['vpp']} stages, {b.accum} microbatches; "
-                f"bubble {pipe['bubble_fraction']:.3f} from its action table ((p-1)/(v*m) = "
-                f"{pipe['bubble_formula']:.3f}); activations {acts}"]
+        return lines + [
+            f"# pipeline: {pipe['schedule']}, {plan.pp} ranks x {pipe['vpp']} stages, {b.accum} microbatches; "
+            f"bubble {pipe['bubble_fraction']:.3f} from its action table ((p-1)/(v*m) = "
+            f"{pipe['bubble_formula']:.3f}); activations {acts}"]
 
     def record_layout(self, plan) -> dict:
         """None of its own keys: it does not read ``zero.*`` (FSDP2 shards by the DP degree), so a record
@@ -123,6 +131,10 @@ def _start_words(dp: int, replicate: int) -> str:
     if replicate == 1:
         return f"torch engine, FSDP2 over dp {dp}"
     return f"torch engine, HSDP {replicate} x {dp // replicate}"
+
+
+def _float8_words(recipe: str, device: str) -> str:
+    return "" if recipe == "off" else f", float8 {recipe}" + ("" if device == "cuda" else " (emulated)")
 
 
 register(TorchKind())

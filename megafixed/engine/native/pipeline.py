@@ -2,7 +2,8 @@
 
 torchtitan's composition, on the meta device until the end::
 
-    meta_gpt(cfg.model)  -> apply_tp (whole meta GPT; no memory)   DTensor TP/SP, as without PP
+    meta_gpt(cfg.model)  -> apply_float8      the blocks' Linears in float8 (train.float8), as without PP
+    -> apply_tp (whole meta GPT; no memory)   DTensor TP/SP, as without PP
     -> split              this rank's stages (schedules.stage_spans / stage_ids), global names
     -> AC, compile        per block, in place
     -> fully_shard        per block and head, then each stage module as its own root (dp > 1),
@@ -103,11 +104,13 @@ def _apply_fsdp_stage(stage: StageModule, mesh, precision: str) -> None:
 def build_stages(cfg, topo):
     """(parts, stage modules, stage ids) of this rank: meta -> TP -> split -> AC/compile -> FSDP2 -> init."""
     from ...model.gpt import meta_gpt
+    from .float8 import apply_float8
     from .materialize import materialize
     from .schedules import is_v_shaped, stage_ids, stage_spans
 
     plan = topo.plan
     gpt = meta_gpt(cfg.model)
+    apply_float8(gpt, cfg, topo)  # before TP and FSDP2, as build.build_model
     if plan.tp > 1:
         from .tensor import apply_tp
 

@@ -30,7 +30,7 @@ def make_layout(cfg, tp, pp, dp, replicate, micro, sp, part):
     # "zero" shows the ZeRO stage FSDP2's sharding equals
     return Layout(tp, pp, dp, 3 if dp // replicate > 1 else 0, micro, sp, cfg.train.activation_checkpointing, part,
                   cfg.train.engine, replicate, accum, cfg.torch_engine.reshard_after_forward, par.pp_schedule,
-                  par.vpp, par.pp_input_head_layers)
+                  par.vpp, par.pp_input_head_layers, float8=cfg.train.float8)
 
 
 def stage_bounds(weights: list, parts: int, method: str) -> list[int]:
@@ -60,7 +60,24 @@ def working_param_bytes(m, layout, n_params: int, precision: str, act_bytes: int
     # no reshard after forward under PP either: the schedule interleaves microbatches
     everything = not layout.reshard_after_forward or layout.dp == 1 or layout.pp > 1
     working = n_params if everything else min(n_params, 2 * per_layer[1] + edges)
-    return working * act_bytes
+    return working * act_bytes - float8_gather_saving(m, layout, n_params, working, act_bytes)
+
+
+def float8_gather_saving(m, layout, n_params: int, working: float, act_bytes: int) -> float:
+    """train.float8=tensorwise under FSDP2 (dp_shard > 1) gathers the blocks' Linear weights in float8
+    (1 byte, not ``act_bytes``): the gathered blocks' matrices shrink by that (float8.py). Not modelled:
+    the per-weight scale and amax scalars (bytes), and each GEMM's transient float8 copies of its
+    input, weight and output gradient (one Linear's at a time; rowwise adds one fp32 scale per row);
+    torchao saves the high-precision input for backward, so activations are unchanged. A Linear left in
+    high precision (dims not divisible by 16) is counted as converted."""
+    if layout.float8 != "tensorwise" or layout.dp_shard == 1:
+        return 0.0
+    from ...parallel.memory import tp_param_counts
+
+    counts = tp_param_counts(m)
+    block_matrices = counts.block_sharded // layout.tp  # the Linear weights (and any column bias)
+    gathered_blocks = m.n_layers if working >= n_params else min(2, m.n_layers)
+    return gathered_blocks * block_matrices * (act_bytes - 1)
 
 
 def reduction_phase(m, layout, n_params: int, precision: str, layer: float) -> tuple[float, float | None, float]:

@@ -19,6 +19,7 @@ def check_supported(cfg, plan) -> None:
         # FSDP2 has no dynamic loss scaler (DeepSpeed's fp16 path has one); bf16 needs none.
         raise ConfigError("train.precision=fp16 is not supported by train.engine=torch (it has no loss scaler); "
                           "use train.precision=bf16 (or auto), or train.engine=deepspeed")
+    _check_float8(cfg, plan)
     replicate = cfg.torch_engine.dp_replicate
     if plan.dp % replicate:
         raise LayoutError(f"torch_engine.dp_replicate={replicate} does not divide the data-parallel size "
@@ -45,3 +46,21 @@ def _check_fused_first_stage(cfg, plan) -> None:
                           f"pipeline stage holds the input alone (model.n_layers={cfg.model.n_layers} over "
                           f"{plan.pp * own.vpp} stages, parallel.pp_input_head_layers={own.pp_input_head_layers}); "
                           f"lower parallel.pp_input_head_layers or parallel.vpp, or set model.fused_first_layer=false")
+
+
+def _check_float8(cfg, plan) -> None:
+    """train.float8 (float8.py): what is not wired or cannot run, by name."""
+    recipe = cfg.train.float8
+    if recipe == "off":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"train.float8={recipe} needs torchao: pip install 'torchao>=0.18,<0.19' "
+                          f"(megafixed's [float8] extra), or set train.float8=off")
+    # Tensor parallelism composes through the TP plan's ordinary DTensor styles over Float8Linear (torchtitan's
+    # way for rowwise): the scales come from the DTensors, so a TP=2 run gives one process's losses (tested).
+    # torchao's Float8ColwiseParallel/Float8RowwiseParallel, which also send tensorwise activations in float8,
+    # are not applied: a saving of TP communication on CUDA, which nothing here could run.
+    # train.compile=true composes (each block's Float8Linear compiled in place): on CPU, emulated, a
+    # compiled block's forward and backward gave eager's loss bit for bit (docs/float8.md).
