@@ -173,7 +173,7 @@ def test_nccl_init_gets_the_ranks_device(monkeypatch):
 @pytest.mark.parametrize("text,nbytes", [("80GB", 80e9), ("80GiB", 80 * 2 ** 30), ("24G", 24e9), ("512MiB", 2 ** 29),
                                          ("1.5TB", 1.5e12), ("100B", 100.0), ("2", 2e9)])
 def test_gpu_mem_units(text, nbytes):
-    from megafixed.commands.plan import parse_bytes
+    from megafixed.plan.rows import parse_bytes
 
     assert parse_bytes(text) == nbytes
 

@@ -109,7 +109,7 @@ class EngineKind(Protocol):
     # DeepSpeed folder; ``megafixed import hf``/``convert`` output): one engine is the default
     default: bool
     config_title: str  # the name ``--dry-run`` gives its config
-    dry_run_words: str  # ``--dry-run``'s words on it: ``str.format`` fields of its config record (``engine_config``)
+    dry_run_words: str  # ``--dry-run``'s words: ``str.format`` fields of its config record (``engine_config``) and ``plan`` (its engine plan)
 
     @property
     def checkpoint(self) -> CheckpointFormat: ...

@@ -29,6 +29,7 @@ def hp_grad(p: torch.Tensor):
 class DeepSpeedEngine:
     """One rank's DeepSpeed engine (plain or pipeline) behind the engine seam."""
 
+    name = "deepspeed"  # its train.engine value (logs and tests ask; the seam itself does not)
     hook: Optional[StepHook] = None  # what its step asks besides its batches (none, unless build_engine was given one)
     derived_dirs = ("universal",)  # universal.UNIVERSAL_DIR: DeepSpeed's re-layout copy, made on a layout change
 

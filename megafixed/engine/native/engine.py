@@ -15,6 +15,7 @@ from . import step as native_step
 
 class NativeEngine:
     """One rank's torch-native engine behind the engine seam."""
+    name = "torch"  # its train.engine value (logs and tests ask; the seam itself does not)
     hook: Optional[StepHook] = None  # what its step asks besides its batches (none, unless build_engine was given one)
     derived_dirs: tuple = ()  # DCP reshards on load: no re-layout copy beside a tag
 

@@ -18,6 +18,7 @@ class TorchPlan:
     pp_input_head_layers: int = 1  # parallel.pp_input_head_layers
     start_words: str = "torch engine"  # what shards the state, in the trainer's start line (``_start_words``)
     float8: str = "off"  # train.float8: the backbone's Linears in float8 (float8.py)
+    float8_words: str = ""  # ", float8 tensorwise (emulated)": the start line's and --dry-run's mention of it
 
 
 class TorchKind:
@@ -28,7 +29,7 @@ class TorchKind:
     config_title = "torch engine"  # what --dry-run calls its config
     # --dry-run's words, formatted with its config record
     dry_run_words = ("engine torch, {data_parallel[mode]} (dp_replicate {data_parallel[replicate_degree]} x dp_shard "
-                     "{data_parallel[shard_degree]})")
+                     "{data_parallel[shard_degree]}){plan.float8_words}")
     default = False
 
     @property
@@ -47,7 +48,7 @@ class TorchKind:
         t, p = cfg.torch_engine, cfg.parallel
         return TorchPlan(dp_replicate=t.dp_replicate, reshard_after_forward=t.reshard_after_forward,
                          pp_schedule=p.pp_schedule, vpp=p.vpp, pp_input_head_layers=p.pp_input_head_layers,
-                         float8=cfg.train.float8,
+                         float8=cfg.train.float8, float8_words=_float8_words(cfg.train.float8, device),
                          start_words=_start_words(dp, t.dp_replicate) + _float8_words(cfg.train.float8, device))
 
     def check_supported(self, cfg, plan) -> None:
