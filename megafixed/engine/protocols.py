@@ -109,7 +109,8 @@ class EngineKind(Protocol):
     # DeepSpeed folder; ``megafixed import hf``/``convert`` output): one engine is the default
     default: bool
     config_title: str  # the name ``--dry-run`` gives its config
-    dry_run_words: str  # ``--dry-run``'s words: ``str.format`` fields of its config record (``engine_config``) and ``plan`` (its engine plan)
+    # --dry-run's words: ``str.format`` fields of its config record (``engine_config``) and ``plan`` (its engine plan)
+    dry_run_words: str
 
     @property
     def checkpoint(self) -> CheckpointFormat: ...
