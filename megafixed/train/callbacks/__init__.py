@@ -1,8 +1,9 @@
 """The callbacks of a run: the built-in ones, each from its own config section, in one list, and the
 user's own (``callbacks:`` in the config, or ``train(cfg, topo, callbacks=[...])``).
 
-``BUILT_IN`` is the registration list: ``(section, build)``, ``section`` the name of the config section
-(a dataclass on ``Config``) and ``build(section_cfg, cfg)`` the callback, or None when it is off.
+``BUILT_IN`` is the registration list: ``(section, module)``, ``section`` the name of the config section
+(a dataclass on ``Config``) and ``module`` the file whose ``build(section_cfg, cfg)`` makes the callback (None:
+it is off).
 Its order is the order every hook is called in (see each entry's comment for why it stands where it is).
 Adding a built-in callback = its own file + its config section on ``Config`` + one line here.
 """
@@ -14,81 +15,31 @@ from typing import Optional
 from ...errors import ConfigError
 from .base import Callback, Rewind, RunContext  # noqa: F401 -- the API a callback is written against
 
-
-def _faults(section, cfg):
-    from .drills import build
-    return build(section, cfg)
-
-
-def _eval(section, cfg):
-    from .zero_shot import build
-    return build(section, cfg)
-
-
-def _validation(section, cfg):
-    from .validation import build
-    return build(section, cfg)
-
-
-def _watchdog(section, cfg):
-    from .hang import build
-    return build(section, cfg)
-
-
-def _stragglers(section, cfg):
-    from .stragglers import build
-    return build(section, cfg)
-
-
-def _guard(section, cfg):
-    from .bad_steps import build
-    return build(section, cfg)
-
-
-def _wandb(section, cfg):
-    from .wandb import build
-    return build(section, cfg)
-
-
-def _metrics(section, cfg):
-    from .metrics import build
-    return build(section, cfg)
-
-
-def _pause(section, cfg):
-    from .pause import build
-    return build(section, cfg)
-
-
-def _profile(section, cfg):
-    from .profile import build
-    return build(section, cfg)
-
-
-def _evidence(section, cfg):
-    from .evidence import build
-    return build(section, cfg)
-
-
 BUILT_IN = [
-    ("faults", _faults),  # first: an injected exit or hang comes before the watchdog sees the step begin
-    ("profile", _profile),  # its step range opens before the other callbacks' before_step work
-    ("validation", _validation),  # its step-0 pass before the watchdog starts; its val_loss before the record
-    ("watchdog", _watchdog),
-    ("stragglers", _stragglers),  # after the drills: the ``slow`` drill's spin is timed as compute
-    ("guard", _guard),  # the bad-step guard, its re-check, rollbacks and skipped data
-    ("eval", _eval),  # in-loop zero-shot scores of the settled update, in a record of their own
-    ("wandb", _wandb),  # before metrics: a sink of the records the metrics log writes
-    ("metrics", _metrics),  # after every callback that adds to a step's record
-    ("train", _pause),  # a test's pause point between steps (MEGAFIXED_PAUSE), after the step's record and save
-    ("train", _evidence),  # last: what a failed run leaves, after the others have closed their files
+    ("faults", "drills"),  # first: an injected exit or hang comes before the watchdog sees the step begin
+    ("profile", "profile"),  # its step range opens before the other callbacks' before_step work
+    ("validation", "validation"),  # its step-0 pass before the watchdog starts; its val_loss before the record
+    ("watchdog", "hang"),
+    ("stragglers", "stragglers"),  # after the drills: the ``slow`` drill's spin is timed as compute
+    ("guard", "bad_steps"),  # the bad-step guard, its re-check, rollbacks and skipped data
+    ("eval", "zero_shot"),  # in-loop zero-shot scores of the settled update, in a record of their own
+    ("wandb", "wandb"),  # before metrics: a sink of the records the metrics log writes
+    ("metrics", "metrics"),  # after every callback that adds to a step's record
+    ("train", "pause"),  # a test's pause point between steps (MEGAFIXED_PAUSE), after the step's record and save
+    ("train", "evidence"),  # last: what a failed run leaves, after the others have closed their files
 ]
+
+
+def _build(module: str, section, cfg) -> Optional[Callback]:
+    """``module``'s ``build(section, cfg)``: imported only when a run builds its callbacks (``--help`` and
+    the config check of a refused run import none of them)."""
+    return importlib.import_module(f".{module}", __name__).build(section, cfg)
 
 
 def build_callbacks(cfg, given: list) -> list:
     """The run's callbacks: the built-in ones that are on, then ``cfg.callbacks``, then ``given``; names
     unique (each is the key of its state in the checkpoint)."""
-    out = [cb for section, build in BUILT_IN for cb in [build(getattr(cfg, section), cfg)] if cb is not None]
+    out = [cb for section, module in BUILT_IN for cb in [_build(module, getattr(cfg, section), cfg)] if cb is not None]
     out += [user_callback(entry, i) for i, entry in enumerate(cfg.callbacks)]
     out += list(given)
     seen: dict = {}
