@@ -140,7 +140,7 @@ class TrainConfig:
 
 @dataclass
 class GuardConfig:
-    """The bad-step guard (``train/callbacks/bad_steps.py``): a non-finite loss or gradient norm, or a
+    """The bad-step guard (``train/callbacks/guard/``): a non-finite loss or gradient norm, or a
     spike -- a value beyond spike_sigma standard deviations above the mean of the last spike_window good
     steps (no verdict before the window is full). stop; skip (drop the update, count the batch as
     consumed); rollback (reload the newest verified checkpoint before the bad step, skip the data from it
@@ -151,8 +151,8 @@ class GuardConfig:
     spike_window: int = 128
     rollback_skip: int = 10
     max_rollbacks: int = 3
-    # A verdict is checked once before it is acted on (megafixed/train/recheck.py): every rank computes the
-    # step again from the state before its update, with the same batch and RNG. Good again: a transient
+    # A verdict is checked once before it is acted on (megafixed/train/callbacks/guard/recheck.py): every rank
+    # computes the step again from the state before its update, with the same batch and RNG. Good again: a transient
     # fault (a flaky device, a flipped bit): the run trains on the recomputation, names the rank(s) whose
     # values differed and counts it per node in <run_dir>/faults/bad_steps.jsonl. Bad again: on_nonfinite /
     # on_spike act as without the check. On by default: it costs one more computation of a step only when a

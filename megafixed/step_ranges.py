@@ -1,6 +1,6 @@
 """Ranges of steps, as ``data.skip_steps`` spells them (``"5-6,900-1200"``, steps as numbered in the
-logs, ranges inclusive): the parser the config's check and ``run/skip_steps.py`` share. Imports nothing
-of megafixed, so the config module can use it without reaching into ``run/``."""
+logs, ranges inclusive): the parser the config's check and the guard's ``train/callbacks/guard/skip.py``
+share. Imports nothing of megafixed, so the config module can use it without reaching into ``train/``."""
 from __future__ import annotations
 
 from typing import Iterable

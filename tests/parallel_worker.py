@@ -53,7 +53,7 @@ class RecordingGuard:
 
     def __init__(self):
         from megafixed.config import GuardConfig
-        from megafixed.run.bad_steps import BadStepGuard
+        from megafixed.train.callbacks.guard.verdict import BadStepGuard
 
         self.guard, self.judged = BadStepGuard.from_config(GuardConfig()), []
 

@@ -126,13 +126,14 @@ def test_the_new_keys_are_the_old_keys_values():
 
 
 def _concrete_callback_names() -> set:
-    """The names the callbacks package defines beyond the loop's API (base.py, the registration list)."""
+    """The names the callbacks package defines beyond the loop's API (base.py, the registration list), a
+    callback that is a package (``guard/``) with every module of it."""
     pkg = ROOT / "megafixed" / "train" / "callbacks"
     names = set()
-    for path in pkg.glob("*.py"):
-        if path.stem in ("__init__", "base"):
+    for path in pkg.rglob("*.py"):
+        if path.parent == pkg and path.stem in ("__init__", "base"):
             continue
-        names.add(path.stem)
+        names.add(path.parent.name if path.stem == "__init__" else path.stem)
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
                 names.add(node.name)

@@ -301,7 +301,7 @@ def test_the_hung_dp2_run_goes_on_with_one_rank_and_says_it_shrank(dp2_drill, on
 def test_a_spike_after_max_rollbacks_stops_the_run_with_the_checkpoint_intact(tiny_shards, tmp_path, monkeypatch):
     """``guard.max_rollbacks=1``: the spike at step 6 rolls back to step 4; the next one, at step 8, finds the
     rollbacks used up and stops the run in one line (exit 1 from the CLI), its newest checkpoint verified."""
-    from megafixed.train.rollback import BadStepError
+    from megafixed.train.callbacks.guard.rollback import BadStepError
 
     run = tmp_path / "run"
     with pytest.raises(BadStepError, match=r"bad step 8: .* already rolled back 1 time\(s\) \(guard.max_rollbacks=1\)"):

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from megafixed.run import faults, skip_steps
-from megafixed.run.bad_steps import BadStepGuard
+from megafixed import step_ranges
+from megafixed.run import faults
+from megafixed.train.callbacks.guard.skip import SkipSteps
+from megafixed.train.callbacks.guard.verdict import BadStepGuard
 
 
 def test_fault_grammar():
@@ -59,15 +61,15 @@ def test_fault_grammar_refuses_in_one_line(raw, names):
 
 
 def test_skip_steps_parse_and_file(tmp_path):
-    assert skip_steps.parse("5-6,900-1200, 7") == [(5, 7), (900, 1200)]
-    assert skip_steps.parse(["3", 4]) == [(3, 4)] and skip_steps.parse(None) == []
+    assert step_ranges.parse("5-6,900-1200, 7") == [(5, 7), (900, 1200)]
+    assert step_ranges.parse(["3", 4]) == [(3, 4)] and step_ranges.parse(None) == []
     for bad in ("a-b", "6-5", "0", "3-"):
-        with pytest.raises(skip_steps.SkipStepsError, match="data.skip_steps"):
-            skip_steps.parse(bad)
-    s = skip_steps.SkipSteps("2", tmp_path / "faults")
+        with pytest.raises(step_ranges.SkipStepsError, match="data.skip_steps"):
+            step_ranges.parse(bad)
+    s = SkipSteps("2", tmp_path / "faults")
     assert 2 in s and 5 not in s
     s.add_window(5, 6, reason="rollback 1: spike loss at step 6", write=True)
-    again = skip_steps.SkipSteps("2", tmp_path / "faults")  # what a resume reads back
+    again = SkipSteps("2", tmp_path / "faults")  # what a resume reads back
     assert again.ranges == [(2, 2), (5, 6)] and 6 in again and 7 not in again
     assert again.windows()[0]["reason"].startswith("rollback 1")
 
@@ -227,8 +229,8 @@ def test_the_guard_adds_no_device_read_to_a_step(tiny_shards, tmp_path, extra):
     from megafixed.parallel import setup_distributed
     from megafixed.run_plan import RunPlan
     from megafixed.train.callbacks import CallbackHooks
-    from megafixed.train.callbacks.bad_steps import BadSteps
-    from megafixed.train.recheck import StepReplay
+    from megafixed.train.callbacks.guard import BadSteps
+    from megafixed.train.callbacks.guard.recheck import StepReplay
 
     cfg = load_config(None, tiny_overrides(tiny_shards, tmp_path, *extra, "guard.spike_window=2",
                                           "guard.spike_sigma=1000"))  # judged, never a verdict

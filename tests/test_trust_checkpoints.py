@@ -230,8 +230,8 @@ def test_init_from_refuses_a_planted_pickle(ws, tmp_path, engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_rollback_refuses_a_planted_pickle(ws, tmp_path, engine):
-    """The rollback's reload goes through ``fallback.newest_verified`` (``rollback.roll_back``), as the resume's
-    does: a planted older tag is refused there, not passed over as damaged and not loaded."""
+    """The rollback's reload goes through ``fallback.newest_verified`` (``callbacks/guard/rollback.roll_back``), as
+    the resume's does: a planted older tag is refused there, not passed over as damaged and not loaded."""
     from megafixed.run.run_dir import RunDirectory
     from megafixed.train.fallback import newest_verified
     from megafixed.trust import UntrustedCheckpoint

@@ -21,11 +21,23 @@ import torch
 
 
 @dataclass
+class StepVerdict:
+    """Why a step's update was dropped: what an engine needs of a verdict, and all it makes itself (a
+    non-finite loss under ``guard.on_nonfinite=skip``/``rollback`` with no step hook). The hook's verdicts
+    are the guard's (``train.callbacks.guard.verdict.Verdict``: this, with the spike's window and the words)."""
+    step: int  # as numbered in the logs
+    kind: str  # "nonfinite" or "spike"
+    what: str  # "loss" or "grad_norm"
+    value: float
+    action: str  # stop / skip / rollback
+
+
+@dataclass
 class StepResult:
     loss: float  # mean over the global batch (all data-parallel ranks)
     grad_norm: Optional[float]
     skipped: bool  # a bad step (non-finite or spike) with a guard: the update was dropped
-    verdict: Optional[object] = None  # the step hook's verdict (megafixed.run.bad_steps.Verdict), if any
+    verdict: Optional[StepVerdict] = None  # the step hook's verdict, if any
 
 
 class StepHook(Protocol):
@@ -34,7 +46,7 @@ class StepHook(Protocol):
     callbacks, ``train.callbacks.CallbackHooks``). None (a benchmark, a converter): nothing is judged, each
     loss goes to its backward as it is, and a non-finite loss follows ``guard.on_nonfinite`` (``stop`` raises)."""
 
-    def judge(self, step: int, what: str, value: Optional[float]) -> Optional[object]:
+    def judge(self, step: int, what: str, value: Optional[float]) -> Optional[StepVerdict]:
         """The verdict on the loss (``what="loss"``) or the global gradient norm (``"grad_norm"``) of
         ``step`` -- a value every rank holds identically -- or None when it is good. With a verdict the
         engine drops the update (weights, gradients and optimizer state as before the step) and returns

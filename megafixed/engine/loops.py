@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .base import NonFiniteLossError, nonfinite_message
+from .base import NonFiniteLossError, StepVerdict, nonfinite_message
 from .batches import dp_mean, dp_mean_and_flag, split_tokens
 
 # (micro batch index, inputs, labels) -> that micro batch's loss (its backward done)
@@ -80,9 +80,7 @@ def loss_verdict(hook, step: int, value: float, nonfinite: bool, on_nonfinite: s
         return None
     if on_nonfinite == "stop":
         raise NonFiniteLossError(nonfinite_message(step, value))
-    from ..run.bad_steps import Verdict
-
-    return Verdict(step, "nonfinite", "loss", value, on_nonfinite)
+    return StepVerdict(step, "nonfinite", "loss", value, on_nonfinite)
 
 
 def norm_verdict(hook, step: int, norm: Optional[float]):

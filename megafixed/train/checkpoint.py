@@ -60,7 +60,7 @@ def prune(ckpt_dir: str | os.PathLike, keep: int, protect: str) -> list[str]:
 def rng_state(torch_only: bool = False) -> dict:
     """Every generator a run draws from; ``torch_only``: torch's alone (CPU and this rank's device), what a
     training step draws from (dropout; the data has its own seeded generators) -- a re-check keeps that one
-    per step (``recheck.StepReplay``: ~1 us, where Python's and numpy's states cost ~200 us to copy)."""
+    per step (``callbacks/guard/recheck.StepReplay``: ~1 us, where Python's and numpy's states cost ~200 us to copy)."""
     state = {"torch": torch.get_rng_state()}
     if not torch_only:
         state.update(python=random.getstate(), numpy=np.random.get_state())

@@ -21,7 +21,7 @@ BUILT_IN = [
     ("validation", "validation"),  # its step-0 pass before the watchdog starts; its val_loss before the record
     ("watchdog", "hang"),
     ("stragglers", "stragglers"),  # after the drills: the ``slow`` drill's spin is timed as compute
-    ("guard", "bad_steps"),  # the bad-step guard, its re-check, rollbacks and skipped data
+    ("guard", "guard"),  # the bad-step guard, its re-check, rollbacks and skipped data (a package)
     ("eval", "zero_shot"),  # in-loop zero-shot scores of the settled update, in a record of their own
     ("wandb", "wandb"),  # before metrics: a sink of the records the metrics log writes
     ("metrics", "metrics"),  # after every callback that adds to a step's record

@@ -1,4 +1,4 @@
-"""The bad-step guard: one verdict for a non-finite value or a spike, over the loss and the gradient
+"""The bad-step guard's policy: one verdict for a non-finite value or a spike, over the loss and the gradient
 norm of a step, taken before that step's update (Megatron core's NaN check and
 ``--check-for-spiky-loss``, OLMo-core's ``SkipStepOptimizer``).
 
@@ -9,7 +9,8 @@ norm of a step, taken before that step's update (Megatron core's NaN check and
 
 ``guard.on_nonfinite`` / ``guard.on_spike`` say what a verdict does: ``stop``, ``skip`` (the update is
 dropped, the batch counted as consumed) or ``rollback`` (the trainer reloads the newest verified
-checkpoint and skips the data up to the bad step; ``megafixed.train.rollback``).
+checkpoint and skips the data up to the bad step; ``rollback.py``). What a verdict does is the callback's
+(``__init__.py``); the engines see only ``engine.base.StepVerdict``, what every verdict here is.
 
 WHY EVERY RANK AGREES without a collective of its own: the guard only ever sees values that are
 already identical on every rank -- the loss after the engine's data-parallel all-reduce (one rank's
@@ -29,16 +30,12 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-ACTIONS = ("stop", "skip", "rollback")
+from ....engine.base import StepVerdict
 
 
 @dataclass
-class Verdict:
-    step: int  # as numbered in the logs
-    kind: str  # "nonfinite" or "spike"
-    what: str  # "loss" or "grad_norm"
-    value: float
-    action: str  # stop / skip / rollback
+class Verdict(StepVerdict):
+    """The engine's ``StepVerdict`` (step, kind, what, value, action) with the spike's window and the words."""
     mean: Optional[float] = None  # the window's, for a spike
     std: Optional[float] = None
 

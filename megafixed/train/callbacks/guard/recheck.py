@@ -2,11 +2,11 @@
 ``--rerun-mode validate_results``): on a verdict every rank recomputes the step from the state before
 its update -- the same micro batches, the same RNG -- and only the recomputation's verdict counts.
 
-What a step keeps for it while ``guard.recheck`` is on (``callbacks/bad_steps.py``) is host-side
+What a step keeps for it while ``guard.recheck`` is on (the guard callback, ``__init__.py``) is host-side
 bookkeeping, with no device read and no collective: the RNG states before the step (torch's CPU
 generator and this rank's CUDA one, the only ones a step draws from: a few KiB copied, ``StepReplay``),
 references to the micro batches as the engine pulls them, and each micro batch's loss on its way to the
-backward, detached and left on the device (the bad-step callback's ``micro_loss``). The state before the
+backward, detached and left on the device (the guard callback's ``micro_loss``). The state before the
 update needs no copy: an engine drops the update of a step its guard gave a verdict on, leaving weights,
 gradients and optimizer state bit-identical (tested on both engines), so recomputing is restoring the
 RNG and replaying the kept micro batches through ``engine.train_step``.
@@ -38,7 +38,7 @@ class StepReplay:
     them through this iterator, its micro batches."""
 
     def __init__(self, batches: Iterator):
-        from .checkpoint import rng_state
+        from ...checkpoint import rng_state
 
         self.rng, self.source, self.taken = rng_state(torch_only=True), batches, []
 
@@ -52,7 +52,7 @@ class StepReplay:
 
     def again(self) -> Iterator:
         """The RNG as it was before the step, and the same micro batches in the same order."""
-        from .checkpoint import set_rng_state
+        from ...checkpoint import set_rng_state
 
         set_rng_state(self.rng)
         return iter(self.taken)

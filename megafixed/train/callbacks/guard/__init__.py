@@ -1,5 +1,5 @@
 """The bad-step guard as one callback (``guard.*``; ``data.skip_steps``): the verdict on each step's reduced
-loss and global gradient norm before its update (``run/bad_steps.py``: non-finite or a spike over the
+loss and global gradient norm before its update (``verdict.py``: non-finite or a spike over the
 window of good steps), the re-check of a verdict, what a verdict does, and the steps whose data is skipped.
 
 * A good step enters the guard's windows (its state, in every checkpoint).
@@ -9,7 +9,7 @@ window of good steps), the re-check of a verdict, what a verdict does, and the s
   acted on as ``guard.on_nonfinite`` / ``guard.on_spike`` say -- ``stop`` raises, ``skip`` was the engine's
   (the update dropped), ``rollback`` reloads the newest verified checkpoint before the step
   (``rollback.py``) and skips the data up to the bad step plus ``guard.rollback_skip``.
-* The steps to skip: ``data.skip_steps`` and the windows of earlier rollbacks (``run/skip_steps.py``, kept in
+* The steps to skip: ``data.skip_steps`` and the windows of earlier rollbacks (``skip.py``, kept in
   the run directory so that a resume skips the same data).
 
 Every verdict is one line, a ``metrics.jsonl`` row (``{"step", "bad_step": ...}``; a transient one
@@ -28,12 +28,13 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
-from ...engine.base import StepResult
-from ...launch.world import ranges
-from ...run.bad_steps import BadStepGuard
-from ...run.skip_steps import SkipSteps, spelled
-from ..recheck import StepReplay, differing
-from .base import Callback, Rewind
+from ....engine.base import StepResult
+from ....launch.world import ranges
+from ....step_ranges import spelled
+from ..base import Callback, Rewind
+from .recheck import StepReplay, differing
+from .skip import SkipSteps
+from .verdict import BadStepGuard
 
 BAD_STEPS_FILE = "bad_steps.jsonl"  # under <run_dir>/faults/
 EXCLUDE_FILE = "exclude_nodes.txt"  # under <run_dir>/faults/: one node a line, read by the Slurm job script
@@ -131,8 +132,8 @@ class BadSteps(Callback):
         self.say(f"{line}; recorded in {self.file}")
         self.run.note({"step": step, "bad_step": record})
         if verdict.action == "stop":
-            from ...engine.base import NonFiniteLossError, nonfinite_message
-            from ..rollback import BadStepError
+            from ....engine.base import NonFiniteLossError, nonfinite_message
+            from .rollback import BadStepError
 
             if verdict.kind == "nonfinite" and verdict.what == "loss":
                 raise NonFiniteLossError(nonfinite_message(step, verdict.value))
@@ -140,7 +141,7 @@ class BadSteps(Callback):
                                f"or =rollback to go on past such steps")
         if verdict.action == "skip":  # the engine dropped the update; the batch counts as consumed
             return result
-        from ..rollback import roll_back
+        from .rollback import roll_back
 
         run = self.run
         client = roll_back(run.checkpointer, run.engine, verdict, self.skips, self.section, self.topo, self.say)
@@ -197,7 +198,7 @@ class BadSteps(Callback):
             return
         path = self.faults_dir / EXCLUDE_FILE
         old = path.read_text().split() if path.exists() else []
-        from ...atomic import atomic_write_text
+        from ....atomic import atomic_write_text
 
         atomic_write_text(path, "".join(f"{n}\n" for n in sorted(set(old) | set(nodes))))
 

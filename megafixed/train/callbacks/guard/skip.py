@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ..step_ranges import SkipStepsError, merge, parse, spelled  # noqa: F401 -- the parser, re-exported
+from ....step_ranges import merge, parse
 
 FILE = "skipped_steps.json"  # under <run_dir>/faults/
 
@@ -43,21 +43,13 @@ class SkipSteps:
     def __bool__(self) -> bool:
         return bool(self.ranges)
 
-    def consume(self, step: int, batches, accum: int) -> bool:
-        """If ``step`` is to be skipped: pull its ``accum`` micro batches (no forward, no RNG) and say True."""
-        if step not in self:
-            return False
-        for _ in range(accum):
-            next(batches)
-        return True
-
     def add_window(self, first: int, last: int, reason: str, write: bool) -> None:
         """A rollback's window: skipped from now on, and (rank 0: ``write``) kept in the run directory."""
         self.rolled_back = merge(self.rolled_back + [(first, last)])
         self.ranges = merge(self.configured + self.rolled_back)
         if not write or self.file is None:
             return
-        from ..atomic import atomic_write_text
+        from ....atomic import atomic_write_text
 
         old = json.loads(self.file.read_text()) if self.file.exists() else {"windows": []}
         old["windows"].append({"first": first, "last": last, "reason": reason})

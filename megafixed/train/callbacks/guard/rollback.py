@@ -2,7 +2,7 @@
 from before the bad step and go on without a restart, skipping the data from that checkpoint up to
 the bad step plus ``guard.rollback_skip`` more (PaLM: restart ~100 steps earlier, skip 200-500 batches).
 
-The window is written into the run directory (``run/skip_steps.py``) before the run goes on, so a
+The window is written into the run directory (``skip.py``) before the run goes on, so a
 resume, a requeue or a re-layout resume skips the same batches; a fresh run given the same steps as
 ``data.skip_steps`` reproduces the rolled-back run exactly (the checkpoint restores weights, Adam
 moments, every rank's RNG and the guard's window; a skipped step consumes no RNG).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..run.run_dir import tag_step
+from ....run.run_dir import tag_step
 
 
 class BadStepError(RuntimeError):
@@ -33,8 +33,8 @@ def roll_back(checkpointer, engine, verdict, skips, guard, topo, say) -> dict:
     one before it tried: ``fallback.py``); mark the window skipped; return the checkpoint's client state
     (``guard``: the config's guard section). Raises ``BadStepError`` when ``guard.max_rollbacks`` are used
     up or no checkpoint precedes the bad step."""
-    from .checkpoint import ResumePoint
-    from .fallback import newest_verified, set_aside
+    from ...checkpoint import ResumePoint
+    from ...fallback import newest_verified, set_aside
 
     done = rollback_count(skips)
     if done >= guard.max_rollbacks:
