@@ -104,6 +104,23 @@ def test_each_rank_holds_torchs_load_balanced_positions_with_their_inputs_labels
     assert sorted(seen) == list(range(seq))  # every position on exactly one rank
 
 
+def test_the_engines_batch_context_is_the_ring_only_under_cp_method_ring():
+    from types import SimpleNamespace
+
+    from megafixed.engine.native.ring import batch_context
+
+    model = tiny_gpt()
+    inputs, labels = torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)
+    with fake_rank(1, 2) as mesh:
+        for cp, method in ((1, "ring"), (2, "ulysses")):
+            topo = SimpleNamespace(cp=cp, plan=SimpleNamespace(cp_method=method), mesh={"cp": mesh})
+            with batch_context(topo)(model, inputs, labels) as shard:
+                assert shard.inputs is inputs and shard.labels is labels and shard.positions is None
+        topo = SimpleNamespace(cp=2, plan=SimpleNamespace(cp_method="ring"), mesh={"cp": mesh})
+        with batch_context(topo)(model, inputs, labels) as shard:
+            assert shard.positions.tolist() == [[2, 3, 4, 5]] and shard.inputs.shape == (1, 4)
+
+
 def test_under_ring_the_models_attention_reaches_sdpa_as_torchs_ring_dispatch_needs_it(monkeypatch):
     """torch wraps whatever SDPA is when the context opens: a stand-in there sees the arguments its ring
     dispatch gets (and answers with local attention, so forward and backward complete on CPU)."""

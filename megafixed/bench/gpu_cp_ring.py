@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -151,6 +152,9 @@ def main(argv=None) -> int:
                 out = run_case(case, args.method, device, mesh)
             except Exception as e:  # noqa: BLE001 -- recorded, and the stage fails naming it
                 out = {"case": case[0], "ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+                # in the launch's output too: a peer left waiting in a collective may stop the run before rank 0 writes
+                traceback.print_exc()
+                print(f"rank {rank}: case {case[0]} failed: {out['error']}", file=sys.stderr, flush=True)
             res["cases"].append(out)
             if not out["ok"]:
                 failures.append(f"{case[0]}: " + (out.get("error") or (

@@ -31,7 +31,7 @@ ranks is the sequence's mean, and the gradients FSDP2 reduces over ``dp_shard_cp
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple
+from typing import Callable, ContextManager, Iterator, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ class RingShard(NamedTuple):
     """This rank's part of a micro batch under ring attention: ``[B, T/cp]`` each, in the same order."""
     inputs: torch.Tensor
     labels: torch.Tensor
-    positions: torch.Tensor  # the global position of each of them (0-based, within the sequence)
+    positions: Optional[torch.Tensor]  # each one's global position in its sequence (None: whole sequences)
 
 
 def rotaries(model: nn.Module) -> list:
@@ -99,3 +99,23 @@ def ring_context(mesh, model: nn.Module, inputs: torch.Tensor, labels: torch.Ten
             for rot, before in saved:
                 rot.tables.clear()
                 rot.tables.update(before)
+
+
+# (model, inputs, labels) -> the context one micro batch's forward (and backward) runs in, yielding its RingShard
+BatchContext = Callable[[nn.Module, torch.Tensor, torch.Tensor], ContextManager[RingShard]]
+
+
+@contextmanager
+def _whole(_model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[RingShard]:
+    yield RingShard(inputs, labels, None)
+
+
+def batch_context(topo) -> BatchContext:
+    """The torch engine's one entry to ring attention: what each micro batch's forward and backward run in.
+    ``ring_context`` over ``topo.mesh["cp"]`` when the run is ``parallel.cp_method=ring`` at cp > 1 (the step
+    then hands it whole sequences); otherwise the micro batch as it is (no CP, or Ulysses, whose slices
+    ``split_tokens`` already cut)."""
+    if topo.cp > 1 and topo.plan.cp_method == "ring":
+        mesh = topo.mesh["cp"]
+        return lambda model, inputs, labels: ring_context(mesh, model, inputs, labels)
+    return _whole
