@@ -31,7 +31,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -156,21 +155,27 @@ def fused_compile() -> dict:
             "summary": {"compiled_vs_eager_max_rel": rel, "ok": not failures, "failures": failures}}
 
 
-def cp_ring(root: Path, method: str = "ring", device: str = "cuda", cases: str = "", timeout_s: float = 55) -> dict:
+def cp_ring(root: Path, method: str = "ring", device: str = "cuda", cases: str = "", timeout_s: float = 80) -> dict:
     """``gpu_cp_ring.py`` under ``torchrun --nproc-per-node 2`` (one launch: every case in one world);
     its ``cp_ring.json``, or what the launch said when it wrote none."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "cp_ring.json").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "megafixed.bench.gpu_cp_ring", str(root), "--method", method, "--device", device]
-    # Its own session, so that a launch past its time goes down with every worker it started.
+    # In the stage's process group (the script's timeout stops the whole group); past its own time, torchrun is
+    # asked to stop (it stops its workers), then killed.
     proc = subprocess.Popen(cmd + (["--cases", cases] if cases else []), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True)
     try:
         text, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text = proc.communicate()[0] + f"\n(killed after {timeout_s} s)"
+        proc.terminate()
+        try:
+            text = proc.communicate(timeout=15)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text = proc.communicate()[0]
+        text += f"\n(stopped after {timeout_s} s)"
     print(text[-3000:])
     out = root / "cp_ring.json"
     if not out.exists():
