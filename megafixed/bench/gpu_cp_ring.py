@@ -117,6 +117,27 @@ def _probe(device: torch.device) -> str:
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
 
 
+def compare(method: str, device: torch.device, mesh, names: str = "") -> tuple[list, list]:
+    """Every case (``names``: a comma-separated choice) at CP = the world against CP1, in this process group:
+    (one result per case, the failures named)."""
+    results, failures = [], []
+    for case in (c for c in CASES if not names or c[0] in names.split(",")):
+        try:
+            out = run_case(case, method, device, mesh)
+        except Exception as e:  # noqa: BLE001 -- recorded, and the stage fails naming it
+            out = {"case": case[0], "ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+            # in the launch's output too: a peer left waiting in a collective may stop the run before rank 0 writes
+            traceback.print_exc()
+            print(f"rank {dist.get_rank()}: case {case[0]} failed: {out['error']}", file=sys.stderr, flush=True)
+        results.append(out)
+        if not out["ok"]:
+            failures.append(f"{case[0]}: " + (out.get("error") or (
+                f"loss {out['loss']:.6g} vs {out['loss_cp1']:.6g} (rel {out['loss_rel']:.1e}), grad norm "
+                f"{out['grad_norm']:.6g} vs {out['grad_norm_cp1']:.6g} (rel {out['grad_norm_rel']:.1e}) > "
+                f"{out['tolerance']:.0e}")))
+    return results, failures
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
@@ -136,36 +157,21 @@ def main(argv=None) -> int:
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh(device.type, list(range(dist.get_world_size())), mesh_dim_names=("cp",))
-    rank = dist.get_rank()
     res = {"bench": "cp_ring", "method": args.method, "backend": backend, "world": dist.get_world_size(),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "cases": [],
            "torch": torch.__version__}
     why = _probe(device) if backend == "gloo" and device.type == "cuda" else ""
-    wanted = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
     failures = []
     if why:
         res["skipped"] = (f"two processes on one GPU: gloo cannot carry the ring's collectives on CUDA tensors "
                           f"here ({why}); the stage needs two GPUs (NCCL)")
     else:
-        for case in wanted:
-            try:
-                out = run_case(case, args.method, device, mesh)
-            except Exception as e:  # noqa: BLE001 -- recorded, and the stage fails naming it
-                out = {"case": case[0], "ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
-                # in the launch's output too: a peer left waiting in a collective may stop the run before rank 0 writes
-                traceback.print_exc()
-                print(f"rank {rank}: case {case[0]} failed: {out['error']}", file=sys.stderr, flush=True)
-            res["cases"].append(out)
-            if not out["ok"]:
-                failures.append(f"{case[0]}: " + (out.get("error") or (
-                    f"loss {out['loss']:.6g} vs {out['loss_cp1']:.6g} (rel {out['loss_rel']:.1e}), grad norm "
-                    f"{out['grad_norm']:.6g} vs {out['grad_norm_cp1']:.6g} (rel {out['grad_norm_rel']:.1e}) > "
-                    f"{out['tolerance']:.0e}")))
+        res["cases"], failures = compare(args.method, device, mesh, args.cases)
     res["failures"] = failures
     res["summary"] = {"ok": not failures, "backend": backend, "failures": failures, **(
         {"skipped": res["skipped"]} if why else {}), "cases": {c["case"]: {k: c.get(k) for k in (
             "loss_rel", "grad_norm_rel", "max_grad_rel_err", "ok")} for c in res["cases"]}}
-    if rank == 0:
+    if dist.get_rank() == 0:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.out_dir) / "cp_ring.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     dist.destroy_process_group()
