@@ -298,6 +298,11 @@ MOVED_KEYS = {
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
+    # Context parallelism: each sequence split over ``cp`` ranks (docs/parallelism.md#context-parallelism).
+    # ulysses: all-to-all from sequence- to head-sharded around the attention core (any device; heads/tp must
+    # divide by cp); ring: torch's context_parallel (CUDA SDPA kernels only).
+    cp: int = 1
+    cp_method: Literal["ulysses", "ring"] = "ulysses"
     sequence_parallel: bool = False
     pp_partition: Literal["parameters", "uniform", "type:Block"] = "parameters"
     # train.engine=torch: any schedule torch.distributed.pipelining's get_schedule_class names (1F1B, GPipe,

@@ -113,6 +113,7 @@ RANGES: dict[str, Range] = {
     "stragglers.factor": _pos("times the median forward compute that names a rank"),
     # parallel
     "parallel.tp": _at_least(1, "tensor-parallel size"),
+    "parallel.cp": _at_least(1, "context-parallel size"),
     "parallel.pp": _at_least(1, "pipeline-parallel size"),
     "parallel.vpp": _at_least(1, "pipeline stages per rank"),
     "parallel.pp_input_head_layers": _at_least(0, "layers the input and the head each count as in the stage split"),

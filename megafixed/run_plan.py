@@ -78,6 +78,7 @@ class RunPlan:
     backend: str  # the torch.distributed backend: "nccl" | "gloo"
     sequence_parallel: bool
     collective_timeout_s: float
+    cp_method: str = "ulysses"  # parallel.cp_method; read only when dims.cp > 1
     # The engine's own part (its ``EngineKind.make_plan``: DeepSpeed's zero_stage; the torch engine's
     # dp_replicate, reshard_after_forward and pipeline schedule)
     engine_plan: Any = None
@@ -106,6 +107,10 @@ class RunPlan:
             where = "this machine has none (torch sees no CUDA device)" if here else "the run is planned for CPUs"
             raise _layout.LayoutError(f"parallel.backend=nccl needs CUDA GPUs, and {where}; use "
                                       f"parallel.backend=gloo (or auto) on CPU")
+        if cfg.parallel.cp > 1 and cfg.parallel.cp_method == "ring" and not on_gpu:
+            raise _layout.LayoutError("parallel.cp_method=ring needs CUDA GPUs (torch's context_parallel runs only "
+                                      "the CUDA flash / memory-efficient / cuDNN attention kernels); use "
+                                      "parallel.cp_method=ulysses on CPU")
         precision = resolve_precision(cfg, gpu=on_gpu, here=here)
         batch = _layout.validate_layout(cfg, world_size, precision)  # every cross-field rule, once
         kind = engine_kind(cfg.train.engine, error=ConfigError)
@@ -116,7 +121,7 @@ class RunPlan:
                    precision=precision, engine=kind.name,
                    device="cuda" if on_gpu else "cpu", backend=backend,
                    sequence_parallel=cfg.parallel.sequence_parallel,
-                   collective_timeout_s=cfg.parallel.collective_timeout_s,
+                   collective_timeout_s=cfg.parallel.collective_timeout_s, cp_method=cfg.parallel.cp_method,
                    engine_plan=kind.make_plan(cfg, batch.dp, "cuda" if on_gpu else "cpu"), config=cfg)
         kind.check_supported(cfg, plan)  # the engine's own refusals, by name
         return plan
@@ -145,6 +150,10 @@ class RunPlan:
         return self.dims.pp
 
     @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
     def dp(self) -> int:
         return self.dims.dp
 
@@ -153,9 +162,11 @@ class RunPlan:
         return self.device == "cuda"
 
     def describe(self) -> str:
-        """One line: ``8 ranks = tp 2 x pp 2 x dp 2; global batch 16 = micro 2 x accum 4 x dp 2``."""
+        """One line: ``8 ranks = tp 2 x pp 2 x dp 2; global batch 16 = micro 2 x accum 4 x dp 2``
+        (``tp 2 x cp 2 x pp 2 x dp 1`` with context parallelism)."""
         from .plural import count
 
         b = self.batch
-        return (f"{count(self.world_size, 'rank')} = tp {self.tp} x pp {self.pp} x dp {self.dp}; global batch "
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return (f"{count(self.world_size, 'rank')} = tp {self.tp}{cp} x pp {self.pp} x dp {self.dp}; global batch "
                 f"{b.global_batch} = micro {b.micro_batch} x accum {b.accum} x dp {b.dp}")

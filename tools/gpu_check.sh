@@ -123,6 +123,7 @@ stage train_canonical 60 "${MF[@]}" bench train "$REPO"/examples/configs/paper-1
 stage resume 80 "${GC[@]}" resume "$RES/resume.json" "$WORK/resume"
 stage resume_dropout 60 "${GC[@]}" resume_dropout "$RES/resume_dropout.json" "$WORK/resume_dropout"
 stage fused_compile 60 "${GC[@]}" fused_compile "$RES/fused_compile.json"
+stage cp_ring 100 "${GC[@]}" cp_ring "$RES/cp_ring.json" "$WORK/cp_ring"
 stage kernels_forward 30 "${MF[@]}" bench kernels --device cuda --mode forward --dtype bfloat16,float32 \
     --tokens 16k,256k,1m --width 2048,8192 --warmup 5 --rep 20 --json "$RES/kernels_forward.json" \
     --csv "$RES/kernels_forward.csv" --plot "$RES/kernels_forward.png"

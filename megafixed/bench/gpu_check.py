@@ -203,8 +203,8 @@ def main(argv: list) -> int:
     if len(argv) == 2 and argv[0] == "preflight":
         from .gpu_preflight import main as preflight_main
         return preflight_main(argv[1])
-    if len(argv) >= 2 and argv[0] in ("engine", "resume", "resume_dropout", "fused_compile", "memcheck",
-                                               "eval_generate"):
+    if len(argv) >= 2 and argv[0] in ("engine", "resume", "resume_dropout", "fused_compile", "cp_ring",
+                                               "memcheck", "eval_generate"):
         from . import gpu_stages
         return gpu_stages.main(argv[0], argv[1:])
     if len(argv) >= 2 and argv[0] in ("profile", "kernels_roofline", "float8"):
@@ -212,7 +212,7 @@ def main(argv: list) -> int:
         return gpu_perf_stages.main(argv[0], argv[1:])
     print("usage: python -m megafixed.bench.gpu_check verify OUT.json [cuda|cpu] | preflight OUT.json | "
           "engine OUT.json | resume OUT.json DIR | resume_dropout OUT.json DIR | fused_compile OUT.json | "
-          "memcheck OUT.json | eval_generate OUT.json RUN | "
+          "cp_ring OUT.json DIR | memcheck OUT.json | eval_generate OUT.json RUN | "
           "profile OUT.json DIR | kernels_roofline OUT.json MEASURED.json DIR | float8 OUT.json DIR | "
           "report DIR [OUT_DIR]", file=sys.stderr)
     return 2

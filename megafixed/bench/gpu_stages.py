@@ -14,6 +14,10 @@ Each writes one JSON (``summary`` says what was compared and what came out) and 
   shorter): dropout is what a step draws from the CUDA RNG, so a wrong save or restore of it shows only here;
 * ``fused_compile OUT.json``: the fused first layer (gf2) on the torch engine with ``train.compile=true``
   against the same run eager (losses within bf16 accuracy): Dynamo over the kernels' autograd.Functions;
+* ``cp_ring OUT.json DIR``: ring attention (``parallel.cp_method=ring``, torch's ``context_parallel``) at CP2
+  against CP1, two processes in one torchrun launch (``gpu_cp_ring.py``): loss and gradient norm within 1e-5
+  in fp32, 1e-3 in bf16, load-balanced and not, GQA, the fused first layer with activation checkpointing.
+  Two GPUs: NCCL; one GPU: both processes on it over gloo, or skipped saying why where gloo cannot;
 * ``memcheck OUT.json``: ``compute-sanitizer --tool memcheck`` on the three Triton kernels (token codes,
   the fused residual add, the fused QKV product) at a ragged shape; skipped, saying why, where the tool is
   missing or the machine refuses it;
@@ -151,6 +155,39 @@ def fused_compile() -> dict:
             "summary": {"compiled_vs_eager_max_rel": rel, "ok": not failures, "failures": failures}}
 
 
+def cp_ring(root: Path, method: str = "ring", device: str = "cuda", cases: str = "", timeout_s: float = 80) -> dict:
+    """``gpu_cp_ring.py`` under ``torchrun --nproc-per-node 2`` (one launch: every case in one world);
+    its ``cp_ring.json``, or what the launch said when it wrote none."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cp_ring.json").unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megafixed.bench.gpu_cp_ring", str(root), "--method", method, "--device", device]
+    # In the stage's process group (the script's timeout stops the whole group); past its own time, torchrun is
+    # asked to stop (it stops its workers), then killed.
+    proc = subprocess.Popen(cmd + (["--cases", cases] if cases else []), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            text = proc.communicate(timeout=15)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text = proc.communicate()[0]
+        text += f"\n(stopped after {timeout_s} s)"
+    print(text[-3000:])
+    out = root / "cp_ring.json"
+    if not out.exists():
+        why = f"the torchrun launch exited {proc.returncode} without a result: {text.strip()[-800:]}"
+        return {"bench": "cp_ring", "failures": [why], "summary": {"ok": False, "failures": [why]}}
+    res = json.loads(out.read_text())
+    if proc.returncode and not res["failures"]:  # a rank other than 0 failed after rank 0 wrote
+        res["failures"] = [f"torchrun exited {proc.returncode}: {text.strip()[-800:]}"]
+        res["summary"] = {**res["summary"], "ok": False, "failures": res["failures"]}
+    return res
+
+
 MEMCHECK_SCRIPT = """
 import torch
 from megafixed.codes import FixedCode
@@ -225,6 +262,8 @@ def main(name: str, args: list) -> int:
         res = fused_compile()
     elif name == "memcheck":
         res = memcheck()
+    elif name == "cp_ring":
+        res = cp_ring(Path(args[1]))
     else:
         res = eval_generate(Path(args[1]))
     atomic_write_text(out, json.dumps(res, indent=2, default=str) + "\n")

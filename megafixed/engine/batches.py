@@ -58,11 +58,18 @@ def pinned_for(tokens: torch.Tensor, device) -> torch.Tensor:
     return tokens.pin_memory()
 
 
-def split_tokens(tokens: torch.Tensor, device, vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A micro batch ``[mb, seq_len + 1]`` as (inputs, labels), the two shifted views, on ``device``."""
+def split_tokens(tokens: torch.Tensor, device, vocab_size: Optional[int] = None,
+                 shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro batch ``[mb, seq_len + 1]`` as (inputs, labels), the two shifted views, on ``device``.
+
+    ``shard``: (this rank's context-parallel coordinate, cp): its contiguous slice of the positions of
+    both (``megafixed.parallel.context.shard_tokens``), so that each label stays beside its input."""
+    from ..parallel.context import shard_tokens
+
     check_token_ids(tokens, vocab_size)
+    rank, size = shard
     tokens = pinned_for(tokens, device).to(device, non_blocking=True)
-    return tokens[:, :-1], tokens[:, 1:]
+    return shard_tokens(tokens[:, :-1], rank, size), shard_tokens(tokens[:, 1:], rank, size)
 
 
 def dp_mean_and_flag(local_mean: torch.Tensor, dp_group, dp: int) -> tuple[float, bool]:

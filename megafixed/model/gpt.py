@@ -56,8 +56,12 @@ class Rotary(nn.Module):
         super().__init__()
         self.key = (head_dim, max_seq_len, float(theta))
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # str(device) -> (cos, sin)
+        # The global position of this rank's first token: 0, except under context parallelism, where each
+        # rank holds one contiguous slice of every sequence (``megafixed.parallel.context.shard_model``).
+        self.offset = 0
 
-    def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole ``[max_seq_len, hd/2]`` tables on ``device`` (positions given per token index them)."""
         key = str(device)
         if key not in self.tables:
             # Normal tensors even when the first caller is an inference-mode eval: an inference tensor
@@ -65,8 +69,12 @@ class Rotary(nn.Module):
             with torch.inference_mode(False):
                 cos, sin = rope_cache(*self.key)
                 self.tables[key] = (cos.to(device), sin.to(device))
-        cos, sin = self.tables[key]
-        return cos[:seq_len], sin[:seq_len]
+        return self.tables[key]
+
+    def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``seq_len`` positions from this rank's first one (fewer where the table ends)."""
+        cos, sin = self.table(device)
+        return cos[self.offset:self.offset + seq_len], sin[self.offset:self.offset + seq_len]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -83,12 +91,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.group = cfg.n_heads // cfg.kv_heads  # query heads per key/value head (GQA)
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
+        # What attends, from rotated heads to heads: context parallelism wraps it (Ulysses' all-to-all,
+        # ``megafixed.parallel.context``; DeepSpeed's ``DistributedAttention``) and nothing else changes.
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, *,
                 attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -122,13 +132,26 @@ class Attention(nn.Module):
             causal = S == T  # an empty cache: plain causal attention (SDPA's mask is top-left aligned)
             if not causal and T > 1:
                 mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        if self.group > 1:
-            k = k.repeat_interleave(self.group, dim=2)
-            v = v.repeat_interleave(self.group, dim=2)
+        y = self.core(q, k, v, mask=mask, causal=causal, dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(y.reshape(B, T, -1))
+
+
+class AttentionCore(nn.Module):
+    """Scaled dot-product attention on ``[B, T, heads, hd]`` queries and ``[B, S, kv_heads, hd]`` keys and
+    values (GQA: each key/value head serves ``heads / kv_heads`` query heads), returning ``[B, T, heads, hd]``.
+
+    A module of its own, without parameters, so that a context-parallel wrapper can stand in its place
+    (``Attention.core``): Ulysses hands it whole sequences for a slice of the heads."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Optional[torch.Tensor] = None,
+                causal: bool = True, dropout_p: float = 0.0) -> torch.Tensor:
+        group = q.shape[2] // k.shape[2]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=2)
+            v = v.repeat_interleave(group, dim=2)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, is_causal=causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+                                           attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
+        return y.transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -286,7 +309,7 @@ class GPT(nn.Module):
         if positions is not None:
             if cache is not None:
                 raise ValueError("positions with a key/value cache are not supported")
-            cos, sin = self.rotary(self.cfg.max_seq_len, positions.device)
+            cos, sin = self.rotary.table(positions.device)
             cos, sin = cos[positions], sin[positions]
         elif hidden is None:
             start = cache.length if cache is not None else 0

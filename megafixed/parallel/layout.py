@@ -1,4 +1,4 @@
-"""The one layout validator: every engine-agnostic cross-field rule of a (TP, PP, DP, batch) layout.
+"""The one layout validator: every engine-agnostic cross-field rule of a (TP, CP, PP, DP, batch) layout.
 
 ``megafixed.run_plan.RunPlan.build`` is its one caller on a run's way (the command builds the plan
 once, before any process group exists, on a CPU-only login node too for ``--dry-run``), so a bad
@@ -37,8 +37,12 @@ class BatchLayout:
 
 def model_parallel_axes(parallel) -> dict[str, int]:
     """The configured axes of one model replica, by grid name; data parallelism takes the rest of
-    the world. A new axis (context parallelism: ``"cp": parallel.cp``) is one more entry here."""
-    return {"tp": parallel.tp, "pp": parallel.pp}
+    the world. ``cp`` is named only when it splits (> 1): a run without context parallelism has the
+    grid, groups and words it had before the axis existed."""
+    axes = {"tp": parallel.tp, "pp": parallel.pp}
+    if getattr(parallel, "cp", 1) > 1:
+        axes["cp"] = parallel.cp
+    return axes
 
 
 def data_parallel_size(parallel, world: int) -> int:
@@ -104,6 +108,33 @@ def _check_sequence_parallel(cfg, tp: int) -> None:
                           f"parallel.sequence_parallel=true (each rank then owns its positions) or model.dropout=0")
 
 
+def largest_context_parallel(heads: int, seq_len: int, cp: int) -> int:
+    """The largest context-parallel size up to ``cp`` that splits both these heads and this sequence."""
+    return max(c for c in range(1, cp + 1) if heads % c == 0 and seq_len % c == 0)
+
+
+def _check_context_parallel(cfg, tp: int, cp: int) -> None:
+    """Ulysses hands every context-parallel rank whole heads of the whole sequence, and every method
+    splits the sequence into ``cp`` equal shards (``tp * cp`` under sequence parallelism)."""
+    if cp == 1:
+        return
+    m, p = cfg.model, cfg.parallel
+    seq = cfg.data.seq_len
+    split = tp * cp if p.sequence_parallel else cp
+    if seq % split:
+        what = "parallel.tp * parallel.cp" if p.sequence_parallel else "parallel.cp"
+        raise LayoutError(f"data.seq_len={seq} is not divisible by {what} = {split}; each context-parallel rank "
+                          f"holds an equal slice of every sequence: pick a sequence length that is a multiple of "
+                          f"{split} or another parallel.cp")
+    heads = m.n_heads // tp
+    if p.cp_method == "ulysses" and heads % cp:
+        best = largest_context_parallel(heads, seq // (tp if p.sequence_parallel else 1), cp)
+        raise LayoutError(f"parallel.cp={cp} does not divide the {heads} attention heads each tensor-parallel rank "
+                          f"holds (model.n_heads={m.n_heads} / parallel.tp={tp}), which Ulysses splits over the "
+                          f"context-parallel ranks; the largest parallel.cp that works is {best} (or "
+                          f"parallel.cp_method=ring on CUDA GPUs)")
+
+
 def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLayout:
     """Raise ``LayoutError`` for a layout that cannot work; return its batch layout (with dp).
 
@@ -114,6 +145,7 @@ def validate_layout(cfg, world: int, precision: Optional[str] = None) -> BatchLa
     tp, pp = axes["tp"], axes["pp"]
     _check_model_split(cfg, tp, pp)
     _check_sequence_parallel(cfg, tp)
+    _check_context_parallel(cfg, tp, axes.get("cp", 1))
     return batch_layout(cfg.train, dp)
 
 

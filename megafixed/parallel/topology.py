@@ -47,6 +47,11 @@ class Topology:
     backend: str = "gloo"
     tp_group: Optional[Any] = None  # None: the default group (world) -- only when that is the right one
     dp_group: Optional[Any] = None
+    # Context parallelism (plan.cp > 1): the ranks that split the same sequences, and the group the loss
+    # mean and the gradient reduction span (dp x cp: every rank that saw other tokens of the global batch).
+    # None without cp: the loss and gradients reduce over dp_group as before.
+    cp_group: Optional[Any] = None
+    dp_cp_group: Optional[Any] = None
     model_parallel_group: Optional[Any] = None  # TP x PP: one model replica
     # train.engine=torch: the run's DeviceMesh (megafixed.engine.native.mesh); tp_group/dp_group are its groups
     mesh: Optional[Any] = None
@@ -70,6 +75,20 @@ class Topology:
     @property
     def dp(self) -> int:
         return self.plan.dp
+
+    @property
+    def cp(self) -> int:
+        return self.plan.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.plan.dims.coords(self.rank)["cp"]
+
+    @property
+    def loss_group(self) -> tuple[Optional[Any], int]:
+        """(group, size) that a step's loss mean and its gradient reduction span: dp, times cp when the
+        sequences are split (each context-parallel rank holds the loss of its own tokens)."""
+        return (self.dp_cp_group, self.dp * self.cp) if self.cp > 1 else (self.dp_group, self.dp)
 
     @property
     def sequence_parallel(self) -> bool:
