@@ -102,9 +102,9 @@ def tiny_reference(tiny_shards, tmp_path_factory):
 #  * the Slurm files (`-m slurm`) are left out of this run and run in their own, in one process: their
 #    clusters' dozen ranks are CPU-bound by design, and they share one cluster name space (README, `.ci/run`).
 LONGEST_FIRST = ("test_fake_measure.py", "test_soak.py", "test_trust_checkpoints.py", "test_native_pipeline.py",
-                 "test_parallel_train.py", "test_resilience.py", "test_unattended.py", "test_native_checkpoint.py",
-                 "test_native_tp.py", "test_parallel.py", "test_native_3d.py",
-                 "test_bench_eval.py", "test_native_engine.py", "test_gpu_check.py", "test_ckpt_universal.py",
+                 "test_parallel_train.py", "test_unattended.py", "test_native_checkpoint.py",
+                 "test_native_tp.py", "test_parallel.py", "test_native_3d.py", "test_resilience.py",
+                 "test_native_engine.py", "test_gpu_check.py", "test_ckpt_universal.py", "test_bench_eval.py",
                  "test_bad_inputs.py", "test_startup_imports.py", "test_rendezvous.py", "test_run_integrity.py",
                  "test_deepspeed_memory.py", "test_resilience_pipeline.py", "test_float8.py", "test_eval_in_loop.py",
                  "test_callbacks.py", "test_profile.py", "test_kernel_compile.py", "test_eval_in_loop_train.py")

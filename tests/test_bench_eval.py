@@ -2,7 +2,9 @@
 
 The model is exported with ``megafixed export hf`` (so lm-eval's ``HFLM`` runs the same weights),
 and the bench imports it back; the lm-eval side's metrics are checked against our evaluator on the
-original checkpoint (an independent run), the ratio against the wall times it reports.
+original checkpoint (an independent run), the ratio against the wall times it reports. The real run
+is given one batch size (one process per side); the sweep's pick of each side's fastest batch size is
+checked on sides with known timings (``test_each_side_is_timed_at_the_fastest_batch_size_of_its_sweep``).
 """
 from __future__ import annotations
 
@@ -39,13 +41,11 @@ def test_bench_eval_json_holds_both_sides_numbers(tmp_path, monkeypatch):
     assert main(["export", "hf", str(run), str(tmp_path / "hf")]) == 0
     out = tmp_path / "bench.json"
     assert main(["bench", "eval", "--hf", str(tmp_path / "hf"), "--work", str(tmp_path / "work"),
-                 "--tasks", ",".join(TASKS), "--limit", "6", "--sweep-limit", "2", "--batch-sizes", "2,4",
+                 "--tasks", ",".join(TASKS), "--limit", "6", "--sweep-limit", "2", "--batch-sizes", "3",
                  "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["items_equal"] and res["metrics_equal"], res["mismatches"]
-    for side in ("ours", "lm_eval_hf"):  # each side's fastest of its sweep (JSON keys are strings)
-        swept = res["sweep_seconds"][side]
-        assert res["batch_sizes"][side] == int(min(swept, key=swept.get)), side
+    assert res["batch_sizes"] == {"ours": 3, "lm_eval_hf": 3}  # one size given: no sweep
     med = {s: statistics.median(v) for s, v in res["seconds"].items()}
     assert res["ratio"] == pytest.approx(med["lm_eval_hf"] / med["ours"], rel=1e-2)
     # the reference: our evaluator on the original checkpoint, in this process
@@ -57,6 +57,40 @@ def test_bench_eval_json_holds_both_sides_numbers(tmp_path, monkeypatch):
             assert v == pytest.approx(ref["results"][t][k], rel=1e-5), (t, k)
         accs = [it["acc"] for it in res["items"]["ours"][t]]
         assert res["metrics"]["ours"][t]["acc"] == pytest.approx(sum(accs) / len(accs))
+
+
+def test_each_side_is_timed_at_the_fastest_batch_size_of_its_sweep(tmp_path, monkeypatch):
+    """The sweep runs every size on ``--sweep-limit`` items, each side's fastest is the size its timed runs
+    (``--limit`` items) use, and the JSON says so; the sides here have known timings, a different best each."""
+    import argparse
+
+    from megafixed.bench import eval as bench_eval
+
+    fastest = {"ours": 8, "lm_eval_hf": 2}
+    calls = []
+
+    def fake_side(side, models, work, tasks, limit, batch, threads):
+        calls.append((side, limit, batch))
+        return {"seconds": 1.0 + abs(batch - fastest[side]), "load_average": [0.0], "items": {}, "metrics": {},
+                "requests": 1, "forward_passes": 1}
+
+    monkeypatch.setattr(bench_eval, "prepare", lambda args: ({"ours": tmp_path, "lm_eval_hf": tmp_path}, tmp_path))
+    monkeypatch.setattr(bench_eval, "run_side", fake_side)
+    parser = argparse.ArgumentParser()
+    bench_eval.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    args = parser.parse_args(["--tasks", "lambada", "--limit", "6", "--sweep-limit", "2", "--batch-sizes", "4,2,8",
+                              "--rounds", "2", "--json", str(out)])
+    assert bench_eval.run(args) == 0
+    sweep = [(side, limit, batch) for side, limit, batch in calls if limit == 2]
+    assert sorted(sweep) == sorted((s, 2, b) for s in bench_eval.SIDES for b in (2, 4, 8))
+    assert [c for c in calls if c[1] == 6] == [("ours", 6, 8), ("lm_eval_hf", 6, 2), ("lm_eval_hf", 6, 2),
+                                               ("ours", 6, 8)]  # the rounds alternate the sides
+    res = json.loads(out.read_text())
+    assert res["batch_sizes"] == fastest
+    for side in bench_eval.SIDES:  # JSON keys are strings
+        swept = res["sweep_seconds"][side]
+        assert res["batch_sizes"][side] == int(min(swept, key=swept.get)), side
 
 
 def test_bench_eval_says_how_to_get_smollm2(tmp_path, monkeypatch):
