@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -112,16 +111,15 @@ def test_gpu_check_installs_offline_passes_its_preflight_and_exits_3_without_cud
                            capture_output=True, text=True, timeout=120)
     assert probe.returncode != 0 and "deepspeed" in probe.stderr  # the venv really holds torch only
 
-    # Without the wheels the preflight fails within seconds, naming what is missing.
+    # Without the wheels the preflight fails before any stage, naming what is missing (no clock: a hang is bounded
+    # by the subprocess timeout only).
     empty = tmp_path / "no_wheels"
     empty.mkdir()
-    t0 = time.monotonic()
     failed = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh")], cwd=tmp_path,
                             env=_env(venv, tmp_path / "out_failed", empty), capture_output=True, text=True,
                             timeout=300)
     assert failed.returncode == 2, failed.stdout[-3000:] + failed.stderr[-2000:]
     assert "error: cannot import deepspeed" in failed.stdout and "preflight failed" in failed.stdout
-    assert time.monotonic() - t0 < 120
 
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh")], cwd=tmp_path, env=_env(venv, out, wheels),
