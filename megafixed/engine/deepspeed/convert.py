@@ -38,7 +38,7 @@ from ...run.run_dir import LATEST, PLAIN_TAG_RE, latest_problem
 from ...trust.errors import UntrustedCheckpoint
 from ...trust.pickles import load_weights
 from ..base import ConvertError  # noqa: F401  -- engine-agnostic: every engine's reader raises it
-from .kind import MODEL_FILES
+from .file_names import MODEL_FILES
 
 _LAYER_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 _MP_RE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")

@@ -8,9 +8,7 @@ from dataclasses import dataclass
 from ...engines import register
 from ..protocols import EngineFacts, Relayout
 from . import planner as _planner  # arithmetic only: its table column and notes are this engine's facts
-
-# its files that hold weights: a module file per TP (and PP) rank (ZeRO-3 keeps them in the partitions too)
-MODEL_FILES = r"^(mp_rank_\d+_model_states|layer_\d+-model_\d+-model_states)\.pt$"
+from .file_names import MODEL_FILES
 
 
 @dataclass(frozen=True)
