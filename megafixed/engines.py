@@ -34,7 +34,7 @@ def register(kind: Any) -> Any:
     """Add an engine (a test may register a toy one and ``unregister`` it after)."""
     if kind.name in _REGISTRY and _REGISTRY[kind.name] is not kind:
         raise ValueError(f"an engine named {kind.name!r} is already registered")
-    if kind.default and any(k.default for k in _REGISTRY.values() if k.name != kind.name):
+    if kind.facts.default and any(k.facts.default for k in _REGISTRY.values() if k.name != kind.name):
         raise ValueError(f"engine {kind.name!r}: only one engine can be the default")
     _REGISTRY[kind.name] = kind
     return kind
@@ -55,7 +55,7 @@ def _ensure_builtins() -> None:
 def kinds() -> list:
     """Every registered engine, the default first, then in registration order."""
     _ensure_builtins()
-    return sorted(_REGISTRY.values(), key=lambda k: not k.default)
+    return sorted(_REGISTRY.values(), key=lambda k: not k.facts.default)
 
 
 def names() -> list[str]:
@@ -63,7 +63,7 @@ def names() -> list[str]:
 
 
 def default_kind() -> Any:
-    return next(k for k in kinds() if k.default)
+    return next(k for k in kinds() if k.facts.default)
 
 
 def engine_kind(name: Optional[str], error: type = UnknownEngine) -> Any:
@@ -86,10 +86,10 @@ def kind_of(plan_or_layout: Any) -> Any:
 
 
 def checkpoint_kind(tag_dir: Path) -> Any:
-    """The engine whose checkpoint format ``tag_dir`` is: the first non-default engine whose
-    detector claims it, else the default engine (whose readers name what is missing)."""
+    """The engine whose checkpoint format ``tag_dir`` is: the first non-default engine whose marker file
+    (``EngineFacts.checkpoint_marker``) it holds, else the default engine (whose readers name what is missing)."""
     for kind in kinds()[1:]:
-        if kind.checkpoint.is_checkpoint(Path(tag_dir)):
+        if (Path(tag_dir) / kind.facts.checkpoint_marker).is_file():
             return kind
     return default_kind()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -37,14 +38,8 @@ class ToyPlan:
 class ToyCheckpoint:
     """The toy's checkpoint format (``megafixed.engine.protocols.CheckpointFormat``): one marker file holding JSON."""
 
-    def is_checkpoint(self, tag_dir):
-        return (Path(tag_dir) / MARKER).is_file()
-
     def read_state_dict(self, tag_dir, *, verify=True):
         return {"toy": json.loads((Path(tag_dir) / MARKER).read_text())}
-
-    def is_model_file(self, name):
-        return name == MARKER
 
     def weights_in_every_rank_file(self, tag_dir):
         return False
@@ -64,11 +59,14 @@ class ToyKind:
     default's planner."""
 
     name = "toy"
-    record_file = "toy.json"
-    config_title = "toy engine"
-    dry_run_words = "toy {flavour}"
-    default = False
     checkpoint = ToyCheckpoint()
+
+    def __init__(self):
+        # its own words, files and record keys; the default's table column and notes, as it borrows its planner
+        self.facts = dataclasses.replace(engines.default_kind().facts, default=False, record_file="toy.json",
+                                         config_title="toy engine", dry_run_words="toy {flavour}",
+                                         checkpoint_marker=MARKER, model_files=re.escape(MARKER),
+                                         record_keys=("flavour",), derived_dirs=())
 
     @property
     def planner(self):
@@ -81,8 +79,9 @@ class ToyKind:
         if plan.pp > 1:
             raise LayoutError("train.engine=toy has no pipeline; use parallel.pp=1")
 
-    def relayout_refusal(self, old, new):
-        return None if old.get("engine") == new.get("engine") else "not a toy checkpoint"
+    def relayout(self, old, new):
+        return roles.Relayout(("tp", "dp", "flavour"),
+                              None if old.get("engine") == new.get("engine") else "not a toy checkpoint")
 
     def setup_groups(self, plan):
         return {}
@@ -102,12 +101,6 @@ class ToyKind:
     def dry_run_lines(self, cfg, plan):
         return []
 
-    def record_layout(self, plan):
-        return {"flavour": plan.engine_plan.flavour}
-
-    def layout_change_keys(self, plan, recorded):
-        return ["tp", "dp", "flavour"]
-
 
 @pytest.fixture
 def toy():
@@ -120,7 +113,7 @@ def test_the_built_in_engines_register_one_record_each():
     names = engines.names()
     assert names[0] == engines.default_kind().name  # the default first
     assert len(names) == len(set(names)) >= 2
-    assert engines.kind_of({}).default  # a layout without "engine" (import hf, convert): the default engine's
+    assert engines.kind_of({}).facts.default  # a layout without "engine" (import hf, convert): the default engine's
     with pytest.raises(ConfigError, match=r"train\.engine='nope' is not one of"):
         load_config(QUICKSTART, ["train.engine=nope"])
     # the registry module imports no engine library (nor does looking an engine up)
@@ -181,7 +174,7 @@ def test_a_toy_checkpoint_is_read_by_the_toy_engines_detector(toy, tmp_path):
     assert gather_state_dict(tmp_path) == {"toy": [1, 2, 3]}
     assert resolve_tag_dir(tmp_path) == tmp_path and detect_layout(tmp_path) == (1, 1)
     assert is_model_file(MARKER) and not weights_in_every_rank_file(tmp_path)
-    assert engines.checkpoint_kind(tmp_path / "elsewhere").default  # no toy marker: the default's format
+    assert engines.checkpoint_kind(tmp_path / "elsewhere").facts.default  # no toy marker: the default's format
 
 
 def test_plan_sizes_a_toy_engine(toy, capsys):
@@ -203,8 +196,11 @@ def test_every_engine_answers_every_member_of_its_protocols(toy):
         for obj, protocol in ((kind, roles.EngineKind), (kind.checkpoint, roles.CheckpointFormat),
                               (kind.planner, roles.Planner)):
             assert not _missing(obj, protocol), (kind.name, protocol.__name__, _missing(obj, protocol))
-    assert {"build", "checkpoint", "record_file"} <= set(_missing(object(), roles.EngineKind))  # it can fail
-    assert {"FAKE_WORKER", "stage_bounds"} <= set(_missing(object(), roles.Planner))
+    assert {"build", "checkpoint", "facts"} <= set(_missing(object(), roles.EngineKind))  # it can fail
+    assert {"make_layout", "stage_bounds"} <= set(_missing(object(), roles.Planner))
+    for kind in engines.kinds():  # its facts are all there, and only a default format claims folders unmarked
+        assert isinstance(kind.facts, roles.EngineFacts)
+        assert (kind.facts.checkpoint_marker is None) == kind.facts.default, kind.name
 
 
 def test_the_toy_touched_no_engine_library(modules_before_this_file):

@@ -17,7 +17,6 @@ class FileEngine:
     """A minimal ``Engine``: its checkpoint is one ``torch.save`` of a tensor."""
 
     name = "fake"
-    derived_dirs = ()
 
     def __init__(self, fail_with: BaseException | None = None):
         self.module, self.device = torch.nn.Linear(2, 2), torch.device("cpu")
@@ -115,3 +114,34 @@ def test_the_deepspeed_engine_has_every_member_of_the_protocol():
     missing = [n for n in sorted(members) if not hasattr(DeepSpeedEngine, n) and n not in ("module", "device")]
     assert not missing and isinstance(DeepSpeedEngine.module, property) and isinstance(DeepSpeedEngine.device, property)
     assert {"train_step", "eval_loss", "save", "load", "load_weights", "wait_for_saves"} <= members
+
+
+# The engine seam's size: every member (method, property, annotated attribute) of every protocol in
+# ``engine/protocols.py`` and ``engine/base.py``. What the trainer, the planner and the checkpoint readers
+# call, and nothing else: words for messages and what an engine records are its ``EngineFacts`` (one member).
+SEAM_MEMBERS = {"EngineKind": 13, "CheckpointFormat": 5, "Planner": 12, "Engine": 9, "StepHook": 2}
+
+
+def _protocol_members() -> dict:
+    import inspect
+
+    from megafixed.engine import base, protocols
+
+    out = {}
+    for module in (protocols, base):
+        for name, cls in vars(module).items():
+            if inspect.isclass(cls) and cls.__module__ == module.__name__ and getattr(cls, "_is_protocol", False):
+                members = {n for n in vars(cls) if not n.startswith("_")} | set(cls.__dict__.get("__annotations__", {}))
+                out[name] = sorted(members)
+    return out
+
+
+def test_the_engine_seam_does_not_regrow():
+    members = _protocol_members()
+    assert set(members) == set(SEAM_MEMBERS), sorted(members)  # a new protocol is counted here too
+    assert members["StepHook"] == ["judge", "loss"]  # the count sees methods ...
+    assert {"module", "device", "saved_bytes"} <= set(members["Engine"])  # ... annotations and properties
+    sizes = {name: len(m) for name, m in members.items()}
+    grown = {name: (sizes[name], most) for name, most in SEAM_MEMBERS.items() if sizes[name] > most}
+    assert not grown, f"engine protocols grew past the seam's size (now, allowed): {grown}; {members}"
+    assert sum(sizes.values()) <= sum(SEAM_MEMBERS.values()) == 41

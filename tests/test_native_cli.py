@@ -179,7 +179,8 @@ def test_a_torch_engine_run_writes_its_record_as_torch_engine_json(tmp_path):
     cfg = load_config(QUICKSTART, [*TINY_MODEL, "data.mock=true", "train.engine=torch", f"train.run_dir={tmp_path}"])
     plan = RunPlan.for_launch(cfg)
     topo = setup_distributed(plan)
-    _write_run_files(cfg, topo, build_engine(cfg, topo))
+    build_engine(cfg, topo)
+    _write_run_files(cfg, topo)  # as the trainer does, once the engine is built
     record = json.loads((tmp_path / "torch_engine.json").read_text())
     assert record == json.loads(json.dumps(engine_config(cfg, plan)))
     assert record["device"] == "cpu" and record["mixed_precision"]["param_dtype"] == "float32"

@@ -270,12 +270,12 @@ def _datasets(cfg):
 
 def _header(cfg, topo, engines: list, *, warmup: int, rounds: int, flops_tok, peak) -> dict:
     """What the result says of the run before any figure (the layout, the numerics, the machine)."""
-    from ..engines import kind_of
+    from ..run.run_record import engine_layout
 
     plan, layout, device = topo.plan, topo.plan.batch, topo.device
     on_cuda = device.type == "cuda"
     # the plan's engine's own layout keys (DeepSpeed's zero_stage), as its run record has them
-    own = kind_of(plan).record_layout(plan)
+    own = engine_layout(plan)
     return {"bench": "train", "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu",
             "precision": plan.precision, "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,

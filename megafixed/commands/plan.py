@@ -36,9 +36,11 @@ def add_arguments(p):
 
 
 def _sharding(lay) -> str:
-    """The sharding column of a row: the layout fields its engine's planner names (``COLUMN``): the
+    """The sharding column of a row: the layout fields its engine's facts name (``EngineFacts.column``): the
     ZeRO stage, or under FSDP2 the HSDP degrees (replicate x shard)."""
-    return "x".join(str(getattr(lay, name)) for name in lay.planner.COLUMN[2])
+    from ..engines import engine_kind
+
+    return "x".join(str(getattr(lay, name)) for name in engine_kind(lay.engine).facts.column[2])
 
 
 def run(args) -> int:
@@ -58,8 +60,9 @@ def run(args) -> int:
     budget = gpu_mem  # the room for the CUDA context, NCCL and fragmentation is each row's reserve
     from ..engines import engine_kind
 
-    planner = engine_kind(cfg.train.engine).planner  # the engine's sharding arithmetic and column
-    zname = planner.COLUMN[0]
+    kind = engine_kind(cfg.train.engine)
+    planner, facts = kind.planner, kind.facts  # the engine's sharding arithmetic; its column and notes
+    zname = facts.column[0]
     from ..plan.bound import add_fake
     from ..plan.fake import measure_rows
     from ..plan.rank import config_precision, overrides_of, pick
@@ -96,8 +99,8 @@ def run(args) -> int:
                           "fixed_code_saving_per_gpu": saving}))
         return 0 if fitting else 1
     m = cfg.model
-    _print_header(args, cfg, planner, estimates, counts.total, gpu_mem)
-    _print_rows(args, planner, rows, budget)
+    _print_header(args, cfg, facts, estimates, counts.total, gpu_mem)
+    _print_rows(args, facts, rows, budget)
     if len(shown) > args.top:
         print(f"  ... {len(shown) - args.top} more (--top N)")
     if not fitting:
@@ -113,7 +116,7 @@ def run(args) -> int:
     return 0 if fitting else 1
 
 
-def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: float) -> None:
+def _print_header(args, cfg, facts, estimates: list, n_params: int, gpu_mem: float) -> None:
     """What the table is of: the model, the engine's words, the pipeline's and the budget's notes."""
     from ..parallel.memory import RESERVE_BYTES, GiB
 
@@ -121,7 +124,7 @@ def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: f
     print(f"{args.config}: {n_params / 1e9:.3f}B params ({m.n_layers} layers, d {m.d_model}, vocab "
           f"{m.vocab_size}, input={m.input}), seq {seq}, global batch {cfg.train.global_batch}, "
           f"{args.precision}, activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}")
-    notes = planner.NOTES
+    notes = facts.notes
     if notes.intro:
         print(notes.intro)
     if notes.accumulation:  # an engine whose reductions per micro batch are its own
@@ -139,11 +142,11 @@ def _print_header(args, cfg, planner, estimates: list, n_params: int, gpu_mem: f
           + notes.grads.get("fp32" if args.precision == "fp32" else "16-bit", "") + ":")
 
 
-def _print_rows(args, planner, rows: list, budget: float) -> None:
+def _print_rows(args, facts, rows: list, budget: float) -> None:
     """The ranked table's note, header and ``rows`` (numbered by their rank among all rows)."""
     from ..parallel.memory import GiB
 
-    zname, zw = planner.COLUMN[:2]
+    zname, zw = facts.column[:2]
     print(f"rows ranked by step>=s, the step-time lower bound (the fitting rows, fastest first; equal bounds: less "
           f"memory first; rows it cannot judge after them): dense matmuls at the {args.gpu_type} peak (pipeline "
           f"bubble included) plus TP's collectives (they sit between dependent matmuls), against all collectives at "

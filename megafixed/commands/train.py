@@ -132,9 +132,10 @@ def dry_run(args) -> int:
     print("# resolved config")
     print(yaml.safe_dump(resolve_code(cfg).to_dict(), sort_keys=False).rstrip())
     kind = kind_of(plan)
-    print(f"# {kind.config_title} config (written to <run_dir>/{kind.record_file} by a real run)")
+    facts = kind.facts
+    print(f"# {facts.config_title} config (written to <run_dir>/{facts.record_file} by a real run)")
     print(json.dumps(record, indent=2))
-    sharding = kind.dry_run_words.format(**record, plan=plan.engine_plan)  # the engine's words: its record, its plan
+    sharding = facts.dry_run_words.format(**record, plan=plan.engine_plan)  # the engine's words: its record, its plan
     for line in kind.dry_run_lines(cfg, plan):  # e.g. a pipeline's bubble
         print(line)
     print(f"# plan: {plan.describe()}; {plan.precision} on {args.target}, backend {plan.backend}; "

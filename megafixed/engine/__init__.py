@@ -17,6 +17,7 @@ checks import it); each engine method imports its implementation when called.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -34,7 +35,7 @@ def build_engine(cfg, topo, hook: Optional[StepHook] = None) -> Engine:
 
 
 def engine_config(cfg, plan) -> dict:
-    """The engine's own config for a run (written to ``<run_dir>/<its record_file>``), for the
+    """The engine's own config for a run (written to ``<run_dir>/<its facts.record_file>``), for the
     machine the plan is for (a dry run on a CPU login node plans a GPU run)."""
     return kind_of(plan).engine_config(cfg, plan)
 
@@ -45,8 +46,8 @@ def relayout_refusal(old: dict, new: dict) -> Optional[str]:
     when the engine can re-layout it on load. Across engines, the non-default engine's rule speaks
     (it names the other engine's files, which it does not read)."""
     a, b = kind_of(old), kind_of(new)
-    judge = b if a is b or a.default else a
-    return judge.relayout_refusal(old, new)
+    judge = b if a is b or a.facts.default else a
+    return judge.relayout(old, new).refusal
 
 
 def prepare_runtime_env(engine: Optional[str] = None, backend: Optional[str] = None) -> None:
@@ -72,7 +73,7 @@ def accelerator_name(engine: Optional[str] = None) -> str:
 
 def is_model_file(name: str) -> bool:
     """A checkpoint file that holds weights (what a weights-only reader verifies), of any engine."""
-    return any(k.checkpoint.is_model_file(name) for k in kinds())
+    return any(re.fullmatch(k.facts.model_files, name) for k in kinds())
 
 
 def weights_in_every_rank_file(tag_dir: Path) -> bool:

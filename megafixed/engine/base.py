@@ -102,8 +102,6 @@ class Engine(Protocol):
         thread: the engine may save asynchronously). A failure goes through ``on_failed``. Returns
         whether it returned before the files are written (the save goes on in the background)."""
 
-    derived_dirs: tuple  # sub-folders of a tag the engine may make from it later (a re-layout copy): not saved files
-
     def wait_for_saves(self) -> None:
         """Block until a save in flight is written (and its ``on_written`` has run); raise its error."""
 
@@ -113,11 +111,8 @@ class Engine(Protocol):
 
     def load(self, tag_dir: Path, *, relayout: bool = False) -> dict:
         """Restore model and optimizer from ``tag_dir``; return its client state. ``relayout``:
-        the checkpoint was written by another layout (``relayout_refusal`` said it can be read)."""
+        the checkpoint was written by another layout (its ``EngineKind.relayout`` said it can be read)."""
 
     def load_weights(self, read_state_dict: Callable[[], dict], scratch: Path) -> None:
         """Set the model's weights (only) from a full plain-GPT state dict; ``read_state_dict`` is
         called on the ranks that need it; ``scratch`` is a folder the engine may use and delete."""
-
-    def config_record(self) -> Optional[dict]:
-        """The engine's own configuration as JSON, written next to the run's config (or None)."""

@@ -1,8 +1,11 @@
 """The engine seam's roles, one protocol each: what megafixed asks of a registered engine (``EngineKind``),
 of its checkpoint files (``CheckpointFormat``) and of its sizing arithmetic (``Planner``). One rank's
-running engine is ``base.Engine``. Each engine implements them in its own package (``kind.py``,
-``checkpoint_format.py``, ``planner.py``) and registers its ``EngineKind`` in ``megafixed.engines``,
-the name lookup that sits beneath the config (which validates ``train.engine`` against it).
+running engine is ``base.Engine``. What is said and recorded of an engine (its words, file names, table
+column, record keys) is data, ``EngineFacts``, read by engine-neutral code: the protocols hold only what the
+trainer, the planner and the checkpoint readers call (``tests/test_engine_seam.py`` counts them). Each
+engine implements them in its own package (``kind.py``, ``checkpoint_format.py``, ``planner.py``) and
+registers its ``EngineKind`` in ``megafixed.engines``, the name lookup that sits beneath the config (which
+validates ``train.engine`` against it).
 """
 from __future__ import annotations
 
@@ -21,16 +24,11 @@ if TYPE_CHECKING:  # annotations only; all of these sit beneath the engine packa
 
 
 class CheckpointFormat(Protocol):
-    """How an engine's checkpoint files are recognised and read into a plain GPT state dict."""
-
-    def is_checkpoint(self, tag_dir: Path) -> bool:
-        """Whether ``tag_dir`` is this engine's (the default engine's format claims anything)."""
+    """How an engine's checkpoint files are read into a plain GPT state dict (which files are its and which
+    hold weights is data, the engine's ``EngineFacts.checkpoint_marker`` and ``.model_files``)."""
 
     def read_state_dict(self, tag_dir: Path, *, verify: bool = True) -> dict:
         """The full plain-GPT state dict; its files checked against the manifest first (``verify``)."""
-
-    def is_model_file(self, name: str) -> bool:
-        """A file that holds weights (what a weights-only reader verifies)."""
 
     def weights_in_every_rank_file(self, tag_dir: Path) -> bool:
         """The weights live in every rank's files (ZeRO-3's partitions, DCP's shards), not model files."""
@@ -59,12 +57,8 @@ class PlanNotes:
 
 
 class Planner(Protocol):
-    """How ``megafixed plan`` sizes an engine's layouts (``megafixed.parallel.memory``, ``.traffic``)."""
-
-    COLUMN: tuple[str, int, tuple[str, ...]]  # the sharding column: title, width, the Layout fields shown
-    LAYOUT_KEYS: tuple[str, ...]  # what a row sets beyond the engine-neutral keys (plan --pick)
-    FAKE_WORKER: Optional[str]  # the module ``plan --fake`` runs per row; None: not measurable so
-    NOTES: PlanNotes  # what the table's header says of it
+    """How ``megafixed plan`` sizes an engine's layouts (``megafixed.parallel.memory``, ``.traffic``); what its
+    table says of the engine (its sharding column, its notes) is data, the engine's ``EngineFacts``."""
 
     def pp_partitions(self, pp: int) -> tuple[str, ...]: ...
 
@@ -100,17 +94,43 @@ class Planner(Protocol):
     def fake_refusal(self, layout: Layout) -> Optional[str]: ...
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What megafixed says and records of an engine: data, read by engine-neutral code (the registry, ``--dry-run``,
+    ``megafixed plan``'s table and ``--pick``/``--fake``, the run record, the checkpoint commit), so no engine
+    method produces words for a message."""
+    # the format of a checkpoint no other engine claims and of a layout without "engine" (another tool's
+    # DeepSpeed folder; ``megafixed import hf``/``convert`` output): one engine is the default
+    default: bool
+    # a regex of its checkpoint's file names that hold weights (what a weights-only reader verifies)
+    model_files: str
+    record_file: str  # <run_dir>/<record_file>: its own config, written next to the run's config
+    config_title: str  # the name ``--dry-run`` gives its config
+    # --dry-run's words: ``str.format`` fields of its config record (``engine_config``) and ``plan`` (its engine plan)
+    dry_run_words: str
+    column: tuple[str, int, tuple[str, ...]]  # plan's sharding column: title, width, the Layout fields shown
+    notes: PlanNotes  # what plan's table header says of it
+    layout_keys: tuple[str, ...]  # what a plan row sets beyond the engine-neutral keys (plan --pick)
+    fake_worker: Optional[str]  # the module ``plan --fake`` runs per row; None: not measurable so
+    # a file every checkpoint of its format holds (DCP's ``.metadata``), by which its tag folders are told apart;
+    # None: the default format, which claims what no other engine's does
+    checkpoint_marker: Optional[str] = None
+    record_keys: tuple[str, ...] = ()  # its engine plan's fields a run record's layout keeps (DeepSpeed's zero_stage)
+    derived_dirs: tuple[str, ...] = ()  # sub-folders of a tag it may make from it later (a re-layout copy): not saved
+
+
+@dataclass(frozen=True)
+class Relayout:
+    """How a checkpoint of one run-record layout loads on another (``EngineKind.relayout``)."""
+    keys: tuple[str, ...]  # the layout keys whose change means a re-layout on load
+    refusal: Optional[str]  # why the checkpoint cannot be loaded on the other layout, or None
+
+
 class EngineKind(Protocol):
     """One training engine, as megafixed asks it (a registered object; its methods import its library)."""
 
     name: str  # the train.engine value
-    record_file: str  # <run_dir>/<record_file>: its own config, written next to the run's config
-    # the format of a checkpoint no other engine claims and of a layout without "engine" (another tool's
-    # DeepSpeed folder; ``megafixed import hf``/``convert`` output): one engine is the default
-    default: bool
-    config_title: str  # the name ``--dry-run`` gives its config
-    # --dry-run's words: ``str.format`` fields of its config record (``engine_config``) and ``plan`` (its engine plan)
-    dry_run_words: str
+    facts: EngineFacts  # what is said and recorded of it
 
     @property
     def checkpoint(self) -> CheckpointFormat: ...
@@ -125,8 +145,9 @@ class EngineKind(Protocol):
     def check_supported(self, cfg: Config, plan: RunPlan) -> None:
         """Raise its refusal (``LayoutError``/``ConfigError``) of what it cannot run."""
 
-    def relayout_refusal(self, old: dict, new: dict) -> Optional[str]:
-        """Why a checkpoint of run-record layout ``old`` cannot be loaded on ``new``, or None."""
+    def relayout(self, old: dict, new: dict) -> Relayout:
+        """How a checkpoint of run-record layout ``old`` loads on ``new``: which keys' change is a re-layout,
+        and why it cannot be (None: the engine re-lays it out on load)."""
 
     def setup_groups(self, plan: RunPlan) -> dict:
         """The ``Topology``'s process-group fields."""
@@ -134,7 +155,8 @@ class EngineKind(Protocol):
     def build(self, cfg: Config, topo: Topology, hook: Optional[StepHook] = None) -> Engine: ...
 
     def engine_config(self, cfg: Config, plan: RunPlan) -> dict:
-        """Its own config as JSON, for the machine the plan is for."""
+        """Its own config as JSON, for the machine the plan is for: what the engine ``build`` makes of ``plan``
+        runs with, and what the trainer writes to ``<run_dir>/<facts.record_file>``."""
 
     def prepare_runtime_env(self) -> None:
         """Before its library is imported: its environment, its versions checked."""
@@ -144,9 +166,3 @@ class EngineKind(Protocol):
 
     def dry_run_lines(self, cfg: Config, plan: RunPlan) -> list[str]:
         """``--dry-run``'s extra lines (e.g. a pipeline's bubble)."""
-
-    def record_layout(self, plan: RunPlan) -> dict:
-        """Its own keys in a run record's layout."""
-
-    def layout_change_keys(self, plan: RunPlan, recorded: dict) -> list[str]:
-        """The layout keys whose change from ``recorded`` means a re-layout."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engines import checkpoint_kind, kinds
+from ..engines import checkpoint_kind
 from .deepspeed.convert import (  # noqa: F401  (the written format's public functions)
     ConvertError,
     check_target_layout,
@@ -30,8 +30,8 @@ def _format(tag_dir) -> CheckpointFormat:
 def resolve_tag_dir(ckpt, tag: str | None = None) -> Path:
     """``ckpt`` may be a tag directory (any engine's), or a checkpoint root with a ``latest`` file or ``tag``."""
     root = Path(ckpt)
-    if tag is None and root.is_dir() and any(kind.checkpoint.is_checkpoint(root) for kind in kinds()[1:]):
-        return root  # a tag directory another engine's detector claims
+    if tag is None and root.is_dir() and not checkpoint_kind(root).facts.default:
+        return root  # a tag directory another engine's marker file claims
     return default_resolve_tag_dir(ckpt, tag)  # the default format's: its tag folder, ``latest`` or ``tag``
 
 

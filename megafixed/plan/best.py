@@ -37,11 +37,11 @@ def best_layout(config: str, overrides: list, gpus: int, *, gpu_mem: str, gpu_ty
     from .rows import parse_bytes, plan_rows
 
     cfg = load_config(config, overrides)
-    planner = engine_kind(cfg.train.engine).planner
+    facts = engine_kind(cfg.train.engine).facts
     given = {item.split("=", 1)[0].strip() for item in overrides}
-    clash = sorted(given & set(layout_keys(planner)))
+    clash = sorted(given & set(layout_keys(facts)))
     if clash:
-        raise ConfigError(f"--layout best chooses {', '.join(layout_keys(planner))} itself; drop the override "
+        raise ConfigError(f"--layout best chooses {', '.join(layout_keys(facts))} itself; drop the override "
                           f"{', '.join(clash)} or drop --layout best")
     budget = parse_bytes(gpu_mem)
     precision = config_precision(cfg)

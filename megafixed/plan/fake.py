@@ -1,8 +1,8 @@
 """``megafixed plan --fake``: one real step per row under fake tensors, through the engine's own build.
 
-Each row is measured in a process of its own (``python -m <planner.FAKE_WORKER>``): a fake process
+Each row is measured in a process of its own (``python -m <its engine's facts.fake_worker>``): a fake process
 group has one world size per process, and a process per row keeps memory bounded and a failure to
-its row. An engine whose planner has no ``FAKE_WORKER`` (DeepSpeed) gets its refusal in the row.
+its row. An engine without a ``fake_worker`` (DeepSpeed) gets its refusal in the row.
 """
 from __future__ import annotations
 
@@ -17,8 +17,14 @@ MAX_FAKE_WORLD = 16384
 ROW_TIMEOUT_S = 1800
 
 
+def _worker(layout) -> str | None:
+    from ..engines import engine_kind
+
+    return engine_kind(layout.engine).facts.fake_worker
+
+
 def refusal(layout, planner, gpus: int) -> str | None:
-    if planner.FAKE_WORKER is None:
+    if _worker(layout) is None:
         return planner.fake_refusal(layout)
     if gpus > MAX_FAKE_WORLD:
         return f"--fake measures up to {MAX_FAKE_WORLD} ranks, not {gpus}"
@@ -33,7 +39,7 @@ def measure_row(args, planner, layout) -> dict:
     spec = {"config": args.config, "overrides": list(args.overrides), "gpus": args.gpus,
             "precision": args.precision, "layout": asdict(layout)}
     try:
-        done = subprocess.run([sys.executable, "-m", planner.FAKE_WORKER], input=json.dumps(spec),
+        done = subprocess.run([sys.executable, "-m", _worker(layout)], input=json.dumps(spec),
                               capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"refused": f"the fake step took over {ROW_TIMEOUT_S} s"}

@@ -51,9 +51,10 @@ def ranked(rows: list, budget: float) -> list:
 LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.sequence_parallel", "train.micro_batch")
 
 
-def layout_keys(planner) -> tuple:
-    """Every key a row sets: the engine-neutral ones and its engine's sharding (and split) keys."""
-    return LAYOUT_KEYS + tuple(planner.LAYOUT_KEYS)
+def layout_keys(facts) -> tuple:
+    """Every key a row sets: the engine-neutral ones and its engine's sharding (and split) keys (``facts``:
+    the engine's ``EngineFacts``)."""
+    return LAYOUT_KEYS + tuple(facts.layout_keys)
 
 
 def overrides_of(layout, precision: str, config_precision: str) -> list[str]:

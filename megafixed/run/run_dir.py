@@ -78,11 +78,11 @@ class RunDirectory:
         return self.path / CONFIG
 
     def engine_config_file(self, engine: str) -> Path:
-        """Where the config record of ``engine`` (``train.engine``; ``Engine.config_record``) goes:
-        its ``EngineKind.record_file`` (``ds_config.json``, ``torch_engine.json``)."""
+        """Where the config record of ``engine`` (``train.engine``; ``EngineKind.engine_config``) goes:
+        its ``EngineFacts.record_file`` (``ds_config.json``, ``torch_engine.json``)."""
         from ..engines import engine_kind
 
-        return self.path / engine_kind(engine).record_file
+        return self.path / engine_kind(engine).facts.record_file
 
     @property
     def metrics_file(self) -> Path:

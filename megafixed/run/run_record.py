@@ -33,12 +33,18 @@ def run_record(cfg, plan) -> dict:
 
 def record_layout(plan) -> dict:
     """The layout keys of a run record: every engine's (tp, pp, dp, precision, engine) and the
-    plan's engine's own (``EngineKind.record_layout``: DeepSpeed's ``zero_stage``; the torch
-    engine has none, as it does not read ``zero.*``, so a record of it must not claim a stage)."""
+    plan's engine's own (``engine_layout``)."""
     kind = kind_of(plan)
-    own = kind.record_layout(plan)
-    layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, **own, "precision": plan.precision, "engine": kind.name}
+    layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, **engine_layout(plan), "precision": plan.precision,
+              "engine": kind.name}
     return layout
+
+
+def engine_layout(plan) -> dict:
+    """The plan's engine's own layout keys, from its engine plan (``EngineFacts.record_keys``: DeepSpeed's
+    ``zero_stage``; the torch engine has none, as it does not read ``zero.*``, so a record of it must not
+    claim a stage)."""
+    return {key: getattr(plan.engine_plan, key) for key in kind_of(plan).facts.record_keys}
 
 
 def plan_engine(plan) -> str:

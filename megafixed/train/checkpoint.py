@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_write_text
+from ..engines import kind_of as engine_kind_of
 from ..run import manifest
 from ..run.checkpoint_error import DamagedCheckpoint
 from ..run.run_dir import LATEST, TAG_RE, CheckpointError, RunDirectory, read_latest, tag_for, tag_step  # noqa: F401
@@ -209,6 +210,8 @@ class Checkpointer:
         self.record = dict(identity.record)  # what every checkpoint's run.json holds (``note``: and more)
         self.latest: Optional[str] = None  # the newest complete (or, async: in-flight) tag of this run
         self._meta: Optional[dict] = None
+        # sub-folders of a tag its engine may make from it later (a re-layout copy): not among the saved files
+        self.derived_dirs = engine_kind_of(topo.plan).facts.derived_dirs
 
     def note(self, **fields) -> None:
         """Fields every later checkpoint's run record carries (a drill, a shrink, a fallback)."""
@@ -306,7 +309,7 @@ class Checkpointer:
             mine = {os.path.relpath(path, tag_dir): rec for path, rec in records.items()}
             atomic_write_text(tag_dir / MARKER.format(rank), json.dumps(mine))
             if is_main:
-                commit(self.ckpt_dir, tag, world, self.keep, self.record, meta, engine.derived_dirs)
+                commit(self.ckpt_dir, tag, world, self.keep, self.record, meta, self.derived_dirs)
 
         try:
             in_background = engine.save(tag_dir, client_state, on_written=on_written, on_failed=failed)

@@ -109,7 +109,7 @@ def layout_changes(record: dict, plan) -> list[str]:
              "dp": "the data-parallel size (world size / (tp*pp))"}
     from ..engines import engine_kind
 
-    keys = engine_kind(now["engine"]).layout_change_keys(plan, lay)
+    keys = engine_kind(now["engine"]).relayout(lay, now).keys
     return [f"{names.get(k, k)} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
 
 

@@ -27,7 +27,7 @@ import torch
 
 from ..atomic import atomic_write_text
 from ..config import Config, save_config
-from ..engine import build_engine
+from ..engine import build_engine, engine_config
 from ..run import plan_choice
 from ..run.run_dir import RunDirectory, tag_step
 from ..run.run_lock import hold_run_dir
@@ -97,7 +97,7 @@ def _train(cfg: Config, topo, *, callbacks: list, datasets: Optional[dict], stop
     checkpointer.note(**record)
     if shrunk:
         say(shrunk)
-    _write_run_files(cfg, topo, engine)  # only now: a refused resume must not replace the run's own files
+    _write_run_files(cfg, topo)  # only now: a refused resume must not replace the run's own files
     run = RunContext(cfg=cfg, topo=topo, engine=engine, run_dir=Path(cfg.train.run_dir), say=say,
                      checkpointer=checkpointer, stop=stop, callbacks=callbacks, datasets=datasets,
                      resume_step=done, done=done, consumed=consumed)
@@ -220,15 +220,14 @@ def _start(cfg, topo, engine, checkpointer, resume, say) -> tuple[int, int, Opti
     return 0, 0, None
 
 
-def _write_run_files(cfg, topo, engine) -> None:
+def _write_run_files(cfg, topo) -> None:
     if not topo.is_main:
         return
     run_dir = RunDirectory(cfg.train.run_dir)
     run_dir.path.mkdir(parents=True, exist_ok=True)
     save_config(cfg, str(run_dir.config_file))
-    record = engine.config_record()
-    if record is not None:
-        atomic_write_text(run_dir.engine_config_file(topo.plan.engine), json.dumps(record, indent=2) + "\n")
+    record = engine_config(cfg, topo.plan)  # what the engine was built with, for the machine its plan is for
+    atomic_write_text(run_dir.engine_config_file(topo.plan.engine), json.dumps(record, indent=2) + "\n")
 
 
 def _start_line(cfg, plan) -> str:

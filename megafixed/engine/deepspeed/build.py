@@ -20,7 +20,8 @@ def build(cfg, topo, layout, precision: str, hook=None):
     from .ops import prepare_ops
     from .pipeline import build_pipeline
 
-    ds_config = deepspeed_config(cfg, layout, precision)
+    # the config ``DeepSpeedKind.engine_config`` records for the run: for the machine its plan is for
+    ds_config = deepspeed_config(cfg, layout, precision, gpu=topo.plan.on_gpu)
     skip_muon_import()  # our optimizer is never Muon: DeepSpeed's checks need not import it (muon.py)
     # Around everything that may start deepspeed.comm (the pipeline grid inside build_model, or initialize).
     with prepare_ops(accelerator_is_cpu=topo.device.type == "cpu"):
@@ -50,5 +51,4 @@ def build(cfg, topo, layout, precision: str, hook=None):
             # sum and then engine.allreduce_gradients() itself (Megatron's finalize_model_grads).
             engine.enable_backward_allreduce = False
             step_sync = grad_sync
-    return DeepSpeedEngine(engine, optimizer, cfg=cfg, topo=topo, layout=layout, ds_config=ds_config,
-                           grad_sync=step_sync, hook=hook)
+    return DeepSpeedEngine(engine, optimizer, cfg=cfg, topo=topo, layout=layout, grad_sync=step_sync, hook=hook)

@@ -1,26 +1,18 @@
 """The DeepSpeed engine's checkpoint format, as the engine registry asks for it (``megafixed.engines.
 CheckpointFormat``): the files of ``convert.py`` (module files per TP/PP rank, ZeRO partitions) and
-DeepSpeed's universal checkpoint as the re-layout format. The default engine: it is asked last,
-and claims whatever no other engine's detector does."""
+DeepSpeed's universal checkpoint as the re-layout format. The default engine: its format is what no
+other engine's marker file claims (``EngineFacts.checkpoint_marker``)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from .convert import MODEL_FILE_RE, detect_layout, is_zero3, recorded_model_config  # noqa: F401
-
-
-def is_checkpoint(tag_dir) -> bool:
-    return True  # the fallback format (asked last)
+from .convert import detect_layout, is_zero3, recorded_model_config  # noqa: F401
 
 
 def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
     from .convert import gather_state_dict
 
     return gather_state_dict(Path(tag_dir), verify=verify)
-
-
-def is_model_file(name: str) -> bool:
-    return bool(MODEL_FILE_RE.match(name))
 
 
 def weights_in_every_rank_file(tag_dir) -> bool:

@@ -38,12 +38,13 @@ from ...run.run_dir import LATEST, PLAIN_TAG_RE, latest_problem
 from ...trust.errors import UntrustedCheckpoint
 from ...trust.pickles import load_weights
 from ..base import ConvertError  # noqa: F401  -- engine-agnostic: every engine's reader raises it
+from .file_names import MODEL_FILES
 
 _LAYER_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 _MP_RE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
 _ZERO3_RE = re.compile(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")  # weights live in optim files
 # The model files (weights; not the optimizer partitions): what a weights-only reader must verify.
-MODEL_FILE_RE = re.compile(r"^(mp_rank_\d+_model_states|layer_\d+-model_\d+-model_states)\.pt$")
+MODEL_FILE_RE = re.compile(MODEL_FILES)
 
 
 def model_file(mp_rank: int) -> str:

@@ -31,10 +31,8 @@ class DeepSpeedEngine:
 
     name = "deepspeed"  # its train.engine value (logs and tests ask; the seam itself does not)
     hook: Optional[StepHook] = None  # what its step asks besides its batches (none, unless build_engine was given one)
-    derived_dirs = ("universal",)  # universal.UNIVERSAL_DIR: DeepSpeed's re-layout copy, made on a layout change
 
-    def __init__(self, ds_engine, optimizer, *, cfg, topo, layout, ds_config: dict, grad_sync=None,
-                 hook: Optional[StepHook] = None):
+    def __init__(self, ds_engine, optimizer, *, cfg, topo, layout, grad_sync=None, hook: Optional[StepHook] = None):
         self.ds = ds_engine  # deepspeed.DeepSpeedEngine or PipelineEngine
         self.hook = hook
         if ds_step.is_pipeline_engine(ds_engine):  # its schedule calls the module's loss function itself
@@ -42,7 +40,7 @@ class DeepSpeedEngine:
 
             ds_engine.module.loss_fn = StepLoss(ds_engine.module.loss_fn, hook)
         self.optimizer = optimizer
-        self.cfg, self.topo, self.layout, self.ds_config = cfg, topo, layout, ds_config
+        self.cfg, self.topo, self.layout = cfg, topo, layout
         self.grad_sync = grad_sync  # TPGradSync the step finishes at the boundary (plain engine, SP, ZeRO 0/1)
         self.writer = self._install_writer(bool(cfg.checkpoint.async_save))
         self._universal_info: Optional[dict] = None
@@ -120,9 +118,6 @@ class DeepSpeedEngine:
         from .init_weights import load_module_only
 
         load_module_only(self, read_state_dict, Path(scratch))
-
-    def config_record(self) -> Optional[dict]:
-        return self.ds_config
 
 
 def load_files(ds_engine, tag_dir: Path, load_dir: Path, load_tag: str) -> dict:

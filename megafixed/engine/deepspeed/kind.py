@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...engines import register
+from ..protocols import EngineFacts, Relayout
+from . import planner as _planner  # arithmetic only: its table column and notes are this engine's facts
+from .file_names import MODEL_FILES
 
 
 @dataclass(frozen=True)
@@ -19,10 +22,12 @@ class DeepSpeedKind:
     """DeepSpeed: ZeRO 0-3, its pipeline engine, megatron-core TP layers (the default)."""
 
     name = "deepspeed"
-    record_file = "ds_config.json"
-    config_title = "deepspeed"  # what --dry-run calls its config
-    dry_run_words = "zero {zero_optimization[stage]}"  # --dry-run's words, formatted with its config record
-    default = True
+    facts = EngineFacts(
+        default=True, record_file="ds_config.json", config_title="deepspeed", model_files=MODEL_FILES,
+        dry_run_words="zero {zero_optimization[stage]}",  # formatted with its config record
+        column=_planner.COLUMN, notes=_planner.NOTES, layout_keys=_planner.LAYOUT_KEYS, fake_worker=None,
+        record_keys=("zero_stage",),
+        derived_dirs=("universal",))  # universal.UNIVERSAL_DIR: its re-layout copy, made on a layout change
 
     @property
     def checkpoint(self):
@@ -44,10 +49,14 @@ class DeepSpeedKind:
 
         check_supported(cfg, plan)
 
-    def relayout_refusal(self, old: dict, new: dict):
+    def relayout(self, old: dict, new: dict) -> Relayout:
+        """The DP size counts only when a side partitions the optimizer (ZeRO >= 1), and a change means a
+        universal resume, which ``universal.unsupported`` may refuse."""
         from .universal import unsupported
 
-        return unsupported(old, new)
+        partitioned = max(new.get("zero_stage", 0), old.get("zero_stage", 0)) >= 1
+        keys = ("tp", "pp", "zero_stage", "precision") + (("dp",) if partitioned else ())
+        return Relayout(keys, unsupported(old, new))
 
     def setup_groups(self, plan) -> dict:
         from .groups import megatron_groups
@@ -78,15 +87,6 @@ class DeepSpeedKind:
 
     def dry_run_lines(self, cfg, plan) -> list:
         return []
-
-    def record_layout(self, plan) -> dict:
-        return {"zero_stage": plan.engine_plan.zero_stage}
-
-    def layout_change_keys(self, plan, recorded: dict) -> list:
-        """The DP size counts only when a side partitions the optimizer (ZeRO >= 1), and a change
-        means a universal resume."""
-        partitioned = max(plan.engine_plan.zero_stage, recorded.get("zero_stage", 0)) >= 1
-        return ["tp", "pp", "zero_stage", "precision"] + (["dp"] if partitioned else [])
 
 
 register(DeepSpeedKind())

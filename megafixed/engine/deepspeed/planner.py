@@ -171,6 +171,3 @@ def fake_refusal(layout):
     return ("not measurable under fake tensors: DeepSpeed's engine runs real collectives (deepspeed.comm) "
             "and accelerator allocations; its model is checked against its real step on 2 CPU ranks instead "
             "(ZeRO 1-3, bf16: tests/test_deepspeed_memory.py)")
-
-
-FAKE_WORKER = None

@@ -191,12 +191,6 @@ def is_native_checkpoint(tag_dir) -> bool:
     return (Path(tag_dir) / METADATA).is_file()
 
 
-def is_model_file(name: str) -> bool:
-    """A file of a native checkpoint that may hold weights: any rank's shard file can (DCP
-    de-duplicates replicated tensors onto one rank), and the index says which."""
-    return name == METADATA or name.endswith(".distcp")
-
-
 def weights_in_every_rank_file(tag_dir) -> bool:
     """Every rank's shard file holds weights (FSDP2 shards each parameter over the DP ranks), so a
     weights reader verifies them all, as for ZeRO-3."""

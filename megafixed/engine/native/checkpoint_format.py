@@ -6,24 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-METADATA = ".metadata"  # DCP's index (checkpoint.METADATA, which imports torch.distributed)
-
-
-def is_checkpoint(tag_dir) -> bool:
-    """Written by the torch-native engine (a DCP checkpoint: its ``.metadata`` index)."""
-    return (Path(tag_dir) / METADATA).is_file()
-
 
 def read_state_dict(tag_dir, *, verify: bool = True) -> dict:
     from .reader import read_state_dict as read
 
     return read(Path(tag_dir), verify=verify)
-
-
-def is_model_file(name: str) -> bool:
-    from .checkpoint import is_model_file as model_file
-
-    return model_file(name)
 
 
 def weights_in_every_rank_file(tag_dir) -> bool:

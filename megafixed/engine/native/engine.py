@@ -17,7 +17,6 @@ class NativeEngine:
     """One rank's torch-native engine behind the engine seam."""
     name = "torch"  # its train.engine value (logs and tests ask; the seam itself does not)
     hook: Optional[StepHook] = None  # what its step asks besides its batches (none, unless build_engine was given one)
-    derived_dirs: tuple = ()  # DCP reshards on load: no re-layout copy beside a tag
 
     def __init__(self, model: torch.nn.Module, optimizer, *, cfg, topo, hook: Optional[StepHook] = None):
         self.model, self.optimizer, self.cfg, self.topo = model, optimizer, cfg, topo
@@ -93,9 +92,3 @@ class NativeEngine:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(self.model)
-
-    def config_record(self) -> Optional[dict]:
-        """The engine's own record (mesh, FSDP, mixed precision, compile, AC): ``native/config.py``."""
-        from .config import engine_config
-
-        return engine_config(self.cfg, self.plan)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...engines import register
+from ..protocols import EngineFacts, Relayout
+from . import planner as _planner  # arithmetic only: its table column and notes are this engine's facts
 
 
 @dataclass(frozen=True)
@@ -25,12 +27,20 @@ class TorchKind:
     """torch-native: FSDP2/HSDP, DTensor TP/SP, torch.distributed.pipelining, torch.distributed.checkpoint."""
 
     name = "torch"
-    record_file = "torch_engine.json"
-    config_title = "torch engine"  # what --dry-run calls its config
-    # --dry-run's words, formatted with its config record
-    dry_run_words = ("engine torch, {data_parallel[mode]} (dp_replicate {data_parallel[replicate_degree]} x dp_shard "
-                     "{data_parallel[shard_degree]}){plan.float8_words}")
-    default = False
+    facts = EngineFacts(
+        default=False, record_file="torch_engine.json", config_title="torch engine",
+        checkpoint_marker=".metadata",  # DCP's index (checkpoint.METADATA, which imports torch.distributed)
+        # any rank's shard file may hold weights (DCP de-duplicates replicated tensors onto one rank), and the
+        # index says which
+        model_files=r"^(\.metadata|.*\.distcp)$",
+        # formatted with its config record
+        dry_run_words=("engine torch, {data_parallel[mode]} (dp_replicate {data_parallel[replicate_degree]} x "
+                       "dp_shard {data_parallel[shard_degree]}){plan.float8_words}"),
+        column=_planner.COLUMN, notes=_planner.NOTES, layout_keys=_planner.LAYOUT_KEYS,
+        fake_worker="megafixed.engine.native.fake_worker",  # run as `python -m` per row by `plan --fake`
+        # no record keys of its own: it does not read ``zero.*`` (FSDP2 shards by the DP degree), so a record
+        # of it must not claim a stage; no re-layout copy beside a tag: DCP reshards on load
+        record_keys=(), derived_dirs=())
 
     @property
     def checkpoint(self):
@@ -56,10 +66,12 @@ class TorchKind:
 
         check_supported(cfg, plan)
 
-    def relayout_refusal(self, old: dict, new: dict):
+    def relayout(self, old: dict, new: dict) -> Relayout:
+        """FSDP2 shards parameters and optimizer state over the DP ranks, so every DP/TP change is a
+        re-layout, which DCP's resharding does on load."""
         from .checkpoint import relayout_refusal
 
-        return relayout_refusal(old, new)
+        return Relayout(("tp", "pp", "dp", "precision"), relayout_refusal(old, new))
 
     def setup_groups(self, plan) -> dict:
         """One DeviceMesh in the plan's rank order, and its groups (no megatron-core on this path)."""
@@ -113,16 +125,6 @@ class TorchKind:
             f"# pipeline: {pipe['schedule']}, {plan.pp} ranks x {pipe['vpp']} stages, {b.accum} microbatches; "
             f"bubble {pipe['bubble_fraction']:.3f} from its action table ((p-1)/(v*m) = "
             f"{pipe['bubble_formula']:.3f}); activations {acts}"]
-
-    def record_layout(self, plan) -> dict:
-        """None of its own keys: it does not read ``zero.*`` (FSDP2 shards by the DP degree), so a record
-        of it must not claim a stage."""
-        return {}
-
-    def layout_change_keys(self, plan, recorded: dict) -> list:
-        """FSDP2 shards parameters and optimizer state over the DP ranks, so every DP/TP change is a
-        re-layout, which DCP's resharding does on load."""
-        return ["tp", "pp", "dp", "precision"]
 
 
 def _start_words(dp: int, replicate: int) -> str:

@@ -151,8 +151,6 @@ def fake_refusal(layout):
     return None
 
 
-FAKE_WORKER = "megafixed.engine.native.fake_worker"  # run as `python -m` per row by `plan --fake`
-
 
 def pipeline_estimate(m, seq: int, layout, precision: str, masks: bool):
     """Its own pipeline's ``Estimate`` (``pipeline_plan.py``: its split, its schedule's microbatches in flight)."""

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from ..base import ConvertError
-from .checkpoint import CLIENT_STATE, METADATA, MODEL, is_model_file, is_native_checkpoint  # noqa: F401
+from .checkpoint import CLIENT_STATE, METADATA, MODEL, is_native_checkpoint  # noqa: F401
 
 
 def _metadata(tag_dir: Path):
