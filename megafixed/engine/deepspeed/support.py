@@ -24,6 +24,7 @@ def check_supported(cfg, plan) -> None:
         # would make `train.compile=true` a lie.
         raise ConfigError(f"train.compile=true is not supported with pipeline parallelism (parallel.pp="
                           f"{pp}); set train.compile=false, or parallel.pp=1")
+    check_context_parallel(plan)
     from ...config_checks import check_pipeline_keys_need_pp
 
     check_pipeline_keys_need_pp(cfg, pp)
@@ -62,3 +63,13 @@ def check_zero(cfg, pp: int, precision) -> None:
         raise LayoutError(f"train.precision={precision} needs zero.stage >= 1: only DeepSpeed's ZeRO "
                           f"optimizers accumulate gradients in fp32 (data_types.grad_accum_dtype); "
                           f"use zero.stage=1, which costs no extra communication")
+
+
+def check_context_parallel(plan) -> None:
+    """What context parallelism cannot be combined with on this engine."""
+    if plan.cp > 1 and plan.pp > 1:
+        # DeepSpeed's pipeline engine builds its own grid and refuses a model-parallel unit, and only an
+        # mpu tells ZeRO to partition and reduce over data x context ranks (mpu.ContextParallelMPU).
+        raise LayoutError(f"parallel.cp={plan.cp} cannot be combined with parallel.pp={plan.pp} under "
+                          f"train.engine=deepspeed (its pipeline engine takes no model-parallel unit, which is how "
+                          f"ZeRO learns the context-parallel ranks); set train.engine=torch, or parallel.pp=1")
