@@ -80,13 +80,14 @@ class DeepSpeedKind:
         return []
 
     def record_layout(self, plan) -> dict:
-        return {"zero_stage": plan.engine_plan.zero_stage}
+        # cp only when it splits: a run without context parallelism records what it always did
+        return {"zero_stage": plan.engine_plan.zero_stage, **({"cp": plan.cp} if plan.cp > 1 else {})}
 
     def layout_change_keys(self, plan, recorded: dict) -> list:
-        """The DP size counts only when a side partitions the optimizer (ZeRO >= 1), and a change
-        means a universal resume."""
+        """The DP and CP sizes count only when a side partitions the optimizer (ZeRO >= 1: it partitions
+        over data x context ranks), and a change means a universal resume. The weights do not depend on cp."""
         partitioned = max(plan.engine_plan.zero_stage, recorded.get("zero_stage", 0)) >= 1
-        return ["tp", "pp", "zero_stage", "precision"] + (["dp"] if partitioned else [])
+        return ["tp", "pp", "zero_stage", "precision"] + (["dp", "cp"] if partitioned else [])
 
 
 register(DeepSpeedKind())
