@@ -14,7 +14,7 @@ launch (``deepspeed_cp_worker.py``: several trainer runs in one world, imports p
 
 Asserted: losses, gradient norms and validation losses within 1e-5 of one process; the resumes (weights
 and Adam's state) within 1e-5 of the uninterrupted run; the killed run's rerun bit for bit. Beside them,
-in-process: the plan's refusal of CP x PP on this engine.
+in-process: the plan's refusals of CP x PP and CP x ZeRO-3 on this engine.
 """
 from __future__ import annotations
 
@@ -154,16 +154,19 @@ def test_a_cp2_run_killed_mid_run_reruns_bit_identically(runs):
         [r["val_loss"] for r in read_metrics(runs["dirs"]["cp2_zero2"], "val_loss")]
 
 
-def test_context_parallel_with_a_pipeline_is_refused_naming_the_torch_engine():
+@pytest.mark.parametrize("extra,words", [
+    (("parallel.pp=2",), ("parallel.cp=2", "parallel.pp=2", "train.engine=torch")),
+    (("zero.stage=3",), ("parallel.cp=2", "zero.stage=3", "zero.stage 1 or 2", "train.engine=torch")),
+])
+def test_what_this_engine_cannot_do_with_context_parallelism_is_refused_in_one_line(extra, words):
     from megafixed.config import load_config
     from megafixed.parallel.layout import LayoutError
     from megafixed.run_plan import RunPlan
 
     cfg = load_config(None, ["model.n_layers=2", "model.n_heads=4", "model.d_model=64", "data.seq_len=32",
-                             "model.max_seq_len=32", "parallel.cp=2", "parallel.pp=2", "train.global_batch=8",
-                             "train.micro_batch=4"])
+                             "model.max_seq_len=32", "parallel.cp=2", "train.global_batch=8", "train.micro_batch=4",
+                             *extra])
     with pytest.raises(LayoutError) as err:
         RunPlan.build(cfg, 4)
     msg = str(err.value)
-    assert "parallel.cp=2" in msg and "parallel.pp=2" in msg and "train.engine=torch" in msg, msg
-    assert "\n" not in msg
+    assert all(w in msg for w in words) and "\n" not in msg, msg
