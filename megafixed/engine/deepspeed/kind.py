@@ -81,7 +81,8 @@ class DeepSpeedKind:
 
     def record_layout(self, plan) -> dict:
         # cp only when it splits: a run without context parallelism records what it always did
-        return {"zero_stage": plan.engine_plan.zero_stage, **({"cp": plan.cp} if plan.cp > 1 else {})}
+        cp = getattr(plan, "cp", 1)  # a plan of a layout without the axis (a test's stand-in) has none
+        return {"zero_stage": plan.engine_plan.zero_stage, **({"cp": cp} if cp > 1 else {})}
 
     def layout_change_keys(self, plan, recorded: dict) -> list:
         """The DP and CP sizes count only when a side partitions the optimizer (ZeRO >= 1: it partitions
