@@ -1,12 +1,15 @@
 """Ulysses context parallelism on the DeepSpeed engine, against one process, through ``megafixed train``.
 
 Two one-process references train first (4 steps, a validation and a checkpoint every 2): the learned
-table with GQA (4 query heads, 2 key/value heads) and a fixed code (gf2) under ZeRO-2. Then ONE 4-rank
-launch (``deepspeed_cp_worker.py``: several trainer runs in one world, imports paid once) trains:
+table with GQA (4 query heads, 2 key/value heads) and a fixed code (gf2) with the fused first layer under
+ZeRO-2. Then ONE 4-rank launch (``deepspeed_cp_worker.py``: several trainer runs in one world, imports
+paid once) trains:
 
-- ``cp4``: the learned table at CP4 (2 key/value heads over 4 ranks: repeated to the query heads first);
+- ``cp4``: the learned table at CP4 (2 key/value heads over 4 ranks: repeated to the query heads first),
+  with activation checkpointing (the all-to-alls run again in the recomputation);
 - ``cp2_tp2``: the learned table at CP2 x TP2 with sequence parallelism (1 key/value head per TP rank);
-- ``cp2_zero2``: the fixed code at CP2 x DP2 under ZeRO-2 (partitioned over data x context ranks);
+- ``cp2_zero2``: the fixed code (fused first layer) at CP2 x DP2 under ZeRO-2 (partitioned over data x
+  context ranks);
 - ``cp1_from_cp2``: ``cp2_zero2``'s step-2 checkpoint resumed at CP1 (DP4), and ``cp2_from_one``: the
   one-process step-2 checkpoint resumed at CP2 x DP2, both through DeepSpeed's universal checkpoint;
 - ``victim``: the ``cp2_zero2`` command again, every rank SIGKILLed before step 4 (``faults.inject=exit@4``),
@@ -36,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
 RUN = ("validation.interval=2", "validation.iters=1")
 LEARNED = ("model.n_kv_heads=2",)
-CODE = ("zero.stage=2",)
+CODE = ("zero.stage=2", "model.fused_first_layer=true")
 
 
 def _learned(shards, run_dir, *extra) -> list[str]:
@@ -79,7 +82,8 @@ def runs(tiny_shards, tmp_path_factory):
         assert proc.returncode == 0, f"{name}:\n{out[-4000:]}"
     cp2_zero2 = ("parallel.cp=2", "train.micro_batch=2")  # 4 ranks: CP2 x DP2
     spec = {"runs": [
-        {"name": "cp4", "overrides": _learned(tiny_shards, d["cp4"], "parallel.cp=4")},
+        {"name": "cp4", "overrides": _learned(tiny_shards, d["cp4"], "parallel.cp=4",
+                                              "train.activation_checkpointing=true")},
         {"name": "cp2_tp2", "overrides": _learned(tiny_shards, d["cp2_tp2"], "parallel.cp=2", "parallel.tp=2",
                                                   "parallel.sequence_parallel=true")},
         {"name": "cp2_zero2", "overrides": _code(tiny_shards, d["cp2_zero2"], *cp2_zero2)},
