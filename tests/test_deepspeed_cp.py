@@ -6,8 +6,10 @@ ZeRO-2. Then ONE 4-rank launch (``deepspeed_cp_worker.py``: several trainer runs
 paid once) trains:
 
 - ``cp4``: the learned table at CP4 (2 key/value heads over 4 ranks: repeated to the query heads first),
-  with activation checkpointing (the all-to-alls run again in the recomputation);
-- ``cp2_tp2``: the learned table at CP2 x TP2 with sequence parallelism (1 key/value head per TP rank);
+  without ZeRO (the step computes the gradient norm itself) and with activation checkpointing (the
+  all-to-alls run again in the recomputation);
+- ``cp2_tp2``: the learned table at CP2 x TP2 with sequence parallelism (1 key/value head per TP rank),
+  under ZeRO-1 (the default);
 - ``cp2_zero2``: the fixed code (fused first layer) at CP2 x DP2 under ZeRO-2 (partitioned over data x
   context ranks);
 - ``cp1_from_cp2``: ``cp2_zero2``'s step-2 checkpoint resumed at CP1 (DP4), and ``cp2_from_one``: the
@@ -82,7 +84,7 @@ def runs(tiny_shards, tmp_path_factory):
         assert proc.returncode == 0, f"{name}:\n{out[-4000:]}"
     cp2_zero2 = ("parallel.cp=2", "train.micro_batch=2")  # 4 ranks: CP2 x DP2
     spec = {"runs": [
-        {"name": "cp4", "overrides": _learned(tiny_shards, d["cp4"], "parallel.cp=4",
+        {"name": "cp4", "overrides": _learned(tiny_shards, d["cp4"], "parallel.cp=4", "zero.stage=0",
                                               "train.activation_checkpointing=true")},
         {"name": "cp2_tp2", "overrides": _learned(tiny_shards, d["cp2_tp2"], "parallel.cp=2", "parallel.tp=2",
                                                   "parallel.sequence_parallel=true")},
