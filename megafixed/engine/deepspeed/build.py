@@ -12,6 +12,7 @@ def build(cfg, topo, layout, precision: str, hook=None):
 
     from ...model import GPT
     from .config import deepspeed_config
+    from .context import shard_for_context_parallel
     from .engine import DeepSpeedEngine, hp_grad
     from .grads import TPGradSync
     from .model import build_model
@@ -28,6 +29,8 @@ def build(cfg, topo, layout, precision: str, hook=None):
         model = build_model(cfg.model, topo, seed=cfg.train.seed, pp_partition=cfg.parallel.pp_partition,
                             activation_checkpointing=cfg.train.activation_checkpointing,
                             compute_dtype=COMPUTE_DTYPES[precision], build_stages=build_pipeline)
+        # after TP's layers (the cores sit behind them), before compile (it compiles the wrapped blocks)
+        shard_for_context_parallel(model, topo, cfg.data.seq_len)
         if cfg.train.compile:  # a plain GPT here: the run plan refused a pipeline (engine.check_supported)
             for block in model.blocks:
                 block.compile()  # in place: parameter names (and so checkpoints) stay unchanged

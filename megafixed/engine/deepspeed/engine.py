@@ -63,11 +63,12 @@ class DeepSpeedEngine:
         return ds_step.train_step(self.ds, self.optimizer, batches, self.layout.accum, dp=self.topo.world_size,
                                   dp_group=None, on_nonfinite=self.cfg.guard.on_nonfinite,
                                   step=step, grad_sync=self.grad_sync, vocab_size=self.cfg.model.vocab_size,
-                                  hook=self.hook)
+                                  hook=self.hook, shard=(self.topo.cp_rank, self.topo.cp))
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
-        return ds_step.eval_loss(self.ds, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,
-                                 vocab_size=self.cfg.model.vocab_size)
+        group, size = self.topo.loss_group  # dp, or dp x cp: each context-parallel rank holds its tokens' mean
+        return ds_step.eval_loss(self.ds, batches, micro_batches, dp=size, dp_group=group,
+                                 vocab_size=self.cfg.model.vocab_size, shard=(self.topo.cp_rank, self.topo.cp))
 
     # ---- checkpoint files
     def _install_writer(self, async_save: bool):

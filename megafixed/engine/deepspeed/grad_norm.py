@@ -34,7 +34,10 @@ def global_grad_norm(parameters, mpu=None) -> float:
     from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
     tp_rank = bwc_tensor_model_parallel_rank(mpu)
-    dp_rank = mpu.get_data_parallel_rank() if mpu is not None else 0
+    # one replica of the reduced gradients: data-parallel rank 0, and context-parallel rank 0 under cp
+    # (ContextParallelMPU: its data x context rank)
+    seq_dp_rank = getattr(mpu, "get_sequence_data_parallel_rank", None)
+    dp_rank = seq_dp_rank() if seq_dp_rank else mpu.get_data_parallel_rank() if mpu is not None else 0
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)

@@ -50,12 +50,13 @@ class DeepSpeedKind:
         check_supported(cfg, plan)
 
     def relayout(self, old: dict, new: dict) -> Relayout:
-        """The DP size counts only when a side partitions the optimizer (ZeRO >= 1), and a change means a
-        universal resume, which ``universal.unsupported`` may refuse."""
+        """The DP and CP sizes count only when a side partitions the optimizer (ZeRO >= 1: it partitions over
+        data x context ranks), and a change means a universal resume, which ``universal.unsupported`` may
+        refuse. The weights do not depend on cp."""
         from .universal import unsupported
 
         partitioned = max(new.get("zero_stage", 0), old.get("zero_stage", 0)) >= 1
-        keys = ("tp", "pp", "zero_stage", "precision") + (("dp",) if partitioned else ())
+        keys = ("tp", "pp", "zero_stage", "precision") + (("dp", "cp") if partitioned else ())
         return Relayout(keys, unsupported(old, new))
 
     def setup_groups(self, plan) -> dict:

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 def topology_mpu(topo):
     """The model-parallel unit for ``deepspeed.initialize(mpu=...)``: needed under TP so that ZeRO
-    partitions over the DP group and the gradient norm counts each parameter once. With a
-    pipeline, DeepSpeed insists on None and builds its grid from the same numbers."""
-    return TopologyMPU(topo) if topo.tp > 1 and topo.pp == 1 else None
+    partitions over the DP group and the gradient norm counts each parameter once, and under CP so
+    that ZeRO partitions and reduces over data x context ranks. With a pipeline, DeepSpeed insists
+    on None and builds its grid from the same numbers (the run plan refuses CP with a pipeline)."""
+    if topo.pp > 1:
+        return None
+    if topo.cp > 1:
+        return ContextParallelMPU(topo)
+    return TopologyMPU(topo) if topo.tp > 1 else None
 
 
 class TopologyMPU:
@@ -68,3 +73,33 @@ class TopologyMPU:
     def get_data_parallel_group_ranks(self) -> list[int]:
         import torch.distributed as dist
         return dist.get_process_group_ranks(self.topo.dp_group)
+
+
+class ContextParallelMPU(TopologyMPU):
+    """``TopologyMPU`` with DeepSpeed's sequence-parallel questions answered (context parallelism).
+
+    DeepSpeed 0.19 takes ZeRO's partition and gradient-reduction group from
+    ``get_sequence_data_parallel_group`` (data x context ranks: each context-parallel rank holds the
+    gradient of other tokens) and divides that reduction by its size over the sequence-parallel size,
+    i.e. by dp alone: it sums over the cp ranks (``engine._reduce_non_expert_gradients``,
+    ``stage_1_and_2.average_tensor``, ``stage3``). The step divides each rank's loss by cp before its
+    backward (``step.train_step``), so that sum is the mean over every token. Only a run with cp > 1
+    has these methods: DeepSpeed asks for them with ``hasattr``, and a run without cp keeps its path."""
+
+    def get_sequence_parallel_group(self):
+        return self.topo.cp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.topo.cp
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.topo.cp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return self.topo.dp_cp_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.topo.dp * self.topo.cp
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.topo.dp_rank * self.topo.cp + self.topo.cp_rank

@@ -68,13 +68,18 @@ def _stage0_grad_norm(engine) -> Optional[float]:
 
 def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *, dp: int, dp_group=None,
                on_nonfinite: str = "stop", step: int = 0, grad_sync=None,
-               vocab_size: Optional[int] = None, hook=None) -> StepResult:
+               vocab_size: Optional[int] = None, hook=None, shard: tuple[int, int] = (0, 1)) -> StepResult:
     """Run one optimizer step over ``accum`` micro batches from ``batches`` on this rank.
 
     ``grad_sync`` (plain engine, sequence parallelism, ZeRO 0/1) sums the sequence-parallel
     gradients over TP once, after the last micro batch's backward, and then lets DeepSpeed do
     its data-parallel reduction (``megafixed.engine.deepspeed.grads``).
+
+    ``shard``: (context-parallel rank, cp): each micro batch's slice of positions this rank runs. Its
+    loss is the mean over that slice; DeepSpeed sums gradients over the cp ranks (``mpu.ContextParallelMPU``),
+    so the backward takes the loss over cp: the reduced gradient is the mean over every token.
     """
+    cp = shard[1]
     engine.train()
     if is_pipeline_engine(engine):
         return _pipeline_train_step(engine, optimizer, batches, accum, on_nonfinite=on_nonfinite, step=step,
@@ -82,7 +87,7 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
 
     def micro_step(k: int, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = scaled_loss(engine(inputs, labels), hook, step)  # an injected fault (faults.inject), if any
-        engine.backward(loss)
+        engine.backward(loss / cp if cp > 1 else loss)
         if k < accum - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro step
         elif grad_sync is not None:
@@ -91,7 +96,7 @@ def train_step(engine, optimizer, batches: Iterator[torch.Tensor], accum: int, *
         return loss
 
     value, nonfinite = accumulated_loss(batches, accum, micro_step, device=engine.device, vocab_size=vocab_size,
-                                        dp=dp, dp_group=dp_group)
+                                        dp=dp, dp_group=dp_group, shard=shard)
     # The guard judges values every rank already holds (the reduced loss, the global norm): every rank
     # reaches the same verdict with no collective of its own, and no device read is added.
     verdict = loss_verdict(hook, step, value, nonfinite, on_nonfinite)
@@ -179,8 +184,9 @@ def _zero_grad_norm(engine):
 
 @torch.no_grad()
 def eval_loss(engine, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp_group=None,
-              vocab_size: Optional[int] = None) -> float:
-    """Mean loss over ``iters`` micro batches per rank, averaged over data-parallel ranks."""
+              vocab_size: Optional[int] = None, shard: tuple[int, int] = (0, 1)) -> float:
+    """Mean loss over ``iters`` micro batches per rank, averaged over data-parallel ranks (data x context
+    ranks under context parallelism: ``dp``/``dp_group`` are then ``Topology.loss_group``'s)."""
     if iters < 1:
         return float("nan")
     was_training = engine.training
@@ -190,6 +196,6 @@ def eval_loss(engine, batches: Iterator[torch.Tensor], iters: int, *, dp: int, d
     else:
         engine.eval()
         value = eval_mean(batches, iters, engine.module, device=engine.device, vocab_size=vocab_size,
-                          dp=dp, dp_group=dp_group)
+                          dp=dp, dp_group=dp_group, shard=shard)
     engine.train(was_training)
     return value

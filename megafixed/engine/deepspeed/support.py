@@ -24,6 +24,7 @@ def check_supported(cfg, plan) -> None:
         # would make `train.compile=true` a lie.
         raise ConfigError(f"train.compile=true is not supported with pipeline parallelism (parallel.pp="
                           f"{pp}); set train.compile=false, or parallel.pp=1")
+    check_context_parallel(plan)
     from ...config_checks import check_pipeline_keys_need_pp
 
     check_pipeline_keys_need_pp(cfg, pp)
@@ -62,3 +63,20 @@ def check_zero(cfg, pp: int, precision) -> None:
         raise LayoutError(f"train.precision={precision} needs zero.stage >= 1: only DeepSpeed's ZeRO "
                           f"optimizers accumulate gradients in fp32 (data_types.grad_accum_dtype); "
                           f"use zero.stage=1, which costs no extra communication")
+
+
+def check_context_parallel(plan) -> None:
+    """What context parallelism cannot be combined with on this engine."""
+    if plan.cp > 1 and plan.engine_plan.zero_stage == 3:
+        # DeepSpeed 0.19.8's ZeRO-3 reduce-scatter path (stage3 __avg_scatter_grads) averages gradients over
+        # all data x context ranks, where its other paths and ZeRO 0-2 sum over the context ranks: no one
+        # loss scale makes both right (measured: the gradient norm 2/3 of one process's at CP2).
+        raise LayoutError(f"parallel.cp={plan.cp} cannot be combined with zero.stage=3 under train.engine=deepspeed "
+                          f"(DeepSpeed's ZeRO-3 averages the context-parallel gradients inconsistently); use "
+                          f"zero.stage 1 or 2, or train.engine=torch (FSDP2 shards over data x context ranks)")
+    if plan.cp > 1 and plan.pp > 1:
+        # DeepSpeed's pipeline engine builds its own grid and refuses a model-parallel unit, and only an
+        # mpu tells ZeRO to partition and reduce over data x context ranks (mpu.ContextParallelMPU).
+        raise LayoutError(f"parallel.cp={plan.cp} cannot be combined with parallel.pp={plan.pp} under "
+                          f"train.engine=deepspeed (its pipeline engine takes no model-parallel unit, which is how "
+                          f"ZeRO learns the context-parallel ranks); set train.engine=torch, or parallel.pp=1")
