@@ -53,7 +53,8 @@ def measure_rows(args, planner, estimates, sharding, progress=None) -> list:
     for i, e in enumerate(estimates, 1):
         got = measure_row(args, planner, e.layout)
         lay = e.layout
-        where = f"tp {lay.tp} pp {lay.pp} dp {lay.dp} ({sharding(lay)}) mb {lay.micro_batch}"
+        cp = f" cp {lay.cp}" if lay.cp > 1 else ""
+        where = f"tp {lay.tp}{cp} pp {lay.pp} dp {lay.dp} ({sharding(lay)}) mb {lay.micro_batch}"
         if "refused" in got:
             line = f"fake {i}/{len(estimates)}: {where}: {got['refused']}"
         else:

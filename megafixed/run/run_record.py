@@ -32,12 +32,14 @@ def run_record(cfg, plan) -> dict:
 
 
 def record_layout(plan) -> dict:
-    """The layout keys of a run record: every engine's (tp, pp, dp, precision, engine) and the
+    """The layout keys of a run record: every engine's (tp, pp, dp, precision, engine; cp when > 1) and the
     plan's engine's own (``EngineKind.record_layout``: DeepSpeed's ``zero_stage``; the torch
     engine has none, as it does not read ``zero.*``, so a record of it must not claim a stage)."""
     kind = kind_of(plan)
     own = kind.record_layout(plan)
     layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, **own, "precision": plan.precision, "engine": kind.name}
+    if plan.cp > 1:  # recorded only when it splits: a record without it is cp 1
+        layout["cp"] = plan.cp
     return layout
 
 

@@ -110,7 +110,12 @@ def layout_changes(record: dict, plan) -> list[str]:
     from ..engines import engine_kind
 
     keys = engine_kind(now["engine"]).layout_change_keys(plan, lay)
-    return [f"{names.get(k, k)} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
+    changes = [f"{names.get(k, k)} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
+    # Context parallelism leaves every parameter and its name as they are (parallel.context.shard_model):
+    # another cp is a safe change, reported, whichever engine wrote the checkpoint
+    if lay.get("cp", 1) != now.get("cp", 1):
+        changes.append(f"parallel.cp {lay.get('cp', 1)} -> {now.get('cp', 1)}")
+    return changes
 
 
 def check_run_dir_takes(cfg, plan) -> Optional[str]:
