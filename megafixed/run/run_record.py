@@ -38,8 +38,9 @@ def record_layout(plan) -> dict:
     kind = kind_of(plan)
     own = kind.record_layout(plan)
     layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, **own, "precision": plan.precision, "engine": kind.name}
-    if plan.cp > 1:  # recorded only when it splits: a record without it is cp 1
-        layout["cp"] = plan.cp
+    cp = getattr(plan, "cp", 1)  # a plan-like record of an older layout has none
+    if cp > 1:  # recorded only when it splits: a record without it is cp 1
+        layout["cp"] = cp
     return layout
 
 
