@@ -107,7 +107,8 @@ def whole_sequences(model: nn.Module) -> Iterator[None]:
     ranks then splitting the rows among themselves as data-parallel ranks do. A no-op without CP."""
     from ..model.gpt import Attention, Rotary
 
-    swapped = [(m, m.core) for m in model.modules() if isinstance(m, Attention) and isinstance(m.core, UlyssesAttention)]
+    swapped = [(m, m.core) for m in model.modules()
+               if isinstance(m, Attention) and isinstance(m.core, UlyssesAttention)]
     offsets = [(m, m.offset) for m in model.modules() if isinstance(m, Rotary) and m.offset]
     try:
         for m, core in swapped:
