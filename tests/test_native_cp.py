@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,12 +157,13 @@ def test_in_loop_zero_shot_numbers_at_cp2_equal_one_process(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name,change", [("cp2_to_cp1", "parallel.cp 2 -> 1"), ("cp1_to_cp2", "parallel.cp 1 -> 2")])
+@pytest.mark.parametrize("name,change", [("cp2_to_cp1", r"parallel\.cp:? 2 -> 1"),
+                                                  ("cp1_to_cp2", r"parallel\.cp:? 1 -> 2")])
 def test_a_checkpoint_resumes_at_another_cp_with_the_optimizer(runs, name, change):
     r = runs["worker"][name]
     assert r["resumed_from"] == "step_00000002" and r["step"] == STEPS, r
     line = next(ln for ln in r["lines"] if ln.startswith("resumed from"))
-    assert change in line, line
+    assert re.search(change, line), line  # a change the resume names, and allows (DCP reshards)
     _assert_like(runs["dirs"][name], runs["dirs"]["gf2"], name, first=2)  # steps 3-4 in the other layout
     rows = read_metrics(runs["dirs"][name], "loss")
     assert rows[-1]["loss"] < read_metrics(runs["dirs"]["gf2"], "loss")[0]["loss"]
