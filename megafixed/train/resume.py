@@ -106,16 +106,13 @@ def layout_changes(record: dict, plan) -> list[str]:
         return []
     now = current_layout(plan)
     names = {"tp": "parallel.tp", "pp": "parallel.pp", "zero_stage": "zero.stage", "precision": "train.precision",
-             "dp": "the data-parallel size (world size / (tp*pp))"}
+             "dp": "the data-parallel size (world size / (tp*pp))", "cp": "parallel.cp"}
     from ..engines import engine_kind
 
     keys = engine_kind(now["engine"]).layout_change_keys(plan, lay)
-    changes = [f"{names.get(k, k)} {lay.get(k)} -> {now[k]}" for k in keys if lay.get(k) != now[k]]
-    # Context parallelism leaves every parameter and its name as they are (parallel.context.shard_model):
-    # another cp is a safe change, reported, whichever engine wrote the checkpoint
-    if lay.get("cp", 1) != now.get("cp", 1):
-        changes.append(f"parallel.cp {lay.get('cp', 1)} -> {now.get('cp', 1)}")
-    return changes
+    absent = {"cp": 1}  # an axis a record names only when it splits
+    old_new = {k: (lay.get(k, absent.get(k)), now.get(k, absent.get(k))) for k in keys}
+    return [f"{names.get(k, k)} {a} -> {b}" for k, (a, b) in old_new.items() if a != b]
 
 
 def check_run_dir_takes(cfg, plan) -> Optional[str]:
