@@ -46,6 +46,10 @@ micro batches in flight, so it holds activations for ``pp * L/pp = L`` layers (t
 that PP does not shrink activation memory). The last stage adds the loss's working set
 (``loss_phase_bytes``: three fp32 logit-sized tensors, ``12*s*b*V/t``, in its backward).
 
+Context parallelism (``layout.cp``): every activation term is of the rank's ``s/cp`` positions
+(``context_parallel_seq`` says why Ulysses' full-sequence tensors on a head slice count the same), and
+the model states shard over data x context ranks (``Layout.dp_shard``, ``Layout.dp_cp``).
+
 Where the peak sits: a step's gradients are dropped at its end (``zero_grad(set_to_none=True)``), so
 with one micro batch per step (accum 1) none exists at the loss backward, where the activations
 peak; they appear as each group's backward reduces it, while the activations are freed. The row is
