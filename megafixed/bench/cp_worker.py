@@ -52,7 +52,8 @@ def _row(spec: dict, seq: int, rank: int, world: int) -> dict:
             "peak_bytes": mem["peak_bytes"], "activation_bytes": sum(v for k, v in parts.items() if k.endswith("ACT")),
             "temp_bytes": sum(v for k, v in parts.items() if k.endswith("TEMP")), "parts": parts,
             "analytic_activation_bytes": analytic,
-            "cp_all_to_all_bytes": mem["comm_by_axis"].get("cp.all_to_all", {}).get("bytes", 0),
+            # by kind: at dp 1 the cp group is the FSDP2 group too, and only Ulysses runs all-to-alls
+            "cp_all_to_all_bytes": mem["comm"].get("all_to_all", {}).get("bytes", 0),
             "step_times_s": times, "step_s_median": step, "tokens_per_step": tokens, "tokens_per_s": tokens / step}
 
 
