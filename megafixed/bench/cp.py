@@ -1,8 +1,8 @@
 """``megafixed bench cp CONFIG [overrides]``: what context parallelism buys on this machine -- activation
 memory per rank and tokens/s against sequence length, at each cp, as ratios to cp 1 in the same run.
 
-For each cp (``--cp 1,2,4``) one ``torchrun --nproc-per-node cp`` launch of ``cp_worker`` (the torch
-engine, Ulysses over a world of cp ranks, dp 1) runs every sequence length (``--seq-lens``) of the
+For each cp (``--cp 1,2,4``) one world of ``cp`` ``cp_worker`` processes (the torch engine, Ulysses over
+cp ranks, dp 1; started with torchrun's environment variables) runs every sequence length (``--seq-lens``) of the
 config in turn, on synthetic tokens:
 
 * **memory**: one rank's peak by part over the engine's own build and two ``train_step``s, counted by
@@ -54,15 +54,21 @@ def add_arguments(p):
 
 
 def _launch(spec: dict, cp: int, workdir: Path) -> list:
+    """One world of ``cp`` worker processes, started as torchrun would (its environment variables), without
+    torchrun's agent process: a benchmark's world needs no restarts."""
     from .startup_common import _env, _free_port
 
     spec_file, out_file = workdir / f"cp{cp}.json", workdir / f"cp{cp}.out.json"
     spec_file.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cp}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", "-m", "megafixed.bench.cp_worker", str(spec_file), str(out_file)]
-    proc = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0 or not out_file.exists():
-        raise RuntimeError(f"bench cp: the cp {cp} launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+    cmd = [sys.executable, "-m", "megafixed.bench.cp_worker", str(spec_file), str(out_file)]
+    world = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(cp))
+    procs = [subprocess.Popen(cmd, env=dict(world, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(cp)]
+    logs = [p.communicate()[0] for p in procs]
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
+    if failed or not out_file.exists():
+        r, code = failed[0] if failed else (0, 0)
+        raise RuntimeError(f"bench cp: rank {r} of the cp {cp} world failed ({code}):\n{logs[r][-3000:]}")
     return json.loads(out_file.read_text())
 
 

@@ -1,4 +1,5 @@
-"""One world of ``megafixed bench cp``: ``torchrun --nproc-per-node CP -m megafixed.bench.cp_worker SPEC OUT``.
+"""One rank of a world of ``megafixed bench cp``: ``python -m megafixed.bench.cp_worker SPEC OUT`` under
+torchrun's environment variables (RANK, WORLD_SIZE = cp, MASTER_ADDR, MASTER_PORT; ``bench/cp.py`` sets them).
 
 Every rank builds the torch engine at ``parallel.cp`` = the world size (dp 1) for each sequence length
 of the spec, measures one rank's peak by part with the planner's tracker (``fake_measure.measure_step``
