@@ -22,6 +22,7 @@ import os
 import shutil
 import struct
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -91,7 +92,9 @@ def main() -> None:
     for spec in runs:  # the first run's setup_distributed starts the world; later ones keep it
         if spec.get("inject") and int(os.environ.get("RANK", "0")) == 0:  # the victim ends this launch
             Path(out_path).write_text(json.dumps(results, indent=1))
+        t0 = time.perf_counter()
         results[spec["name"]] = one_run(spec)
+        results[spec["name"]]["wall_s"] = round(time.perf_counter() - t0, 2)
         if dist.is_initialized():
             dist.barrier()
     if int(os.environ.get("RANK", "0")) == 0:

@@ -25,6 +25,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,9 @@ def _launch(nproc: int, tmp: Path, name: str, runs: list) -> tuple[subprocess.Co
     spec.write_text(json.dumps({"runs": runs}))
     args = [WORKER, str(spec), str(out)]
     cmd = [sys.executable, *args] if nproc == 1 else torchrun_cmd(nproc, args)
+    t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    print(f"launch {name} ({nproc} ranks): {time.perf_counter() - t0:.1f} s")  # shown with -s: the cost of each
     return proc, (json.loads(out.read_text()) if out.exists() else {})
 
 
@@ -103,8 +106,9 @@ def runs(data, tmp_path_factory):
     w.update(_ok(_launch(4, tmp, "four", [
         run("cp4_learned", "learned", "parallel.cp=4"),
         run("cp4_fused", "gf2", "parallel.cp=4", "model.fused_first_layer=true"),
-        run("cp2_tp2", "gf2", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
-        run("cp2_dp2", "gf2", "parallel.cp=2"),
+        run("cp2_tp2", "gf2", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+            "model.fused_first_layer=true"),
+        run("cp2_dp2", "gf2", "parallel.cp=2", "train.activation_checkpointing=true"),
         run("cp2_hsdp", "learned", "parallel.cp=2", "torch_engine.dp_replicate=2"),
         run("cp2_pp2", "gf2", "parallel.cp=2", "parallel.pp=2")])))
     return {"dirs": d, "worker": w}
@@ -179,6 +183,22 @@ def test_a_cp2_run_killed_mid_run_reruns_bit_identically(runs):
     assert [{k: row[k] for k in keys} for row in got] == [{k: row[k] for k in keys} for row in want]
     assert [row["val_loss"] for row in read_metrics(runs["dirs"]["victim"], "val_loss")] == \
         [row["val_loss"] for row in read_metrics(runs["dirs"]["cp2"], "val_loss")]
+
+
+@pytest.mark.multiprocess
+def test_a_cp2_checkpoint_loads_as_the_plain_model_eval_and_generate_use(runs):
+    """``megafixed eval``/``generate`` read a run through ``load_trained_model``: a plain one-process GPT,
+    whatever cp the run trained at (parameter names and shapes do not depend on it)."""
+    import torch
+
+    from megafixed.engine.trained import load_trained_model
+
+    cp2, _ = load_trained_model(None, runs["dirs"]["cp2"], "step_00000004")
+    one, _ = load_trained_model(None, runs["dirs"]["gf2"], "step_00000004")
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = cp2(ids[:, :-1], ids[:, 1:]).item(), one(ids[:, :-1], ids[:, 1:]).item()
+    assert math.isclose(got, want, rel_tol=RTOL), (got, want)
 
 
 # ------------------------------------------------------------------------------------------ refusals
