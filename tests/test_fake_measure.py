@@ -237,6 +237,8 @@ def test_fake_refuses_pipelines_with_several_stages_per_rank():
     assert refusal(Layout(pp=2, engine="torch"), planner, 4) is None
     assert refusal(Layout(dp=2, engine="torch"), planner, 2) is None
     assert "ranks" in refusal(Layout(dp=2, engine="torch"), planner, 10 ** 6)
+    assert "ring attention" in refusal(Layout(cp=2, cp_method="ring", engine="torch"), planner, 2)
+    assert refusal(Layout(cp=2, engine="torch"), planner, 2) is None  # Ulysses' rows are measured
 
 
 PAPER = ROOT / "examples" / "configs" / "paper-1.7b-canonical.yaml"

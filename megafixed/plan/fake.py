@@ -22,6 +22,9 @@ def refusal(layout, planner, gpus: int) -> str | None:
         return planner.fake_refusal(layout)
     if gpus > MAX_FAKE_WORLD:
         return f"--fake measures up to {MAX_FAKE_WORLD} ranks, not {gpus}"
+    if layout.cp > 1 and layout.cp_method == "ring":
+        return ("ring attention is not measured under fake tensors (torch's context_parallel dispatches to CUDA "
+                "attention kernels only); --fake measures parallel.cp_method=ulysses rows")
     return planner.fake_refusal(layout)
 
 
