@@ -2,16 +2,16 @@
 
 Each world is one launch of ``native_cp_worker.py`` running several trainer runs (imports paid once):
 
-- 2 ranks: ``cp2`` (GF(2) code, with in-loop zero-shot evaluation), ``cp2_learned`` (the learned
-  table), and ``victim``: ``cp2``'s command SIGKILLed on every rank before step 3
-  (``faults.inject=exit@3``), which ends the launch;
+- 2 ranks: ``cp2`` (GF(2) code, with in-loop zero-shot evaluation), and ``victim``: ``cp2``'s command
+  SIGKILLed on every rank before step 3 (``faults.inject=exit@3``), which ends the launch;
 - one process: the references ``gf2`` (with the same in-loop evaluation) and ``learned``, and
   ``cp2_to_cp1``: ``cp2``'s step-2 checkpoint resumed on one process;
 - 2 ranks again: the victim's command rerun, and ``cp1_to_cp2``: ``gf2``'s step-2 checkpoint resumed
   at CP2;
 - 4 ranks: ``cp4_learned``, ``cp4_fused`` (GF(2) with the fused first layer), ``cp2_tp2`` (with
-  sequence parallelism), ``cp2_dp2`` (FSDP2 over dp_shard x cp), ``cp2_hsdp`` (dp_replicate 2) and
-  ``cp2_pp2`` (1F1B).
+  sequence parallelism and the fused first layer), ``cp2_dp2`` (FSDP2 over dp_shard x cp, activation
+  checkpointing), ``cp2_hsdp`` (dp_replicate 2) and
+  ``cp2_pp2`` (1F1B); the learned table at CP2 is ``cp2_hsdp``'s.
 
 Asserted: every layout's losses, gradient norms and validation losses within 1e-5 of one process;
 the in-loop zero-shot numbers at CP2 equal one process's; the resumes (weights and Adam's state
@@ -81,7 +81,7 @@ def runs(data, tmp_path_factory):
     """Every launch of the module doc, in order (a resume needs its source's checkpoint first)."""
     tmp = tmp_path_factory.mktemp("native_cp")
     prefix, tok = data
-    names = ("cp2", "cp2_learned", "victim", "gf2", "learned", "cp2_to_cp1", "cp1_to_cp2", "cp4_learned",
+    names = ("cp2", "victim", "gf2", "learned", "cp2_to_cp1", "cp1_to_cp2", "cp4_learned",
              "cp4_fused", "cp2_tp2", "cp2_dp2", "cp2_hsdp", "cp2_pp2")
     d = {n: tmp / n for n in names}
 
@@ -92,8 +92,7 @@ def runs(data, tmp_path_factory):
 
     cp2 = ("parallel.cp=2", *EVAL)
     w: dict = {}
-    proc, w2 = _launch(2, tmp, "two", [run("cp2", "gf2", *cp2), run("cp2_learned", "learned", "parallel.cp=2"),
-                                       run("victim", "gf2", *cp2, inject="exit@3")])
+    proc, w2 = _launch(2, tmp, "two", [run("cp2", "gf2", *cp2), run("victim", "gf2", *cp2, inject="exit@3")])
     assert proc.returncode != 0 and "dies (SIGKILL) before step 3" in proc.stderr, \
         proc.stdout[-3000:] + proc.stderr[-6000:]
     w.update(w2)
@@ -127,7 +126,7 @@ def _assert_like(got_dir: Path, want_dir: Path, what: str, first: int = 0) -> No
         assert math.isclose(v, ref[step], rel_tol=RTOL), f"{what}: validation at step {step} {v} vs {ref[step]}"
 
 
-LAYOUTS = [("cp2", "gf2", "tp 1 x cp 2 x pp 1 x dp 1"), ("cp2_learned", "learned", "tp 1 x cp 2 x pp 1 x dp 1"),
+LAYOUTS = [("cp2", "gf2", "tp 1 x cp 2 x pp 1 x dp 1"),
            ("cp4_learned", "learned", "tp 1 x cp 4 x pp 1 x dp 1"), ("cp4_fused", "gf2", "tp 1 x cp 4 x pp 1 x dp 1"),
            ("cp2_tp2", "gf2", "tp 2 x cp 2 x pp 1 x dp 1"), ("cp2_dp2", "gf2", "tp 1 x cp 2 x pp 1 x dp 2"),
            ("cp2_hsdp", "learned", "tp 1 x cp 2 x pp 1 x dp 2"), ("cp2_pp2", "gf2", "tp 1 x cp 2 x pp 2 x dp 1")]
