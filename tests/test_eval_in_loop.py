@@ -123,7 +123,8 @@ def recording_run(cfg, engine):
             record = dict(record)
             logged.append((record.pop("step"), record))
 
-    topo = SimpleNamespace(world_size=1, rank=0, is_main=True, tp=1, pp=1, dp=1, dp_rank=0, dp_group=None)
+    topo = SimpleNamespace(world_size=1, rank=0, is_main=True, tp=1, pp=1, dp=1, dp_rank=0, dp_group=None, cp=1,
+                           loss_group=(None, 1))
     run = RunContext(cfg=cfg, topo=topo, engine=engine, run_dir=Path("."), say=said.append, checkpointer=None,
                      stop=None, callbacks=[], datasets={}, resume_step=0, writer=Writer())
     return run, logged, said

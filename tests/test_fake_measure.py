@@ -103,10 +103,12 @@ def _layout(spec: dict):
     cfg = layout_config(spec)
     lay = spec["layout"]
     planner = engine_kind("torch").planner
-    pp = lay.get("pp", 1)
-    layout = planner.make_layout(cfg, lay["tp"], pp, spec["gpus"] // lay["tp"] // pp, lay["dp_replicate"],
+    pp, cp = lay.get("pp", 1), lay.get("cp", 1)
+    layout = planner.make_layout(cfg, lay["tp"], pp, spec["gpus"] // lay["tp"] // pp // cp, lay["dp_replicate"],
                                  lay["micro_batch"], lay["sequence_parallel"], "parameters")
-    return cfg, layout
+    from dataclasses import replace
+
+    return cfg, replace(layout, cp=cp)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -235,6 +237,8 @@ def test_fake_refuses_pipelines_with_several_stages_per_rank():
     assert refusal(Layout(pp=2, engine="torch"), planner, 4) is None
     assert refusal(Layout(dp=2, engine="torch"), planner, 2) is None
     assert "ranks" in refusal(Layout(dp=2, engine="torch"), planner, 10 ** 6)
+    assert "ring attention" in refusal(Layout(cp=2, cp_method="ring", engine="torch"), planner, 2)
+    assert refusal(Layout(cp=2, engine="torch"), planner, 2) is None  # Ulysses' rows are measured
 
 
 PAPER = ROOT / "examples" / "configs" / "paper-1.7b-canonical.yaml"
@@ -278,6 +282,27 @@ def test_analytic_model_within_10_percent_of_the_fake_step_at_the_1p7b_widths(na
         # the model must say so.
         assert fake["parts"].get("_FSDPRefType.SHARDED_GRAD", 0) == 0, fake["parts"]
         assert e.grads_in_backward == 0 and e.tensors == pytest.approx(fake["peak_bytes"], rel=0.05)
+
+
+def test_a_context_parallel_row_at_the_1p7b_widths_within_10_percent_and_its_all_to_alls_to_the_byte():
+    # 4,096 tokens a sequence over cp 2 (HSDP 8 x (4 x 2): FSDP2 shards over dp_shard x cp), 4 blocks: the
+    # engine's own Ulysses all-to-alls, on the fake process group, on each rank's 2,048 positions
+    spec = {"config": str(PAPER), "overrides": ["train.engine=torch", *SHALLOW, "data.seq_len=4096",
+                                                "model.max_seq_len=4096", "train.global_batch=64"],
+            "gpus": 64, "precision": "bf16", "layout": dict(AC, cp=2, dp_replicate=8, micro_batch=2)}
+    fake, e = _analytic_against_fake(spec)
+    cfg, layout = _layout(spec)
+    t = traffic(cfg.model, cfg.data.seq_len, layout, "bf16")
+    got = fake["comm_by_axis"]
+    # four a layer each way and the recompute's four, of [2, 2048, 16, 128] bf16: 8 MiB each
+    assert got["cp.all_to_all"] == {"calls": 4 * 3 * 4, "bytes": 4 * 3 * 4 * 2 * 2048 * 2048 * 2}
+    assert t.bytes[("cp", "all_to_all")] == got["cp.all_to_all"]["bytes"]
+    for key in ("dp_shard.all_gather", "dp_shard.reduce_scatter", "dp_replicate.all_reduce"):  # FSDP2 over dp x cp
+        assert t.as_dict()["by_axis"][key] == pytest.approx(got[key]["bytes"], rel=0.01), key
+    # activations per rank are of its 2,048 positions: half the cp 1 row's of the same micro batch
+    from dataclasses import replace
+
+    assert e.activations == estimate(cfg.model, 4096, replace(layout, cp=1, dp=64), "bf16").activations / 2
 
 
 @pytest.mark.slow

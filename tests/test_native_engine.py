@@ -122,7 +122,7 @@ for rep, shard, tp, precision in ((2, 2, 2, "fp32"), (4, 2, 1, "bf16")):
         apply_fsdp(model, mesh, precision=precision, reshard_after_forward=True)
         materialize(model, cfg.model, cfg.train.seed, torch.device("cpu"))
     else:  # build.py's own path, for a plan that asks for bf16 (a GPU plan: this CPU cannot run one)
-        plan = SimpleNamespace(tp=1, dp=rep * shard, precision=precision, sequence_parallel=False)
+        plan = SimpleNamespace(tp=1, cp=1, dp=rep * shard, precision=precision, sequence_parallel=False)
         cfg.train.compile = cfg.train.activation_checkpointing = True
         model = build_model(cfg, SimpleNamespace(plan=plan, mesh=mesh, device=torch.device("cpu"), init_device=None))
         for m in (*model.blocks, model.head, model):

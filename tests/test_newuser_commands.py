@@ -23,6 +23,13 @@ def test_a_dry_run_plans_without_the_shards_and_names_data_mock(tmp_path, monkey
     assert "# plan: 64 ranks = tp 2 x pp 1 x dp 32" in captured.out
     warning = [ln for ln in captured.err.splitlines() if ln.startswith("warning:")]
     assert len(warning) == 1 and "no shards for data prefix" in warning[0] and "data.mock=true" in warning[0]
+    # context parallelism: the plan line names it after tp, and a line says how each sequence is split
+    assert main(["train", PAPER_GF2, "--dry-run", "--world-size", "64", "parallel.tp=2", "parallel.cp=4"]) == 0
+    out = capsys.readouterr().out
+    assert "# plan: 64 ranks = tp 2 x cp 4 x pp 1 x dp 8" in out
+    assert ("# context parallel: cp 4 (ulysses), each sequence of 2048 tokens split into 4 slices of 512 "
+            "(Ulysses: ") in out and "gradients reduced over dp x cp = 32 ranks" in out
+    assert "# context parallel" not in captured.out  # none at cp 1
     # submit --dry-run says the same thing in the same words
     assert main(["submit", PAPER_GF2, "--nodes", "4", "--gpus-per-node", "8", "--dry-run"]) == 0
     assert warning[0].split(" (a dry run")[0] in capsys.readouterr().err

@@ -134,8 +134,10 @@ def _plan_json(tmp_path, capsys, *args) -> dict:
 def test_plan_verb_lists_only_possible_layouts_and_the_fixed_code_saving(tmp_path, capsys):
     out = _plan_json(tmp_path, capsys, "--gpus", "8", "--gpu-mem", "1GB")
     layouts = [row["layout"] for row in out["layouts"]]
-    assert layouts and all(lay["tp"] * lay["pp"] * lay["dp"] == 8 for lay in layouts)
+    assert layouts and all(lay["tp"] * lay["cp"] * lay["pp"] * lay["dp"] == 8 for lay in layouts)
     assert not any(lay["tp"] == 8 for lay in layouts)  # 4 heads cannot be split 8 ways
+    assert not any(lay["tp"] * lay["cp"] > 4 for lay in layouts)  # nor by tp, then Ulysses' cp
+    assert any(lay["cp"] > 1 for lay in layouts)
     assert not any(lay["pp"] > 1 and lay["zero"] >= 2 for lay in layouts)
     assert all(row["fits"] == (row["total"] <= out["budget_bytes"]) for row in out["layouts"])
     best = out["layouts"][0]

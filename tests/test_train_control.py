@@ -151,6 +151,28 @@ def test_a_layout_change_universal_checkpoints_cannot_cover_is_refused_naming_wh
     assert check_resume(saved0, load_config(None, ["parallel.tp=2"]), plan(tp=1, dp=2, zero=0), tag) == []
 
 
+def test_a_context_parallel_size_is_recorded_and_another_one_resumes_as_a_safe_change(tmp_path):
+    # checkpoints do not depend on cp (parameters and their names are untouched): a CP2 checkpoint resumes at
+    # CP1 and the other way on either engine, the change reported; a record without cp is cp 1
+    from megafixed.run_plan import RunPlan
+    from megafixed.train.resume import check_resume, run_record
+    from megafixed.train.trainer import _start_line
+
+    tag = tmp_path / "checkpoints" / "step_00000010"
+    for engine in ("torch", "deepspeed"):
+        cfg2 = load_config(None, [f"train.engine={engine}", "parallel.cp=2"])
+        cfg1 = load_config(None, [f"train.engine={engine}"])
+        cp2, cp1 = RunPlan.build(cfg2, 2, gpu=False), RunPlan.build(cfg1, 1, gpu=False)
+        saved2, saved1 = run_record(cfg2, cp2), run_record(cfg1, cp1)
+        assert saved2["layout"]["cp"] == 2 and "cp" not in saved1["layout"]  # a cp 1 record as it was
+        assert "parallel.cp: 2 -> 1" in check_resume(saved2, cfg1, cp1, tag)  # named, and allowed
+        assert "parallel.cp: 1 -> 2" in check_resume(saved1, cfg2, cp2, tag)
+        assert check_resume(saved2, cfg2, cp2, tag) == []
+        # the start line names it beside tp; a cp 1 run's line has no cp
+        assert ", tp 1, cp 2 (ulysses), pp 1, " in _start_line(cfg2, cp2)
+        assert ", tp 1, pp 1, " in _start_line(cfg1, cp1)
+
+
 # ----------------------------------------------------------------------------------- dry run, failures
 def test_dry_run_plans_a_gpu_run_on_a_cpu_machine(shards, capsys):
     from megafixed.cli import main

@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 
 HELP = ("benchmarks: 'preprocess' (tokenization), 'kernels' (fixed code vs tables), 'train' (step time, MFU, "
-        "overhead), 'eval' (megafixed eval vs lm_eval --model hf), 'startup' (a 1-step run vs `import torch`)")
+        "overhead), 'eval' (megafixed eval vs lm_eval --model hf), 'startup' (a 1-step run vs `import torch`), "
+        "'cp' (context parallelism: activation memory and tokens/s vs sequence length)")
 
 # sub-benchmark -> module exposing add_arguments(parser) and run(args)
 BENCHES = {"preprocess": "megafixed.data.bench_preprocess",
@@ -12,6 +13,7 @@ BENCHES = {"preprocess": "megafixed.data.bench_preprocess",
            "train": "megafixed.bench.train",
            "eval": "megafixed.bench.eval",
            "startup": "megafixed.bench.startup",
+           "cp": "megafixed.bench.cp",
            }
 
 

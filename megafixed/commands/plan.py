@@ -1,6 +1,6 @@
 """``megafixed plan CONFIG --gpus N [--gpu-mem 80GB] [--json]``: which layouts fit, and why.
 
-Lists every feasible (TP, PP, DP, ZeRO, micro-batch[, SP]) layout for N GPUs with its estimated
+Lists every feasible (TP, CP, PP, DP, ZeRO, micro-batch[, SP]) layout for N GPUs with its estimated
 memory per GPU (parameters, gradients, optimizer state, activations; ``megafixed.parallel.memory``
 documents the formulas), marks the ones that fit, and shows what the fixed codes save versus a
 learned table of the same shape.
@@ -11,7 +11,7 @@ import json
 
 from ..config import ConfigError, load_config
 
-HELP = "list feasible TP/PP/DP/ZeRO layouts and their estimated memory per GPU"
+HELP = "list feasible TP/CP/PP/DP/ZeRO layouts and their estimated memory per GPU"
 
 
 
@@ -149,11 +149,12 @@ def _print_rows(args, facts, rows: list, budget: float) -> None:
     zname, zw = facts.column[:2]
     print(f"rows ranked by step>=s, the step-time lower bound (the fitting rows, fastest first; equal bounds: less "
           f"memory first; rows it cannot judge after them): dense matmuls at the {args.gpu_type} peak (pipeline "
-          f"bubble included) plus TP's collectives (they sit between dependent matmuls), against all collectives at "
-          f"the links' data-sheet bandwidth ({args.gpus_per_node} GPUs a node, {args.inter} between nodes), the "
+          f"bubble included) plus TP's collectives and CP's all-to-alls (they sit between dependent matmuls), "
+          f"against all collectives at the links' data-sheet bandwidth ({args.gpus_per_node} GPUs a node, "
+          f"{args.inter} between nodes), the "
           f"rest overlapped; it leaves out kernel efficiency, latency, memory-bound kernels and the optimizer "
           f"step. `--pick K` prints row K's overrides")
-    print(f"  {'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | "
+    print(f"  {'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'DP':>4} {zname:>{zw}} {'mb':>3} {'SP':>3} {'partition':>10} | "
           f"{'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'reserve':>8} | {'total':>8}  fits |"
           + header(args.fake))
     for r in rows:
@@ -161,9 +162,10 @@ def _print_rows(args, facts, rows: list, budget: float) -> None:
         partition = (e.pipeline["schedule"] if e.pipeline else lay.partition) if lay.pp > 1 else "-"
         bubble = (f"  bubble {e.pipeline['bubble_fraction']:.3f} ({e.pipeline['bubble_formula']:.3f}), in flight "
                   f"{e.pipeline['in_flight_per_rank']}" if e.pipeline else "")
-        print(f"  {r.rank:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} {lay.micro_batch:>3} "
-              f"{'y' if lay.sequence_parallel else '-':>3} {partition:>10} | {e.params / GiB:8.2f} "
-              f"{e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} {e.reserve / GiB:8.2f} | "
+        print(f"  {r.rank:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {_sharding(lay):>{zw}} "
+              f"{lay.micro_batch:>3} {'y' if lay.sequence_parallel else '-':>3} {partition:>10} | "
+              f"{e.params / GiB:8.2f} {e.grads / GiB:8.2f} {e.optimizer / GiB:8.2f} {e.activations / GiB:8.2f} "
+              f"{e.reserve / GiB:8.2f} | "
               f"{e.total / GiB:8.2f}  "
               f"{'yes' if e.total <= budget else 'no':>4} |" + columns(r.extras) + bubble
               + row_note(r.extras))

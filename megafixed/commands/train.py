@@ -138,9 +138,20 @@ def dry_run(args) -> int:
     sharding = facts.dry_run_words.format(**record, plan=plan.engine_plan)  # the engine's words: its record, its plan
     for line in kind.dry_run_lines(cfg, plan):  # e.g. a pipeline's bubble
         print(line)
+    if plan.cp > 1:
+        print(_context_parallel_line(plan, cfg.data.seq_len))
     print(f"# plan: {plan.describe()}; {plan.precision} on {args.target}, backend {plan.backend}; "
           f"{sharding}. Nothing was started.")
     return exit_codes.OK
+
+
+def _context_parallel_line(plan, seq: int) -> str:
+    """--dry-run's words for context parallelism: how each sequence is split, and by what."""
+    cp = plan.cp
+    how = ("Ulysses: attention on whole sequences for 1/cp of the heads, four all-to-alls per layer"
+           if plan.cp_method == "ulysses" else "ring attention: key/value blocks passed round the cp ranks")
+    return (f"# context parallel: cp {cp} ({plan.cp_method}), each sequence of {seq} tokens split into {cp} "
+            f"slices of {seq // cp} ({how}); gradients reduced over dp x cp = {plan.dp * cp} ranks")
 
 
 def _check_data_paths(cfg) -> None:

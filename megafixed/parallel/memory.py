@@ -46,6 +46,10 @@ micro batches in flight, so it holds activations for ``pp * L/pp = L`` layers (t
 that PP does not shrink activation memory). The last stage adds the loss's working set
 (``loss_phase_bytes``: three fp32 logit-sized tensors, ``12*s*b*V/t``, in its backward).
 
+Context parallelism (``layout.cp``): every activation term is of the rank's ``s/cp`` positions
+(``context_parallel_seq`` says why Ulysses' full-sequence tensors on a head slice count the same), and
+the model states shard over data x context ranks (``Layout.dp_shard``, ``Layout.dp_cp``).
+
 Where the peak sits: a step's gradients are dropped at its end (``zero_grad(set_to_none=True)``), so
 with one micro batch per step (accum 1) none exists at the loss backward, where the activations
 peak; they appear as each group's backward reduces it, while the activations are freed. The row is
@@ -89,12 +93,20 @@ class Layout:
     edge: int = 1  # parallel.pp_input_head_layers
     reduce_bucket: int = 500_000_000  # zero.reduce_bucket_size: DeepSpeed's gradient bucket, in elements
     float8: str = "off"  # train.float8 (torch engine): tensorwise all-gathers the blocks' weights in float8
+    cp: int = 1  # parallel.cp: ranks each sequence is split over (context parallelism)
+    cp_method: str = "ulysses"  # parallel.cp_method: ulysses (all-to-all) | ring (key/value passes)
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks a step's gradients are reduced over: data x context parallel (each context-parallel
+        rank computed the gradient of other tokens of the same sequences)."""
+        return self.dp * self.cp
 
     @property
     def dp_shard(self) -> int:
-        """The degree the model states are sharded over (FSDP2's shard dim; ZeRO's dp)."""
-        return self.dp // self.dp_replicate
-
+        """The degree the model states are sharded over (FSDP2's shard dim, which folds cp in as
+        torchtitan's ``dp_shard_cp`` does; ZeRO's dp, times cp)."""
+        return self.dp_cp // self.dp_replicate
     @property
     def planner(self):
         """Its engine's planner (``EngineKind.planner``: its sharding arithmetic and table column)."""
@@ -313,8 +325,10 @@ def model_state_bytes(n_params: int, layout: Layout, precision: str = "bf16") ->
 
 
 def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks: bool | None = None) -> Estimate:
-    """Memory per GPU on the most loaded pipeline stage."""
+    """Memory per GPU on the most loaded pipeline stage. Under context parallelism every activation
+    is of the rank's ``seq / cp`` positions (``context_parallel_seq``)."""
     e = 4 if precision == "fp32" else 2
+    seq = context_parallel_seq(seq, layout)
     masks = (m.dropout > 0) if dropout_masks is None else dropout_masks
     own = layout.planner.pipeline_estimate(m, seq, layout, precision, masks) if layout.pp > 1 else None
     if own is not None:  # the engine sizes its own pipeline (its split, its schedule)
@@ -349,6 +363,19 @@ def estimate(m, seq: int, layout: Layout, precision: str = "bf16", dropout_masks
         if best is None or est.total > best.total:
             best = est
     return best
+
+
+def context_parallel_seq(seq: int, layout: Layout) -> int:
+    """The positions whose activations one context-parallel rank keeps: ``seq / cp``, for every saved
+    tensor of a layer alike. Outside the attention core a rank holds its slice of every sequence; inside
+    it, Ulysses' rank holds the whole sequence for ``heads / cp`` heads -- Q, K and V (K and V after the
+    GQA repeat, at the query heads), the output and the fp32 log-sum-exp the kernel saves are each
+    ``[b, s, heads/cp, hd]`` (``[b, heads/cp, s]``), the bytes of ``[b, s/cp, heads, hd]``; the
+    all-to-alls' buffers are transients that save nothing for backward. Ring attention keeps its own
+    slice's Q, K, V, output and log-sum-exp, and receives the other slices' keys and values as
+    transients. The model drops the s x s score term at every cp as at cp 1 (the flash / memory-efficient
+    kernels keep none), so the whole layer is linear in the positions."""
+    return seq // layout.cp
 
 
 def fixed_code_saving(m, layout: Layout, precision: str = "bf16") -> dict:

@@ -21,20 +21,28 @@ Per layer and micro batch, with ``A = s*b*h`` activation elements of ``e`` bytes
   gradient reduced), and the vocabulary-parallel loss three all-reduces of ``s*b`` fp32 values.
 * PP: each stage boundary sends ``A`` forward and receives its gradient backward (``A*e`` each
   way per micro batch). Not checked against a measurement: no engine's PP runs under ``--fake``.
+* CP (context parallelism, ``cp_traffic``): every term above is of the rank's ``s/cp`` positions.
+  Ulysses adds four all-to-alls per attention layer and micro batch in forward (q, k and v from
+  sequence- to head-sharded, the output back), each of its ``[b, s/cp, heads/tp, hd]`` tensor (k and
+  v at the key/value heads when they split over cp, else repeated to the query heads first), and
+  the same four in backward (their gradients); checkpointing's recompute repeats the forward's. Ring
+  attention passes each rank's key/value block ``cp - 1`` times round the ring per layer in forward,
+  and again in backward with the blocks' gradients beside them (point-to-point).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
 
 def bus_factor(kind: str, n: int) -> float:
     """Bytes a ring moves over each rank's link per byte of buffer (NCCL-tests' busbw factors)."""
     if n <= 1:
         return 0.0
+    # an all-to-all keeps 1/n of its buffer and sends the rest
     return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n,
-            "p2p": 1.0}[kind]
+            "all_to_all": (n - 1) / n, "p2p": 1.0}[kind]
 
 
 @dataclass
@@ -95,6 +103,26 @@ def pp_traffic(out: Traffic, m, seq: int, layout, act_bytes: int, stage: int = 1
     out.add("pp", "p2p", layout.accum * 2 * neighbours * a, layout.pp)
 
 
+def cp_traffic(out: Traffic, m, seq: int, layout, act_bytes: int, blocks: int) -> None:
+    """Context parallelism's collectives of one step (``layout.accum`` micro batches) on the ``cp`` axis,
+    for ``seq`` positions per sequence (the whole sequence: each rank holds ``seq / cp`` of them)."""
+    cp = layout.cp
+    if cp == 1:
+        return
+    t, b, hd = layout.tp, layout.micro_batch, m.head_dim
+    heads, kv = m.n_heads // t, max(m.kv_heads // t, 1)
+    local = seq // cp * b * hd * act_bytes  # one head's slice of one tensor on this rank
+    passes = layout.accum * blocks
+    if layout.cp_method == "ring":
+        block = 2 * kv * local  # this rank's K and V
+        out.add("cp", "p2p", passes * (cp - 1) * block * 3, cp)  # forward K/V; backward K/V and dK/dV
+        return
+    kv_sent = kv if kv % cp == 0 else heads  # UlyssesAttention repeats indivisible K/V heads first
+    per_pass = (2 * heads + 2 * kv_sent) * local  # q, out; k, v
+    forwards = 2 if layout.activation_checkpointing else 1  # the recompute's forward too
+    out.add("cp", "all_to_all", passes * per_pass * (forwards + 1), cp)
+
+
 def _stages(m, layout) -> tuple[list, list]:
     """(parameters, blocks) of each pipeline stage: the engine's partitioner's split, or, for an
     engine without one (the torch engine splits in its own pipeline plan), blocks evenly."""
@@ -117,7 +145,9 @@ def traffic(m, seq: int, layout, precision: str = "bf16") -> Traffic:
     per_stage, blocks = _stages(m, layout)
     worst = max(range(layout.pp), key=lambda i: per_stage[i])
     out = Traffic()
-    tp_traffic(out, m, seq, layout, e, blocks[worst], worst == layout.pp - 1)
-    pp_traffic(out, m, seq, layout, e, worst)
+    local = seq // layout.cp  # every term but context parallelism's own is of the rank's positions
+    tp_traffic(out, m, local, layout, e, blocks[worst], worst == layout.pp - 1)
+    pp_traffic(out, m, local, layout, e, worst)
+    cp_traffic(out, m, seq, layout, e, blocks[worst])
     layout.planner.dp_traffic(out, m, layout, per_stage[worst], blocks[worst], precision)
     return out

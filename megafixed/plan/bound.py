@@ -5,10 +5,20 @@ from __future__ import annotations
 
 
 def _strides(layout) -> dict:
-    """Each axis' (group size, rank stride) in the plan's grid order (tp fastest, then dp, then pp)."""
-    shard = layout.dp_shard
-    return {"tp": (layout.tp, 1), "dp_shard": (shard, layout.tp), "dp": (layout.dp, layout.tp),
-            "dp_replicate": (layout.dp_replicate, layout.tp * shard), "pp": (layout.pp, layout.tp * layout.dp)}
+    """Each axis' (group size, rank stride) in the plan's grid order (tp fastest, then cp, then dp, then
+    pp: ``parallel.dims``). The data-parallel groups a step's gradients reduce over span cp too (FSDP2's
+    shard group is torchtitan's ``dp_shard_cp``; ZeRO's, DeepSpeed's sequence-data-parallel group)."""
+    shard = layout.dp_shard  # cp folded in
+    return {"tp": (layout.tp, 1), "cp": (layout.cp, layout.tp), "dp_shard": (shard, layout.tp),
+            "dp": (layout.dp_cp, layout.tp), "dp_replicate": (layout.dp_replicate, layout.tp * shard),
+            "pp": (layout.pp, layout.tp * layout.dp_cp)}
+
+
+def spans_nodes(layout, axis: str, gpus_per_node: int) -> bool:
+    """Whether ``axis``' groups cross a node boundary: its ranks span ``size * stride`` consecutive ranks
+    (cp's sit next to tp's, so a cp group stays in a node while ``tp * cp`` <= GPUs per node)."""
+    size, stride = _strides(layout)[axis]
+    return size * stride > gpus_per_node
 
 
 # Axes whose collectives sit between dependent matmuls and so add to the compute time rather than
@@ -17,6 +27,9 @@ def _strides(layout) -> dict:
 # userbuffer overlap). FSDP's gathers and reductions are prefetched and overlap; so, in the bound,
 # do the pipeline's sends.
 SERIAL_AXES = ("tp",)
+# Kinds that do so on any axis: Ulysses' all-to-alls, whose output the attention kernel (or ``wo``)
+# needs at once. Ring attention's key/value passes overlap the blocks' attention, as torch's does.
+SERIAL_KINDS = ("all_to_all",)
 
 
 def step_time_bound(m, traffic, layout, args, n_params: int, tokens: int, bubble: float = 0.0) -> dict | None:
@@ -34,16 +47,16 @@ def step_time_bound(m, traffic, layout, args, n_params: int, tokens: int, bubble
     if spec is None or inter is None or spec.part not in NODE_LINK:
         return None
     intra = link(NODE_LINK[spec.part])
-    world = layout.tp * layout.pp * layout.dp
+    world = layout.tp * layout.pp * layout.dp_cp
     recompute = 4 / 3 if layout.activation_checkpointing else 1.0
     compute_s = 6 * n_params * tokens * recompute / world / (spec.bf16_tflops * 1e12) * (1 + bubble)
     comm_s = serial_s = 0.0
     for (axis, kind), nbytes in traffic.bytes.items():
-        size, stride = _strides(layout)[axis]
-        bw = intra if size * stride <= args.gpus_per_node else inter
+        size, _ = _strides(layout)[axis]
+        bw = inter if spans_nodes(layout, axis, args.gpus_per_node) else intra
         seconds = nbytes * bus_factor(kind, size) / (bw.gbps_per_gpu * 1e9)
         comm_s += seconds
-        serial_s += seconds if axis in SERIAL_AXES else 0.0
+        serial_s += seconds if axis in SERIAL_AXES or kind in SERIAL_KINDS else 0.0
     return {"compute_s": compute_s, "comm_s": comm_s, "serial_comm_s": serial_s,
             "step_s_lower_bound": max(compute_s + serial_s, comm_s), "bubble": bubble, "gpu": spec.part,
             "intra": intra.name, "inter": inter.name}

@@ -28,6 +28,9 @@ def refusal(layout, planner, gpus: int) -> str | None:
         return planner.fake_refusal(layout)
     if gpus > MAX_FAKE_WORLD:
         return f"--fake measures up to {MAX_FAKE_WORLD} ranks, not {gpus}"
+    if layout.cp > 1 and layout.cp_method == "ring":
+        return ("ring attention is not measured under fake tensors (torch's context_parallel dispatches to CUDA "
+                "attention kernels only); --fake measures parallel.cp_method=ulysses rows")
     return planner.fake_refusal(layout)
 
 
@@ -59,7 +62,8 @@ def measure_rows(args, planner, estimates, sharding, progress=None) -> list:
     for i, e in enumerate(estimates, 1):
         got = measure_row(args, planner, e.layout)
         lay = e.layout
-        where = f"tp {lay.tp} pp {lay.pp} dp {lay.dp} ({sharding(lay)}) mb {lay.micro_batch}"
+        cp = f" cp {lay.cp}" if lay.cp > 1 else ""
+        where = f"tp {lay.tp}{cp} pp {lay.pp} dp {lay.dp} ({sharding(lay)}) mb {lay.micro_batch}"
         if "refused" in got:
             line = f"fake {i}/{len(estimates)}: {where}: {got['refused']}"
         else:

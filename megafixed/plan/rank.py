@@ -19,10 +19,12 @@ from ..errors import ConfigError
 
 
 def _old_preference(e) -> tuple:
-    # least model parallelism (cheapest communication), least ZeRO (0 and 1 move the same bytes) or,
-    # under FSDP2, the smallest shard degree, the biggest micro batch, no SP, least memory
+    # least model parallelism (cheapest communication; cp splits the model's work as tp does), least ZeRO
+    # (0 and 1 move the same bytes) or, under FSDP2, the smallest shard degree, the biggest micro batch,
+    # no SP, least memory
     lay = e.layout
-    return (lay.tp * lay.pp, lay.planner.rank_sharding(lay), -lay.micro_batch, lay.sequence_parallel, e.total)
+    return (lay.tp * lay.pp * lay.cp, lay.planner.rank_sharding(lay), -lay.micro_batch, lay.sequence_parallel,
+            e.total)
 
 
 def not_judged(e, bound) -> str | None:
@@ -48,7 +50,7 @@ def ranked(rows: list, budget: float) -> list:
     return sorted(rows, key=lambda r: rank_key(r.estimate, r.step_time, budget))
 
 
-LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.sequence_parallel", "train.micro_batch")
+LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.sequence_parallel", "train.micro_batch", "parallel.cp")
 
 
 def layout_keys(facts) -> tuple:
@@ -61,7 +63,7 @@ def overrides_of(layout, precision: str, config_precision: str) -> list[str]:
     """Row ``layout`` as ``section.key=value`` overrides (what ``megafixed train``/``submit`` take)."""
     out = [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", *layout.planner.sharding_overrides(layout),
            f"train.micro_batch={layout.micro_batch}",
-           f"parallel.sequence_parallel={'true' if layout.sequence_parallel else 'false'}"]
+           f"parallel.sequence_parallel={'true' if layout.sequence_parallel else 'false'}", f"parallel.cp={layout.cp}"]
     if precision != config_precision:  # the plan sized another precision than the run would resolve
         out.append(f"train.precision={precision}")
     return out

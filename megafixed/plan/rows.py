@@ -58,32 +58,42 @@ def plan_rows(cfg, gpus: int, budget: float, precision: str, links) -> list[Plan
     return rows
 
 
+# Context-parallel sizes the plan tries: powers of two (the heads and the sequence must split by them;
+# the run plan refuses the rest), up to a node's 8 GPUs beside tp 1 -- past that its all-to-alls cross
+# nodes on every attention layer.
+CP_SIZES = (1, 2, 4, 8)
+
+
 def feasible_layouts(cfg, gpus: int, max_tp: int = 8, precision: str | None = None) -> list:
-    """Every (tp, pp, dp, zero, micro, sp) whose run plan builds, for ``gpus`` GPUs in ``precision``
+    """Every (tp, cp, pp, dp, zero, micro, sp) whose run plan builds, for ``gpus`` GPUs in ``precision``
     (None: the config's ``train.precision``, resolved for a GPU). Here, above the run plan, rather
     than in ``parallel.memory`` (which the run plan's layer sits on)."""
+    from dataclasses import replace
+
     from ..engines import engine_kind
 
     planner = engine_kind(cfg.train.engine).planner
     out = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, max_tp)]
     for tp in tps:
-        for pp in range(1, gpus // tp + 1):  # a pipeline's refusals are its run plan's (_builds)
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            for option in planner.sharding_options(dp):  # ZeRO stages; HSDP replicate degrees
-                for micro in (1, 2, 4, 8, 16, 32):
-                    if micro * dp > cfg.train.global_batch:
-                        continue
-                    for sp in ((False, True) if tp > 1 else (False,)):
-                        if _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision):
-                            for part in planner.pp_partitions(pp):  # the engine's pipeline splits to compare
-                                out.append(planner.make_layout(cfg, tp, pp, dp, option, micro, sp, part))
+        for cp in (c for c in CP_SIZES if gpus % (tp * c) == 0):
+            for pp in range(1, gpus // (tp * cp) + 1):  # a pipeline's refusals are its run plan's (_builds)
+                if gpus % (tp * cp * pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                for option in planner.sharding_options(dp):  # ZeRO stages; HSDP replicate degrees
+                    for micro in (1, 2, 4, 8, 16, 32):
+                        if micro * dp > cfg.train.global_batch:
+                            continue
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            if _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision, cp):
+                                for part in planner.pp_partitions(pp):  # the engine's pipeline splits to compare
+                                    lay = planner.make_layout(cfg, tp, pp, dp, option, micro, sp, part)
+                                    out.append(replace(lay, cp=cp, cp_method=cfg.parallel.cp_method))
     return out
 
 
-def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision) -> bool:
+def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision, cp: int = 1) -> bool:
     """Whether the run plan of this variant of ``cfg`` builds (its layout rules and engine's refusals)."""
     import copy
 
@@ -92,11 +102,11 @@ def _builds(cfg, planner, gpus, tp, pp, option, micro, sp, precision) -> bool:
     from ..run_plan import RunPlan
 
     c = copy.deepcopy(cfg)
-    c.parallel.tp, c.parallel.pp = tp, pp
+    c.parallel.tp, c.parallel.pp, c.parallel.cp = tp, pp, cp
     if pp == 1:  # the config's pipeline schedule is for its pp > 1 rows; a run at pp 1 refuses one
         c.parallel.pp_schedule, c.parallel.vpp = "1F1B", 1
-    apply_overrides(c, planner.sharding_overrides(planner.make_layout(cfg, tp, pp, gpus // (tp * pp), option, micro,
-                                                                      sp, cfg.parallel.pp_partition)))
+    apply_overrides(c, planner.sharding_overrides(planner.make_layout(cfg, tp, pp, gpus // (tp * cp * pp), option,
+                                                                      micro, sp, cfg.parallel.pp_partition)))
     c.parallel.sequence_parallel, c.train.micro_batch = sp, micro
     c.train.precision = precision or c.train.precision
     c.parallel.backend = "auto"  # GPU memory is what is sized, whatever the config's backend

@@ -32,11 +32,14 @@ def run_record(cfg, plan) -> dict:
 
 
 def record_layout(plan) -> dict:
-    """The layout keys of a run record: every engine's (tp, pp, dp, precision, engine) and the
+    """The layout keys of a run record: every engine's (tp, pp, dp, precision, engine; cp when > 1) and the
     plan's engine's own (``engine_layout``)."""
     kind = kind_of(plan)
     layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, **engine_layout(plan), "precision": plan.precision,
               "engine": kind.name}
+    cp = getattr(plan, "cp", 1)  # a plan-like stand-in of a layout without the axis has none
+    if cp > 1:  # recorded only when it splits: a record without it is cp 1
+        layout["cp"] = cp
     return layout
 
 

@@ -230,8 +230,13 @@ def _write_run_files(cfg, topo) -> None:
     atomic_write_text(run_dir.engine_config_file(topo.plan.engine), json.dumps(record, indent=2) + "\n")
 
 
+def _cp_words(plan) -> str:
+    """``cp 2 (ulysses), `` in the start line under context parallelism; nothing without it."""
+    return f"cp {plan.cp} ({plan.cp_method}), " if plan.cp > 1 else ""
+
+
 def _start_line(cfg, plan) -> str:
     b = plan.batch
     return (f"training {cfg.model.input} interface: {cfg.train.max_steps} steps, global batch {b.global_batch} "
-            f"= micro {b.micro_batch} x accum {b.accum} x dp {plan.dp}, tp {plan.tp}, pp {plan.pp}, "
+            f"= micro {b.micro_batch} x accum {b.accum} x dp {plan.dp}, tp {plan.tp}, {_cp_words(plan)}pp {plan.pp}, "
             f"{plan.precision}, {plan.engine_plan.start_words}, run dir {Path(cfg.train.run_dir)}")

@@ -52,7 +52,7 @@ def model_state_bytes(n_params: int, layout, precision: str) -> tuple[float, flo
     accumulator, 6 bytes; at ZeRO 2-3 the fp32 partition alone, 4 bytes over DP (the 16-bit gradients
     pass through DeepSpeed's fixed-size bucket instead: ``reduction_phase``). The optimizer state is
     the fp32 master partition and Adam's m and v, 12 bytes, in every precision."""
-    dp, z = layout.dp, layout.zero
+    dp, z = layout.dp_cp, layout.zero  # ZeRO partitions over data x context parallel ranks
     if precision == "fp32":
         # ZeRO's optimizers keep an fp32 master partition apart from the fp32 parameters even here
         # (measured: 4 bytes per parameter over DP beside Adam's 8); without ZeRO Adam steps the parameters
@@ -150,7 +150,7 @@ def dp_traffic(out, m, layout, n_params: int, blocks: int, precision: str) -> No
     all-gather the updated 16-bit parameters once per step; ZeRO-3 instead gathers every parameter
     in forward and again in backward, per micro batch. Not measured: DeepSpeed cannot run under fake
     tensors (``fake_refusal``)."""
-    dp, z = layout.dp, layout.zero
+    dp, z = layout.dp_cp, layout.zero  # ZeRO partitions over data x context parallel ranks
     e = 4 if precision == "fp32" else 2
     if z == 0:
         out.add("dp", "all_reduce", n_params * e, dp)

@@ -5,18 +5,21 @@ torchtitan's order, on the meta device until the end::
     meta_gpt(cfg.model)                       the plain GPT: names, shapes, no memory
     -> float8.apply_float8                    the blocks' Linears -> torchao Float8Linear (train.float8)
     -> tensor.apply_tp(model, mesh["tp"])     DTensor TP/SP from the one TP plan (parallel.tp > 1)
+    -> apply_cp                               Ulysses attention over mesh["cp"] (parallel.cp > 1)
     -> activation checkpointing, compile      per block, in place (parameter names stay the GPT's)
-    -> fully_shard per block, the head, root  FSDP2 over mesh["dp_shard"] (HSDP: 2-D) when dp > 1
+    -> fully_shard per block, the head, root  FSDP2 over mesh["dp_shard"] (HSDP: 2-D) when dp > 1;
+                                              over dp_shard x cp ("dp_shard_cp") when cp > 1
     -> materialize                            this rank's shards get the single-process values
     -> build_optimizer                        AdamW with the same parameter groups as DeepSpeed's
 
-One data-parallel rank gets no FSDP at all: a plain module (or TP's DTensors) trains as it is,
+One data-parallel rank (and no CP) gets no FSDP at all: a plain module (or TP's DTensors) trains as it is,
 with no all-gather on a one-rank mesh to pay for.
 """
 from __future__ import annotations
 
 from ...run.optim import build_optimizer
 from ..dtypes import COMPUTE_DTYPES
+from .context import apply_cp, shards_state
 from .float8 import apply_float8, float8_all_gather, precompute_scales_after_step
 from .materialize import materialize
 from .precision import mixed_precision_policy  # noqa: F401  (its home was here)
@@ -53,6 +56,7 @@ def build_model(cfg, topo):
         from .tensor import apply_tp
 
         apply_tp(model, topo.mesh["tp"], sequence_parallel=plan.sequence_parallel)
+    apply_cp(model, cfg, topo)
     if model.has_fixed_input and plan.precision != "fp32":
         model.input.out_dtype = COMPUTE_DTYPES[plan.precision]  # the code is exactly +-scale in any float dtype
     # GPT.forward checkpoints each block itself (non-reentrant), around FSDP2's hooks of the block:
@@ -63,7 +67,7 @@ def build_model(cfg, topo):
             # In place (Module.compile): parameter names, and so checkpoints, stay the GPT's. Dynamo
             # leaves FSDP2's hooks to run eagerly around the compiled block (skip_fsdp_hooks).
             block.compile()
-    if plan.dp > 1:
+    if shards_state(plan):
         apply_fsdp(model, topo.mesh, precision=plan.precision,
                    reshard_after_forward=cfg.torch_engine.reshard_after_forward)
     materialize(model, cfg.model, cfg.train.seed, topo.device, topo.init_device)

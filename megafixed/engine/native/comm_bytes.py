@@ -19,11 +19,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p", "other")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p", "other")
 
 
 def kind_of(op_name: str) -> str:
-    name = op_name.replace("allgather", "all_gather").replace("allreduce", "all_reduce")
+    name = op_name.replace("allgather", "all_gather").replace("allreduce", "all_reduce").replace("alltoall",
+                                                                                                  "all_to_all")
     if name.rsplit(".", 1)[-1] in P2P_OPS:
         return "p2p"  # a pipeline's sends and receives (each buffer once, as parallel.traffic counts them)
     for kind in KINDS[:-2]:

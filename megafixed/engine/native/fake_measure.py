@@ -15,7 +15,9 @@ by mesh axis. The torch internals that assume real tensors are patched only whil
 runs (``fake_patches``).
 
 Under pipeline parallelism (one stage per rank) the engine's schedule runs, its sends and receives
-the fake group's no-ops; ``fake_worker`` measures the first and the last stage's ranks.
+the fake group's no-ops; ``fake_worker`` measures the first and the last stage's ranks. Under
+context parallelism the engine's own Ulysses all-to-alls run on the fake group too (its
+``alltoall_base`` returns at once, like every other collective), on this rank's slice of the tokens.
 
 ``measure_step`` takes any process group and any tensors, so the same function run really on four
 gloo processes is the check that the fake run is right (tests/test_fake_measure.py).
@@ -47,13 +49,11 @@ def topology(cfg, plan, rank: int, device: torch.device):
     """A ``Topology`` for ``plan`` on an initialised process group, its mesh built on ``device``
     (the fake run sizes a GPU plan on CPU tensors: shapes and dtypes are the plan's either way)."""
     from ...parallel.topology import Topology
-    from .mesh import build_mesh, dp_submesh
+    from .mesh import build_mesh, mesh_groups
 
-    shape = SimpleNamespace(dp=plan.dp, tp=plan.tp, pp=plan.pp, device=device)
+    shape = SimpleNamespace(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, device=device)
     mesh = build_mesh(shape, plan.engine_plan.dp_replicate)
-    return Topology(plan=plan, rank=rank, local_rank=0, device=device, backend="fake", mesh=mesh,
-                    tp_group=mesh["tp"].get_group(),
-                    dp_group=dp_submesh(mesh).get_group(), model_parallel_group=mesh["tp"].get_group())
+    return Topology(plan=plan, rank=rank, local_rank=0, device=device, backend="fake", **mesh_groups(mesh))
 
 
 def _tracker(engine):
@@ -120,13 +120,19 @@ def measure_step(cfg, topo, fake: bool = False) -> dict:
 def _axis_groups(mesh) -> dict:
     """{process group name: mesh axis} for the axes a step's collectives run on (``parallel.traffic``'s
     names); the flattened data-parallel group is ``dp`` (the loss mean)."""
-    from .mesh import dp_submesh
+    from .mesh import CP, DP_SHARD_CP, dp_cp_submesh, dp_submesh, has_cp
 
     if mesh is None:
         return {}
     out = {dp_submesh(mesh).get_group().group_name: "dp"}
     for axis in mesh.mesh_dim_names:
         out[mesh[axis].get_group().group_name] = axis
+    if has_cp(mesh):
+        # FSDP2 shards over dp_shard x cp flattened (the analytic dp_shard axis, cp folded in); the loss
+        # mean spans dp x cp (the dp axis)
+        out[dp_cp_submesh(mesh).get_group().group_name] = "dp"
+        # the flattened shard mesh build_mesh made (without HSDP the ranks of dp_cp, and its group: FSDP2's named)
+        out[mesh["dp_shard", CP]._flatten(DP_SHARD_CP).get_group().group_name] = "dp_shard"
     return out
 
 

@@ -24,6 +24,7 @@ def layout_config(spec: dict):
     cfg = load_config(spec["config"], spec.get("overrides", []))
     lay = asdict(Layout(**spec["layout"]))  # a partial layout: the rest at Layout's defaults
     cfg.parallel.tp, cfg.parallel.pp = lay["tp"], lay["pp"]
+    cfg.parallel.cp, cfg.parallel.cp_method = lay["cp"], lay["cp_method"]
     apply_overrides(cfg, engine_kind(cfg.train.engine).planner.sharding_overrides(Layout(**spec["layout"])))
     cfg.parallel.sequence_parallel, cfg.train.micro_batch = lay["sequence_parallel"], lay["micro_batch"]
     cfg.train.activation_checkpointing = lay["activation_checkpointing"]

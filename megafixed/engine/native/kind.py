@@ -71,16 +71,13 @@ class TorchKind:
         re-layout, which DCP's resharding does on load."""
         from .checkpoint import relayout_refusal
 
-        return Relayout(("tp", "pp", "dp", "precision"), relayout_refusal(old, new))
+        return Relayout(("tp", "pp", "dp", "cp", "precision"), relayout_refusal(old, new))
 
     def setup_groups(self, plan) -> dict:
         """One DeviceMesh in the plan's rank order, and its groups (no megatron-core on this path)."""
-        from .mesh import build_mesh, dp_submesh
+        from .mesh import build_mesh, mesh_groups
 
-        mesh = build_mesh(plan, plan.engine_plan.dp_replicate)
-        tp_group = mesh["tp"].get_group()
-        return dict(mesh=mesh, tp_group=tp_group, dp_group=dp_submesh(mesh).get_group(),
-                    model_parallel_group=tp_group)
+        return mesh_groups(build_mesh(plan, plan.engine_plan.dp_replicate))
 
     def build(self, cfg, topo, hook=None):
         from .build import build

@@ -92,7 +92,7 @@ def pipeline_rank_estimates(m, seq: int, layout, precision: str, masks: bool) ->
         p, g, o = model_state_bytes(n_params, layout, precision)
         if layout.dp_shard > 1 or precision != "fp32":
             p += n_params * e  # every working parameter unsharded (gathered or cast) under PP
-        if layout.dp > 1:
+        if layout.dp_cp > 1:
             # FSDP2 under the schedule accumulates the unsharded gradients across the microbatches, in
             # fp32 (its reduce dtype), and reduce-scatters once at the last (measured under plan --fake:
             # 6.0 of 11.2 GiB on a 7B PP4 first stage at 256 ranks)

@@ -58,7 +58,7 @@ def working_param_bytes(m, layout, n_params: int, precision: str, act_bytes: int
     per_layer = layer_params(m, layout.tp)
     edges = per_layer[0] + per_layer[-1]  # the input (table) and the head: root and head groups
     # no reshard after forward under PP either: the schedule interleaves microbatches
-    everything = not layout.reshard_after_forward or layout.dp == 1 or layout.pp > 1
+    everything = not layout.reshard_after_forward or layout.dp_cp == 1 or layout.pp > 1
     working = n_params if everything else min(n_params, 2 * per_layer[1] + edges)
     return working * act_bytes - float8_gather_saving(m, layout, n_params, working, act_bytes)
 
