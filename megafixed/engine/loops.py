@@ -29,12 +29,14 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def accumulated_loss(batches: Iterator[torch.Tensor], accum: int, micro_step: MicroStep, *, device,
-                     vocab_size: Optional[int], dp: int, dp_group) -> tuple[float, bool]:
+                     vocab_size: Optional[int], dp: int, dp_group,
+                     shard: tuple[int, int] = (0, 1)) -> tuple[float, bool]:
     """Run ``micro_step`` over ``accum`` micro batches; the loss mean over them and the DP ranks,
-    and whether any rank saw a non-finite loss (every rank returns the same pair)."""
+    and whether any rank saw a non-finite loss (every rank returns the same pair). ``shard``: (cp
+    rank, cp), this rank's context-parallel slice of each sequence (``batches.split_tokens``)."""
     local_sum = torch.zeros((), dtype=torch.float64, device=device)
     for k in range(accum):
-        inputs, labels = split_tokens(next(batches), device, vocab_size)
+        inputs, labels = split_tokens(next(batches), device, vocab_size, shard=shard)
         local_sum += micro_step(k, inputs, labels).detach().double()
     return dp_mean_and_flag(local_sum / accum, dp_group, dp)
 
@@ -91,10 +93,11 @@ def norm_verdict(hook, step: int, norm: Optional[float]):
 
 
 def eval_mean(batches: Iterator[torch.Tensor], iters: int, forward: Forward, *, device,
-              vocab_size: Optional[int], dp: int, dp_group) -> float:
-    """Mean of ``forward(inputs, labels)`` over ``iters`` micro batches, then over the DP ranks."""
+              vocab_size: Optional[int], dp: int, dp_group, shard: tuple[int, int] = (0, 1)) -> float:
+    """Mean of ``forward(inputs, labels)`` over ``iters`` micro batches, then over the DP ranks
+    (``dp_group``/``dp``: dp x cp under context parallelism, each rank with its ``shard``)."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(iters):
-        inputs, labels = split_tokens(next(batches), device, vocab_size)
+        inputs, labels = split_tokens(next(batches), device, vocab_size, shard=shard)
         total += forward(inputs, labels).double()
     return dp_mean(total / iters, dp_group, dp)

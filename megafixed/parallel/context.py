@@ -17,7 +17,8 @@ interfaces and the head all run on the rank's slice as they would on a whole seq
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -93,3 +94,30 @@ def shard_model(model: nn.Module, rank: int, size: int, seq_len: int,
         elif isinstance(m, Attention):
             m.core = wrap(m.core)
     return model
+
+
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module) -> Iterator[None]:
+    """For its duration, ``model`` (a ``shard_model``-ed GPT, or any module holding its attention) runs
+    whole sequences on every rank, as one process would: each Ulysses core is its ``inner`` core again
+    and RoPE starts at position 0; what ``shard_model`` set is restored after, even on an error.
+
+    For forwards that need every position on one rank: the packed zero-shot scorer (its ``positions``
+    and ``attn_mask`` span a whole row) while the run trains context-parallel, the context-parallel
+    ranks then splitting the rows among themselves as data-parallel ranks do. A no-op without CP."""
+    from ..model.gpt import Attention, Rotary
+
+    swapped = [(m, m.core) for m in model.modules()
+               if isinstance(m, Attention) and isinstance(m.core, UlyssesAttention)]
+    offsets = [(m, m.offset) for m in model.modules() if isinstance(m, Rotary) and m.offset]
+    try:
+        for m, core in swapped:
+            m.core = core.inner
+        for m, _ in offsets:
+            m.offset = 0
+        yield
+    finally:
+        for m, core in swapped:
+            m.core = core
+        for m, offset in offsets:
+            m.offset = offset

@@ -5,12 +5,14 @@ torchtitan's order, on the meta device until the end::
     meta_gpt(cfg.model)                       the plain GPT: names, shapes, no memory
     -> float8.apply_float8                    the blocks' Linears -> torchao Float8Linear (train.float8)
     -> tensor.apply_tp(model, mesh["tp"])     DTensor TP/SP from the one TP plan (parallel.tp > 1)
+    -> apply_cp                               Ulysses attention over mesh["cp"] (parallel.cp > 1)
     -> activation checkpointing, compile      per block, in place (parameter names stay the GPT's)
-    -> fully_shard per block, the head, root  FSDP2 over mesh["dp_shard"] (HSDP: 2-D) when dp > 1
+    -> fully_shard per block, the head, root  FSDP2 over mesh["dp_shard"] (HSDP: 2-D) when dp > 1;
+                                              over dp_shard x cp ("dp_shard_cp") when cp > 1
     -> materialize                            this rank's shards get the single-process values
     -> build_optimizer                        AdamW with the same parameter groups as DeepSpeed's
 
-One data-parallel rank gets no FSDP at all: a plain module (or TP's DTensors) trains as it is,
+One data-parallel rank (and no CP) gets no FSDP at all: a plain module (or TP's DTensors) trains as it is,
 with no all-gather on a one-rank mesh to pay for.
 """
 from __future__ import annotations
@@ -42,6 +44,23 @@ def apply_fsdp(model, mesh, *, precision: str, reshard_after_forward: bool) -> N
     fully_shard(model, **kwargs)
 
 
+def shards_state(plan) -> bool:
+    """Whether FSDP2 wraps the model: more than one rank reduces its gradients (dp x cp; each
+    context-parallel rank's gradients come from other tokens of the same sequences)."""
+    return plan.dp * plan.cp > 1
+
+
+def apply_cp(model, cfg, topo) -> None:
+    """Context parallelism (parallel.cp > 1): RoPE from this rank's first position and Ulysses'
+    all-to-all around every attention core (``megafixed.parallel.context``); parameters untouched."""
+    if topo.cp == 1:
+        return
+    from ...parallel.context import UlyssesAttention, shard_model
+
+    shard_model(model, topo.cp_rank, topo.cp, cfg.data.seq_len,
+                lambda core: UlyssesAttention(core, topo.cp_group, topo.cp))
+
+
 def build_model(cfg, topo):
     """This rank's model (meta -> TP -> AC/compile -> FSDP2 -> materialized), for ``topo.plan``."""
     from ...model.gpt import meta_gpt
@@ -53,6 +72,7 @@ def build_model(cfg, topo):
         from .tensor import apply_tp
 
         apply_tp(model, topo.mesh["tp"], sequence_parallel=plan.sequence_parallel)
+    apply_cp(model, cfg, topo)
     if model.has_fixed_input and plan.precision != "fp32":
         model.input.out_dtype = COMPUTE_DTYPES[plan.precision]  # the code is exactly +-scale in any float dtype
     # GPT.forward checkpoints each block itself (non-reentrant), around FSDP2's hooks of the block:
@@ -63,7 +83,7 @@ def build_model(cfg, topo):
             # In place (Module.compile): parameter names, and so checkpoints, stay the GPT's. Dynamo
             # leaves FSDP2's hooks to run eagerly around the compiled block (skip_fsdp_hooks).
             block.compile()
-    if plan.dp > 1:
+    if shards_state(plan):
         apply_fsdp(model, topo.mesh, precision=plan.precision,
                    reshard_after_forward=cfg.torch_engine.reshard_after_forward)
     materialize(model, cfg.model, cfg.train.seed, topo.device, topo.init_device)

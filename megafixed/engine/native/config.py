@@ -36,7 +36,7 @@ def engine_config(cfg, plan) -> dict:
     mode = data_parallel_mode(dp, replicate)
     b = plan.batch
     o = cfg.optimizer
-    return {
+    record = {
         "engine": "torch",
         "device": plan.device,
         "backend": plan.backend,
@@ -81,6 +81,28 @@ def engine_config(cfg, plan) -> dict:
                   # once per step (pipelining's PipelineStage drives the sync)
                   "gradient_sync": _gradient_sync(plan, b)},
     }
+    return _with_context_parallel(record, cfg, plan) if plan.cp > 1 else record
+
+
+def _with_context_parallel(record: dict, cfg, plan) -> dict:
+    """``record`` under context parallelism (mesh.py): the cp mesh dimension before tp, FSDP2 over
+    dp_shard x cp (each CP rank's gradients come from other tokens of the same sequences), Ulysses."""
+    cp = plan.cp
+    mesh = record["mesh"]
+    mesh["dim_names"] = [*mesh["dim_names"][:2], "cp", mesh["dim_names"][2]]
+    mesh["shape"] = [*mesh["shape"][:2], cp, mesh["shape"][2]]
+    mesh["flattened"].update({"dp_shard_cp": ["dp_shard", "cp"], "dp_cp": ["dp_replicate", "dp_shard", "cp"]})
+    mesh["rank_order"] = "rank = tp_rank + tp * (cp_rank + cp * (dp_replicate_rank * dp_shard + dp_shard_rank))"
+    fsdp = record["data_parallel"]
+    fsdp["fsdp_mesh"] = ["dp_replicate", "dp_shard_cp"] if fsdp["replicate_degree"] > 1 else ["dp_shard_cp"]
+    fsdp["fully_shard_units"] = ((["each block"] + ([] if cfg.model.tie_embeddings else ["head"])
+                                  + (["each stage (its root)"] if plan.pp > 1 else ["root"])))
+    fsdp["sharded_states"] = ["params", "grads", "optimizer"]  # over dp_shard x cp >= 2 ranks
+    record["mixed_precision"]["by"] = "MixedPrecisionPolicy"
+    record["context_parallel"] = {"degree": cp, "method": plan.cp_method,
+                                  "by": "megafixed.parallel.context.UlyssesAttention (all-to-all over mesh['cp'])",
+                                  "loss_and_validation_mean_over": "dp_cp"}
+    return record
 
 
 def _float8_record(cfg, plan) -> dict:
@@ -99,7 +121,7 @@ def _gradient_sync(plan, b) -> str:
     if b.accum == 1:
         return "every step"
     replicate = plan.engine_plan.dp_replicate
-    shard = "reduce-scatter every micro batch" if plan.dp // replicate > 1 else ""
+    shard = "reduce-scatter every micro batch" if plan.dp * plan.cp // replicate > 1 else ""  # dp_shard x cp
     replicas = "all-reduce over the replicas once per step, after the last micro batch" if replicate > 1 else ""
     return "; ".join(x for x in (shard, replicas) if x) or "every step"
 

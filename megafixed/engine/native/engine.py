@@ -46,8 +46,9 @@ class NativeEngine:
 
     # ---- steps
     def train_step(self, batches: Iterator[torch.Tensor], lr: float, step: int) -> StepResult:
-        # The loss mean over the whole job in one all-reduce (TP peers add equal copies), not over the DP
-        # group of each TP column: every rank holds the same bits for the bad-step guard.
+        # The loss mean over the whole job in one all-reduce (TP peers add equal copies; CP peers the means
+        # of equal slices), not over the DP group of each TP column: every rank holds the same bits for the
+        # bad-step guard.
         from .mesh import job_group
 
         job = job_group(self.topo.mesh) if self.topo.mesh is not None else None
@@ -56,12 +57,19 @@ class NativeEngine:
                                       grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.guard.on_nonfinite,
                                       step=step, vocab_size=self.cfg.model.vocab_size, device=self.device,
                                       loss_context=self._loss_context, precision=self.plan.precision,
-                                      hook=self.hook)
+                                      hook=self.hook, shard=self.shard)
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(cp rank, cp): this rank's context-parallel slice of every sequence ((0, 1): all of it)."""
+        return self.topo.cp_rank, self.topo.cp
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
-        return native_step.eval_loss(self.model, batches, micro_batches, dp=self.topo.dp, dp_group=self.topo.dp_group,
+        group, size = self.topo.loss_group  # dp, times cp under context parallelism
+        return native_step.eval_loss(self.model, batches, micro_batches, dp=size, dp_group=group,
                                      vocab_size=self.cfg.model.vocab_size, device=self.device,
-                                     loss_context=self._loss_context, precision=self.plan.precision)
+                                     loss_context=self._loss_context, precision=self.plan.precision,
+                                     shard=self.shard)
 
     # ---- checkpoint files (native/checkpoint.py: DCP)
     def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> bool:

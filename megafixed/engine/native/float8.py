@@ -124,7 +124,7 @@ def float8_all_gather(cfg, plan) -> bool:
     from .mesh import mesh_shape
 
     _, shard, _ = mesh_shape(plan.dp, plan.tp, cfg.torch_engine.dp_replicate)
-    return uses_float8_all_gather(cfg.train.float8, dp_shard=shard)
+    return uses_float8_all_gather(cfg.train.float8, dp_shard=shard * plan.cp)  # FSDP2 shards over dp_shard x cp
 
 
 def dry_run_line(cfg, plan) -> str:

@@ -13,6 +13,13 @@ With pipeline parallelism (parallel.pp > 1) a leading ``"pp"`` axis is added, to
 as in the plan's order (``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``), and every other
 dimension is sliced within one stage. Without it the mesh keeps its three dimensions.
 
+With context parallelism (parallel.cp > 1) a ``"cp"`` axis sits between ``dp_shard`` and ``tp``,
+``(pp?, dp_replicate, dp_shard, cp, tp)``, the plan's order (``rank = tp_rank + tp * (cp_rank + cp *
+(dp_rank + dp * pp_rank))``). Each CP rank holds other tokens of the same sequences, so its
+gradients are reduced with the data-parallel ones: FSDP2 shards over ``dp_shard`` and ``cp``
+flattened (``"dp_shard_cp"``, torchtitan's name; HSDP: ``(dp_replicate, dp_shard_cp)``), and the
+loss mean spans ``"dp_cp"`` (every data- and context-parallel rank). Without cp nothing changes.
+
 Imports only torch: ``megafixed.parallel.topology`` calls it while setting up the process groups.
 """
 from __future__ import annotations
@@ -23,6 +30,9 @@ from typing import Any
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 DP = "dp"  # the flattened (dp_replicate, dp_shard) dimension
 PP = "pp"  # the pipeline dimension, first, only when parallel.pp > 1
+CP = "cp"  # the context-parallel dimension, before tp, only when parallel.cp > 1
+DP_SHARD_CP = "dp_shard_cp"  # (dp_shard, cp) flattened: what FSDP2 shards over under CP
+DP_CP = "dp_cp"  # (dp_replicate, dp_shard, cp) flattened: the loss mean's group under CP
 
 
 def mesh_shape(dp: int, tp: int, dp_replicate: int) -> tuple[int, int, int]:
@@ -40,16 +50,31 @@ def build_mesh(topo, dp_replicate: int) -> Any:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    pp = getattr(topo, "pp", 1)
-    shape = (pp, *mesh_shape(topo.dp, topo.tp, dp_replicate)) if pp > 1 else mesh_shape(topo.dp, topo.tp, dp_replicate)
-    names = (PP, *MESH_DIMS) if pp > 1 else MESH_DIMS
+    pp, cp = getattr(topo, "pp", 1), getattr(topo, "cp", 1)
+    shape, names = mesh_shape(topo.dp, topo.tp, dp_replicate), MESH_DIMS
+    if cp > 1:
+        shape, names = (*shape[:2], cp, shape[2]), (*names[:2], CP, names[2])
+    if pp > 1:
+        shape, names = (pp, *shape), (PP, *names)
     device_type = torch.device(topo.device).type
-    # Rank r sits at row-major position r: tp varies fastest, then dp_shard, then dp_replicate (then pp),
+    # Rank r sits at row-major position r: tp varies fastest, then cp, dp_shard, dp_replicate (then pp),
     # which is the plan's grid order (megatron-core's tp-cp-ep-dp-pp).
     ranks = torch.arange(math.prod(shape)).reshape(shape)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
     dp_submesh(mesh)  # made now, on every rank together (it may create a process group)
+    if cp > 1:  # CP's flattened meshes too, now, on every rank together
+        dp_mesh(mesh)
+        dp_cp_submesh(mesh)
     return mesh
+
+
+def has_cp(mesh) -> bool:
+    return CP in (mesh.mesh_dim_names or ())
+
+
+def dp_cp_submesh(mesh) -> Any:
+    """The 1-D mesh of every data- and context-parallel rank (``"dp_cp"``; ``build_mesh`` made it)."""
+    return mesh["dp_replicate", "dp_shard", CP]._flatten(DP_CP)
 
 
 def dp_submesh(mesh) -> Any:
@@ -63,10 +88,18 @@ def dp_submesh(mesh) -> Any:
 
 def dp_mesh(mesh) -> Any:
     """The mesh FSDP2 shards over: 1-D ``dp_shard`` (FSDP), or 2-D (``dp_replicate``, ``dp_shard``)
-    for HSDP, whose first dimension holds replicas (``fully_shard``'s convention)."""
+    for HSDP, whose first dimension holds replicas (``fully_shard``'s convention). Under CP the shard
+    dimension is ``dp_shard_cp`` (``dp_shard`` x ``cp``), so that gradients reduce over cp too."""
+    if not has_cp(mesh):
+        return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    # the flattened mesh itself (slicing a flattened dimension from the root is deprecated); HSDP's
+    # 2-D mesh joins it to dp_replicate (both are slices of the same root)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shard = mesh["dp_shard", CP]._flatten(DP_SHARD_CP)  # the one build_mesh made
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+    return shard
 
 
 def job_group(mesh) -> Any:

@@ -4,6 +4,7 @@ torchtitan's composition, on the meta device until the end::
 
     meta_gpt(cfg.model)  -> apply_float8      the blocks' Linears in float8 (train.float8), as without PP
     -> apply_tp (whole meta GPT; no memory)   DTensor TP/SP, as without PP
+    -> apply_cp (whole meta GPT)              Ulysses attention (parallel.cp > 1), as without PP
     -> split              this rank's stages (schedules.stage_spans / stage_ids), global names
     -> AC, compile        per block, in place
     -> fully_shard        per block and head, then each stage module as its own root (dp > 1),
@@ -104,6 +105,7 @@ def _apply_fsdp_stage(stage: StageModule, mesh, precision: str) -> None:
 def build_stages(cfg, topo):
     """(parts, stage modules, stage ids) of this rank: meta -> TP -> split -> AC/compile -> FSDP2 -> init."""
     from ...model.gpt import meta_gpt
+    from .build import apply_cp, shards_state
     from .float8 import apply_float8
     from .materialize import materialize
     from .schedules import is_v_shaped, stage_ids, stage_spans
@@ -115,6 +117,7 @@ def build_stages(cfg, topo):
         from .tensor import apply_tp
 
         apply_tp(gpt, topo.mesh["tp"], sequence_parallel=plan.sequence_parallel)
+    apply_cp(gpt, cfg, topo)
     set_input_dtype(gpt, plan)
     gpt.activation_checkpointing = bool(cfg.train.activation_checkpointing)  # GPT.forward runs every stage
     own = plan.engine_plan
@@ -125,7 +128,7 @@ def build_stages(cfg, topo):
         if cfg.train.compile:
             for block in stage.blocks.values():
                 block.compile()
-        if plan.dp > 1:
+        if shards_state(plan):
             _apply_fsdp_stage(stage, topo.mesh, plan.precision)
     parts = PipelineParts(gpt, [spans[i] for i in ids])
     materialize(parts, cfg.model, cfg.train.seed, topo.device, topo.init_device)
@@ -145,7 +148,7 @@ def hidden_dtype(cfg, plan) -> torch.dtype:
 
     if plan.precision == "fp32":
         return torch.float32
-    if plan.dp > 1 or interface_of(cfg.model).has_code:
+    if plan.dp * plan.cp > 1 or interface_of(cfg.model).has_code:  # build.shards_state: FSDP2 casts
         return COMPUTE_DTYPES[plan.precision]
     return torch.float32
 
@@ -160,11 +163,11 @@ def set_input_dtype(gpt, plan) -> None:
 
 def _activation_meta(cfg, plan, span: StageSpan, *, output: bool) -> torch.Tensor:
     """The (meta) tensor a stage receives or sends per microbatch: token ids into the first stage,
-    ``[mb, T/sp, d]`` activations between stages (``hidden_dtype``), the (vocabulary-split) logits out
+    ``[mb, T/(cp*sp), d]`` activations between stages (``hidden_dtype``), the (vocabulary-split) logits out
     of the last (16-bit from the head's matmul under autocast or FSDP2's cast alike)."""
     from ..dtypes import COMPUTE_DTYPES
 
-    mb, seq = plan.batch.micro_batch, plan.batch.seq_len
+    mb, seq = plan.batch.micro_batch, plan.batch.seq_len // plan.cp  # this rank's context-parallel slice
     dtype = COMPUTE_DTYPES[plan.precision] if plan.precision != "fp32" else torch.float32
     if not output and span.has_input:
         return torch.empty(mb, seq, dtype=torch.long, device="meta")
@@ -180,7 +183,7 @@ def microbatch_loss(parts, plan, tp_mesh, n_microbatches: int) -> Callable:
     """A schedule's ``loss_fn(output, target)`` over ``n_microbatches`` microbatches: one microbatch's
     summed token losses over the tokens of all of them, so that the microbatches' losses add up to
     the per-token mean (and, in training, the accumulated gradient is the step's per-token mean)."""
-    tokens = plan.batch.micro_batch * n_microbatches * plan.batch.seq_len
+    tokens = plan.batch.micro_batch * n_microbatches * plan.batch.seq_len // plan.cp  # this rank's CP slice
 
     def loss_fn(output, target):
         if tp_mesh is not None:
@@ -249,7 +252,8 @@ def pp_loss_mean(local: torch.Tensor, topo) -> tuple[float, bool]:
     losses (zero off the last stage), in ONE all-reduce over the whole job, so that every rank --
     every stage, TP and DP peer -- holds the same bits for the bad-step guard (a pp all-reduce
     followed by a DP one per tensor-parallel column would be hops through different communicators).
-    The last stage's ``tp`` peers hold equal copies: the sum is divided by ``dp * tp``."""
+    The last stage's ``tp`` peers hold equal copies: the sum is divided by ``dp * tp``; its ``cp`` peers
+    hold the means of equal slices of the same sequences, so their sum is divided by ``cp`` too."""
     stats = torch.stack([torch.nan_to_num(local, nan=0.0, posinf=0.0, neginf=0.0),
                          (~torch.isfinite(local)).double()]).double()
     from .mesh import job_group
@@ -261,4 +265,4 @@ def pp_loss_mean(local: torch.Tensor, topo) -> tuple[float, bool]:
 
     total, bad = host_values(stats)  # one read of both (fake-safe: plan --fake runs this step)
     nonfinite = bad > 0
-    return (float("nan") if nonfinite else total / (topo.dp * topo.tp)), nonfinite
+    return (float("nan") if nonfinite else total / (topo.dp * topo.tp * topo.cp)), nonfinite

@@ -73,7 +73,7 @@ class PipelineEngine(NativeEngine):
 
     def _local_batch(self, batches: Iterator[torch.Tensor], n: int):
         tokens = torch.cat([next(batches) for _ in range(n)])
-        return split_tokens(tokens, self.device, self.cfg.model.vocab_size)
+        return split_tokens(tokens, self.device, self.cfg.model.vocab_size, shard=self.shard)
 
     def train_step(self, batches: Iterator[torch.Tensor], lr: float, step: int) -> StepResult:
         self.model.train()
@@ -126,7 +126,7 @@ class PipelineEngine(NativeEngine):
         if losses:
             total += torch.stack([loss.double() for loss in losses]).sum()
         dist.all_reduce(total, group=self.pp_group)
-        return dp_mean(total, self.topo.dp_group, self.topo.dp)
+        return dp_mean(total, *self.topo.loss_group)  # over dp (x cp)
 
 
 def _reshard(stages) -> None:

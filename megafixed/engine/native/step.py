@@ -163,8 +163,9 @@ def clip_(parameters, max_norm: float, total: float) -> None:
 def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *, lr: float, dp: int, dp_group,
                grad_clip: float, on_nonfinite: str = "stop", step: int = 0, vocab_size: Optional[int] = None,
                device=None, loss_context: Callable = lambda _m: contextlib.nullcontext(),
-               precision: str = "fp32", hook=None) -> StepResult:
-    """One optimizer step over ``accum`` micro batches of this rank (``batches``)."""
+               precision: str = "fp32", hook=None, shard: tuple[int, int] = (0, 1)) -> StepResult:
+    """One optimizer step over ``accum`` micro batches of this rank (``batches``; under context
+    parallelism its ``shard`` = (cp rank, cp) of each)."""
     model.train()
     device = device if device is not None else next(model.parameters()).device
     compute = compute_context(model, precision, device)
@@ -180,7 +181,7 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
         return _plain(loss)
 
     value, nonfinite = accumulated_loss(batches, accum, micro_step, device=device, vocab_size=vocab_size,
-                                        dp=dp, dp_group=dp_group)
+                                        dp=dp, dp_group=dp_group, shard=shard)
     return apply_update(optimizer, value, nonfinite, lr=lr, grad_clip=grad_clip, on_nonfinite=on_nonfinite, step=step,
                         hook=hook)
 
@@ -228,8 +229,9 @@ def apply_update(optimizer, value: float, nonfinite: bool, *, lr: float, grad_cl
 @torch.no_grad()
 def eval_loss(model, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp_group, vocab_size=None,
               device=None, loss_context: Callable = lambda _m: contextlib.nullcontext(),
-              precision: str = "fp32") -> float:
-    """Mean loss over ``iters`` micro batches per rank, averaged over data-parallel ranks."""
+              precision: str = "fp32", shard: tuple[int, int] = (0, 1)) -> float:
+    """Mean loss over ``iters`` micro batches per rank, averaged over data-parallel ranks (``dp_group``:
+    dp x cp under context parallelism, each rank on its ``shard`` of the sequences)."""
     if iters < 1:
         return float("nan")
     was_training = model.training
@@ -242,6 +244,7 @@ def eval_loss(model, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp
             return _plain(model(inputs, labels))
 
     try:
-        return eval_mean(batches, iters, forward, device=device, vocab_size=vocab_size, dp=dp, dp_group=dp_group)
+        return eval_mean(batches, iters, forward, device=device, vocab_size=vocab_size, dp=dp, dp_group=dp_group,
+                         shard=shard)
     finally:
         model.train(was_training)

@@ -3,7 +3,9 @@ scores of the model being trained, as ``megafixed eval`` computes them on a chec
 (``megafixed.eval.in_loop``), logged as metrics (``eval/<task>/<metric>``) beside the loss.
 
 Data-parallel layouts only (TP = PP = 1, any DP, any ZeRO stage or FSDP2): the DP ranks split the
-forward passes; a tensor- or pipeline-parallel model has no plain forward on one rank."""
+forward passes; a tensor- or pipeline-parallel model has no plain forward on one rank. Under context
+parallelism every rank scores whole rows (``parallel.context.whole_sequences``) and the data- and
+context-parallel ranks split the forward passes between them."""
 from __future__ import annotations
 
 import time
@@ -65,8 +67,12 @@ class ZeroShotEval(Callback):
         if not self.due(step):
             return
         run = self.run
+        from ...parallel.context import whole_sequences
+
         t0 = time.perf_counter()
-        values = self.scorer(run.engine.module, group=run.topo.dp_group, device=run.engine.device)
+        group, _ = run.topo.loss_group  # dp, times cp under context parallelism
+        with whole_sequences(run.engine.module):
+            values = self.scorer(run.engine.module, group=group, device=run.engine.device)
         run.log_metrics(step, values)
         shown = ", ".join(f"{k[len('eval/'):]} {v:.4g}" for k, v in values.items())
         run.say(f"step {step}: zero-shot {shown} ({time.perf_counter() - t0:.1f} s)")
