@@ -106,7 +106,8 @@ BatchContext = Callable[[nn.Module, torch.Tensor, torch.Tensor], ContextManager[
 
 
 @contextmanager
-def _whole(_model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[RingShard]:
+def whole_batch(_model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[RingShard]:
+    """The micro batch as it is (no ring): a step's ``batch_context`` default."""
     yield RingShard(inputs, labels, None)
 
 
@@ -118,4 +119,4 @@ def batch_context(topo) -> BatchContext:
     if topo.cp > 1 and topo.plan.cp_method == "ring":
         mesh = topo.mesh["cp"]
         return lambda model, inputs, labels: ring_context(mesh, model, inputs, labels)
-    return _whole
+    return whole_batch
