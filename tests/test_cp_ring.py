@@ -156,6 +156,7 @@ def test_under_ring_the_models_attention_reaches_sdpa_as_torchs_ring_dispatch_ne
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.multiprocess
 def test_cp2_under_ring_context_equals_one_process_on_cpu_with_an_emulated_ring(torchrun, tmp_path):
     """One torchrun launch (2 gloo ranks, tests/cp_ring_worker.py): the GPU stage's comparison, with Ulysses
     and with ``ring_context`` around an emulated ring (SDPA by gather and mask; torch's sharding, wrapper and

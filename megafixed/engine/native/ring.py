@@ -27,6 +27,11 @@ call, so all four follow the same order by construction. Each ``Rotary`` serves 
 context's duration (``Rotary.offset`` must stay 0: ring does not go through ``shard_model``). The loss
 each rank computes is the mean over its ``T / cp`` tokens; the shards are equal, so the mean over the cp
 ranks is the sequence's mean, and the gradients FSDP2 reduces over ``dp_shard_cp`` are one process's.
+
+The engine's one entry is ``batch_context(topo)``: each micro batch's forward and backward (the step's,
+validation's, a pipeline schedule's) run in ``batch_context(topo)(model, inputs, labels)`` on whole
+sequences; it is ``ring_context`` over ``topo.mesh["cp"]`` under ring and the batch as it is otherwise.
+Not covered anywhere yet: ring under ``train.compile`` (torch's SDPA wrapper inside Dynamo-traced blocks).
 """
 from __future__ import annotations
 
