@@ -106,7 +106,8 @@ def runs(data, tmp_path_factory):
     w.update(_ok(_launch(4, tmp, "four", [
         run("cp4_learned", "learned", "parallel.cp=4"),
         run("cp4_fused", "gf2", "parallel.cp=4", "model.fused_first_layer=true"),
-        run("cp2_tp2", "gf2", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
+        run("cp2_tp2", "gf2", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+            "model.fused_first_layer=true"),
         run("cp2_dp2", "gf2", "parallel.cp=2", "train.activation_checkpointing=true"),
         run("cp2_hsdp", "learned", "parallel.cp=2", "torch_engine.dp_replicate=2"),
         run("cp2_pp2", "gf2", "parallel.cp=2", "parallel.pp=2")])))

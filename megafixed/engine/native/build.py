@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from ...run.optim import build_optimizer
 from ..dtypes import COMPUTE_DTYPES
+from .context import apply_cp, shards_state
 from .float8 import apply_float8, float8_all_gather, precompute_scales_after_step
 from .materialize import materialize
 from .precision import mixed_precision_policy  # noqa: F401  (its home was here)
@@ -42,23 +43,6 @@ def apply_fsdp(model, mesh, *, precision: str, reshard_after_forward: bool) -> N
         fully_shard(model.head, reshard_after_forward=False, **kwargs)
     # The root's own default (no reshard after forward): its parameters are the first needed in backward.
     fully_shard(model, **kwargs)
-
-
-def shards_state(plan) -> bool:
-    """Whether FSDP2 wraps the model: more than one rank reduces its gradients (dp x cp; each
-    context-parallel rank's gradients come from other tokens of the same sequences)."""
-    return plan.dp * plan.cp > 1
-
-
-def apply_cp(model, cfg, topo) -> None:
-    """Context parallelism (parallel.cp > 1): RoPE from this rank's first position and Ulysses'
-    all-to-all around every attention core (``megafixed.parallel.context``); parameters untouched."""
-    if topo.cp == 1 or topo.plan.cp_method == "ring":  # ring: ring.batch_context shards each micro batch
-        return
-    from ...parallel.context import UlyssesAttention, shard_model
-
-    shard_model(model, topo.cp_rank, topo.cp, cfg.data.seq_len,
-                lambda core: UlyssesAttention(core, topo.cp_group, topo.cp))
 
 
 def build_model(cfg, topo):

@@ -47,13 +47,11 @@ def topology(cfg, plan, rank: int, device: torch.device):
     """A ``Topology`` for ``plan`` on an initialised process group, its mesh built on ``device``
     (the fake run sizes a GPU plan on CPU tensors: shapes and dtypes are the plan's either way)."""
     from ...parallel.topology import Topology
-    from .mesh import build_mesh, dp_submesh
+    from .mesh import build_mesh, mesh_groups
 
-    shape = SimpleNamespace(dp=plan.dp, tp=plan.tp, pp=plan.pp, device=device)
+    shape = SimpleNamespace(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, device=device)
     mesh = build_mesh(shape, plan.engine_plan.dp_replicate)
-    return Topology(plan=plan, rank=rank, local_rank=0, device=device, backend="fake", mesh=mesh,
-                    tp_group=mesh["tp"].get_group(),
-                    dp_group=dp_submesh(mesh).get_group(), model_parallel_group=mesh["tp"].get_group())
+    return Topology(plan=plan, rank=rank, local_rank=0, device=device, backend="fake", **mesh_groups(mesh))
 
 
 def _tracker(engine):

@@ -63,15 +63,9 @@ class TorchKind:
 
     def setup_groups(self, plan) -> dict:
         """One DeviceMesh in the plan's rank order, and its groups (no megatron-core on this path)."""
-        from .mesh import build_mesh, dp_cp_submesh, dp_submesh
+        from .mesh import build_mesh, mesh_groups
 
-        mesh = build_mesh(plan, plan.engine_plan.dp_replicate)
-        tp_group = mesh["tp"].get_group()
-        groups = dict(mesh=mesh, tp_group=tp_group, dp_group=dp_submesh(mesh).get_group(),
-                      model_parallel_group=tp_group)
-        if plan.cp > 1:  # context parallelism: its all-to-all's group, and the loss's (dp x cp)
-            groups.update(cp_group=mesh["cp"].get_group(), dp_cp_group=dp_cp_submesh(mesh).get_group())
-        return groups
+        return mesh_groups(build_mesh(plan, plan.engine_plan.dp_replicate))
 
     def build(self, cfg, topo, hook=None):
         from .build import build

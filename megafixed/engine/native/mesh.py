@@ -68,6 +68,17 @@ def build_mesh(topo, dp_replicate: int) -> Any:
     return mesh
 
 
+def mesh_groups(mesh) -> dict:
+    """A ``Topology``'s groups from a ``build_mesh`` mesh: the mesh itself, tp, dp (and model-parallel:
+    tp), and under context parallelism cp and dp x cp (``Topology.cp_group``, ``dp_cp_group``)."""
+    tp_group = mesh["tp"].get_group()
+    groups = dict(mesh=mesh, tp_group=tp_group, dp_group=dp_submesh(mesh).get_group(),
+                  model_parallel_group=tp_group)
+    if has_cp(mesh):
+        groups.update(cp_group=mesh[CP].get_group(), dp_cp_group=dp_cp_submesh(mesh).get_group())
+    return groups
+
+
 def has_cp(mesh) -> bool:
     return CP in (mesh.mesh_dim_names or ())
 

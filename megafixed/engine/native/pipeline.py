@@ -105,7 +105,7 @@ def _apply_fsdp_stage(stage: StageModule, mesh, precision: str) -> None:
 def build_stages(cfg, topo):
     """(parts, stage modules, stage ids) of this rank: meta -> TP -> split -> AC/compile -> FSDP2 -> init."""
     from ...model.gpt import meta_gpt
-    from .build import apply_cp, shards_state
+    from .context import apply_cp, shards_state
     from .float8 import apply_float8
     from .materialize import materialize
     from .schedules import is_v_shaped, stage_ids, stage_spans
