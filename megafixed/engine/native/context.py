@@ -13,7 +13,7 @@ def shards_state(plan) -> bool:
 def apply_cp(model, cfg, topo) -> None:
     """Context parallelism (parallel.cp > 1): RoPE from this rank's first position and Ulysses'
     all-to-all around every attention core (``megafixed.parallel.context``); parameters untouched."""
-    if topo.plan.cp == 1:
+    if topo.plan.cp == 1 or topo.plan.cp_method == "ring":  # ring: ring.batch_context shards each micro batch
         return
     from ...parallel.context import UlyssesAttention, shard_model
 

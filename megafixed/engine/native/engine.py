@@ -23,6 +23,9 @@ class NativeEngine:
         self.hook = hook
         self.plan = topo.plan
         self._loss_context = self._pick_loss_context()
+        from .ring import batch_context
+
+        self._batch_context = batch_context(topo)  # ring attention's context per micro batch (else the batch)
         from .checkpoint import DcpCheckpoint
 
         self.checkpoints = DcpCheckpoint(model, optimizer, async_save=bool(cfg.checkpoint.async_save))
@@ -56,11 +59,13 @@ class NativeEngine:
                                       grad_clip=self.cfg.optimizer.grad_clip, on_nonfinite=self.cfg.guard.on_nonfinite,
                                       step=step, vocab_size=self.cfg.model.vocab_size, device=self.device,
                                       loss_context=self._loss_context, precision=self.plan.precision,
-                                      hook=self.hook, shard=self.shard)
+                                      hook=self.hook, shard=self.shard, batch_context=self._batch_context)
 
     @property
     def shard(self) -> tuple[int, int]:
         """(cp rank, cp): this rank's context-parallel slice of every sequence ((0, 1): all of it)."""
+        if self.topo.cp > 1 and self.plan.cp_method == "ring":
+            return 0, 1  # whole sequences: ring_context shards them in torch's load-balanced order
         return self.topo.cp_rank, self.topo.cp
 
     def eval_loss(self, batches: Iterator[torch.Tensor], micro_batches: int) -> float:
@@ -68,7 +73,7 @@ class NativeEngine:
         return native_step.eval_loss(self.model, batches, micro_batches, dp=size, dp_group=group,
                                      vocab_size=self.cfg.model.vocab_size, device=self.device,
                                      loss_context=self._loss_context, precision=self.plan.precision,
-                                     shard=self.shard)
+                                     shard=self.shard, batch_context=self._batch_context)
 
     # ---- checkpoint files (native/checkpoint.py: DCP)
     def save(self, tag_dir: Path, client_state: dict, *, on_written, on_failed) -> bool:

@@ -79,9 +79,10 @@ class PipelineEngine(NativeEngine):
         self.model.train()
         inputs, labels = self._local_batch(batches, self.plan.batch.accum)
         losses: list = [] if self.has_last else None
-        with self._loss_context(self.model), self._compute()(), self.loss_fn.during(step):
-            self.schedule.step(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
-                               losses=losses, return_outputs=False)
+        with self._batch_context(self.model, inputs, labels) as batch, self._loss_context(self.model), \
+                self._compute()(), self.loss_fn.during(step):
+            self.schedule.step(*((batch.inputs,) if self.has_first else ()),
+                               target=batch.labels if self.has_last else None, losses=losses, return_outputs=False)
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         if losses:
             local += torch.stack([loss.detach().double() for loss in losses]).sum()
@@ -116,9 +117,10 @@ class PipelineEngine(NativeEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            with self._loss_context(self.model), self._compute()():
-                schedule.eval(*((inputs,) if self.has_first else ()), target=labels if self.has_last else None,
-                              losses=losses)
+            with self._batch_context(self.model, inputs, labels) as batch, self._loss_context(self.model), \
+                    self._compute()():
+                schedule.eval(*((batch.inputs,) if self.has_first else ()),
+                              target=batch.labels if self.has_last else None, losses=losses)
         finally:
             self.model.train(was_training)
             _reshard(self.stages)

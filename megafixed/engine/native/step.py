@@ -25,6 +25,7 @@ import torch
 from ..base import StepResult
 from ..batches import host_values
 from ..loops import accumulated_loss, eval_mean, loss_verdict, norm_verdict, scaled_loss
+from .ring import whole_batch
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -163,7 +164,8 @@ def clip_(parameters, max_norm: float, total: float) -> None:
 def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *, lr: float, dp: int, dp_group,
                grad_clip: float, on_nonfinite: str = "stop", step: int = 0, vocab_size: Optional[int] = None,
                device=None, loss_context: Callable = lambda _m: contextlib.nullcontext(),
-               precision: str = "fp32", hook=None, shard: tuple[int, int] = (0, 1)) -> StepResult:
+               precision: str = "fp32", hook=None, shard: tuple[int, int] = (0, 1),
+               batch_context: Callable = whole_batch) -> StepResult:
     """One optimizer step over ``accum`` micro batches of this rank (``batches``; under context
     parallelism its ``shard`` = (cp rank, cp) of each)."""
     model.train()
@@ -174,9 +176,9 @@ def train_step(model, optimizer, batches: Iterator[torch.Tensor], accum: int, *,
         # this micro batch's gradients reduce-scattered by its own backward; the replicas' all-reduce
         # only at the last (``_reduce_replicas``)
         _reduce_replicas(model, last=k == accum - 1)
-        with loss_context(model):
+        with batch_context(model, inputs, labels) as batch, loss_context(model):
             with compute():
-                loss = scaled_loss(model(inputs, labels), hook, step)  # faults.inject, if set
+                loss = scaled_loss(model(batch.inputs, batch.labels), hook, step)  # faults.inject, if set
             (loss / accum).backward()
         return _plain(loss)
 
@@ -229,7 +231,8 @@ def apply_update(optimizer, value: float, nonfinite: bool, *, lr: float, grad_cl
 @torch.no_grad()
 def eval_loss(model, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp_group, vocab_size=None,
               device=None, loss_context: Callable = lambda _m: contextlib.nullcontext(),
-              precision: str = "fp32", shard: tuple[int, int] = (0, 1)) -> float:
+              precision: str = "fp32", shard: tuple[int, int] = (0, 1),
+              batch_context: Callable = whole_batch) -> float:
     """Mean loss over ``iters`` micro batches per rank, averaged over data-parallel ranks (``dp_group``:
     dp x cp under context parallelism, each rank on its ``shard`` of the sequences)."""
     if iters < 1:
@@ -240,8 +243,8 @@ def eval_loss(model, batches: Iterator[torch.Tensor], iters: int, *, dp: int, dp
     compute = compute_context(model, precision, device)
 
     def forward(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with loss_context(model), compute():
-            return _plain(model(inputs, labels))
+        with batch_context(model, inputs, labels) as batch, loss_context(model), compute():
+            return _plain(model(batch.inputs, batch.labels))
 
     try:
         return eval_mean(batches, iters, forward, device=device, vocab_size=vocab_size, dp=dp, dp_group=dp_group,
