@@ -48,6 +48,16 @@ def test_ring_is_refused_on_cpu_in_one_line_naming_ulysses():
     assert (plan.cp, plan.cp_method, plan.dp) == (2, "ring", 1)
 
 
+def test_ring_in_compiled_blocks_is_refused_until_a_gpu_check_has_run_it():
+    from megafixed.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        RunPlan.build(load_config(None, [*TINY, "train.compile=true"]), 2, gpu=True)
+    msg = str(err.value)
+    assert "\n" not in msg and "train.compile=false" in msg and "parallel.cp_method=ulysses" in msg
+    RunPlan.build(load_config(None, [*TINY, "train.compile=true", "parallel.cp_method=ulysses"]), 2, gpu=True)
+
+
 @contextmanager
 def fake_rank(rank: int, world: int):
     """This process as rank ``rank`` of ``world`` (torch's fake process group: no peer, no traffic) and
