@@ -58,7 +58,15 @@ def heads_to_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
     return x.permute(1, 2, 0, 3, 4).reshape(B, T // size, size * h, hd)
 
 
-class UlyssesAttention(nn.Module):
+class ContextParallelCore(nn.Module):
+    """An attention core wrapped for context parallelism; ``inner`` is the core it wraps (what
+    ``whole_sequences`` runs instead). Each engine's Ulysses is one: the torch engine's below, the
+    DeepSpeed engine's around DeepSpeed's ``DistributedAttention``."""
+
+    inner: nn.Module
+
+
+class UlyssesAttention(ContextParallelCore):
     """The attention core on whole sequences for ``heads / cp`` heads: the torch engine's Ulysses.
 
     Keys and values whose head count does not split over ``cp`` (GQA with fewer key/value heads than
@@ -108,7 +116,7 @@ def whole_sequences(model: nn.Module) -> Iterator[None]:
     from ..model.gpt import Attention, Rotary
 
     swapped = [(m, m.core) for m in model.modules()
-               if isinstance(m, Attention) and isinstance(m.core, UlyssesAttention)]
+               if isinstance(m, Attention) and isinstance(m.core, ContextParallelCore)]
     offsets = [(m, m.offset) for m in model.modules() if isinstance(m, Rotary) and m.offset]
     try:
         for m, core in swapped:

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...parallel.context import ContextParallelCore
 
-class UlyssesCore(nn.Module):
+
+class UlyssesCore(ContextParallelCore):
     """An attention core behind DeepSpeed's ``DistributedAttention`` over ``group`` (``size`` ranks)."""
 
     def __init__(self, core: nn.Module, group, size: int):
@@ -25,6 +27,7 @@ class UlyssesCore(nn.Module):
         from deepspeed.sequence.layer import DistributedAttention
 
         self.size = size
+        self.inner = core  # what whole_sequences runs (the same module DistributedAttention holds)
         # batch-first: the heads (dim 2) are scattered and the positions (dim 1) gathered
         self.dist_attn = DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
 
