@@ -103,7 +103,8 @@ def tiny_reference(tiny_shards, tmp_path_factory):
 #    clusters' dozen ranks are CPU-bound by design, and they share one cluster name space (README, `.ci/run`).
 LONGEST_FIRST = ("test_fake_measure.py", "test_soak.py", "test_trust_checkpoints.py", "test_native_pipeline.py",
                  "test_parallel_train.py", "test_unattended.py", "test_native_checkpoint.py",
-                 "test_native_tp.py", "test_parallel.py", "test_native_3d.py", "test_resilience.py",
+                 "test_native_tp.py", "test_parallel.py", "test_native_3d.py", "test_native_cp.py",
+                 "test_deepspeed_cp.py", "test_resilience.py", "test_native_cp_ring.py", "test_cp_ring.py",
                  "test_native_engine.py", "test_gpu_check.py", "test_ckpt_universal.py", "test_bench_eval.py",
                  "test_bad_inputs.py", "test_startup_imports.py", "test_rendezvous.py", "test_run_integrity.py",
                  "test_deepspeed_memory.py", "test_resilience_pipeline.py", "test_float8.py", "test_eval_in_loop.py",

@@ -37,7 +37,7 @@ def bits(x) -> str:
 
 
 def spy_on_the_guard() -> None:
-    from megafixed.run.bad_steps import BadStepGuard
+    from megafixed.train.callbacks.guard.verdict import BadStepGuard
 
     real = BadStepGuard.judge
 
