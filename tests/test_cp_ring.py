@@ -65,6 +65,8 @@ def fake_rank(rank: int, world: int):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if dist.is_initialized():  # the 1-rank group an earlier in-process run on this worker left (not in use now)
+        dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield DeviceMesh("cpu", list(range(world)), mesh_dim_names=("cp",))

@@ -106,7 +106,7 @@ def test_plan_estimates_fsdp2_as_sharding_params_grads_and_optimizer_over_dp(cap
     for row in r["layouts"]:
         lay = row["layout"]
         assert lay["engine"] == "torch"
-        shard = lay["dp"] // lay["dp_replicate"]
+        shard = lay["dp"] * lay.get("cp", 1) // lay["dp_replicate"]  # FSDP2 shards over dp x cp
         n = row["params_count"]
         per_layer = layer_params(m, lay["tp"])
         if lay["pp"] > 1:  # the engine's split: input and head count as a layer each, 34 / pp slots per stage
@@ -115,7 +115,7 @@ def test_plan_estimates_fsdp2_as_sharding_params_grads_and_optimizer_over_dp(cap
             assert n in (first, last) and row["pipeline"]["schedule"] == "1F1B"  # the most loaded rank's
             assert row["pipeline"]["bubble_fraction"] == pytest.approx((lay["pp"] - 1) / lay["accum"], abs=1e-6)
             # the schedule drives FSDP2: unsharded fp32 gradients accumulate over the microbatches (dp > 1)
-            assert row["grads"] == pytest.approx(4 * n / shard + (4 * n if lay["dp"] > 1 else 0))
+            assert row["grads"] == pytest.approx(4 * n / shard + (4 * n if lay["dp"] * lay.get("cp", 1) > 1 else 0))
             continue
         # an independent count: FSDP2 keeps fp32 masters, fp32 gradients and Adam's m and v, all sharded
         assert n == sum(per_layer)
@@ -123,8 +123,9 @@ def test_plan_estimates_fsdp2_as_sharding_params_grads_and_optimizer_over_dp(cap
         # reduce-scattered every micro batch: no unsharded fp32 gradients held between reductions
         assert row["grads"] == pytest.approx(4 * n / shard)
         # bf16 working copies (reshard after forward): two blocks, the input and the head stay gathered;
-        # one DP rank (no FSDP2, autocast): a 16-bit copy of every weight
-        working = (n if lay["dp"] == 1 else min(n, 2 * per_layer[1] + per_layer[0] + per_layer[-1])) * 2
+        # one data x context rank (no FSDP2, autocast): a 16-bit copy of every weight
+        gathered = min(n, 2 * per_layer[1] + per_layer[0] + per_layer[-1])
+        working = (n if lay["dp"] * lay.get("cp", 1) == 1 else gathered) * 2
         assert row["params"] == pytest.approx(4 * n / shard + working)
     shards = {(row["layout"]["dp"] // row["layout"]["dp_replicate"]) for row in r["layouts"]}
     assert {1, 8} <= shards  # plain replication and full sharding are both listed
